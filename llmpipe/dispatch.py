@@ -1,0 +1,243 @@
+"""One dispatch module for every compute step, built on submitit.
+
+A Snakemake rule calls :func:`run_step` (one job of ``nodes x tasks_per_node`` tasks, e.g. training) or
+:func:`map_steps` (many independent single-task jobs, e.g. one per C4 file); both block until the work is
+done and return the results. Where the work runs is ``config['dispatch']['executor']``:
+
+* ``local`` – submitit's ``LocalExecutor`` on this machine (the default profile),
+* ``slurm`` – submitit's ``SlurmExecutor`` (profiles/slurm), site settings from ``config['slurm']``,
+* ``debug`` – in this process (submitit's ``DebugExecutor``), for tests.
+
+Every submission is recorded in ``config['dispatch']['state_dir']`` (outside the step's outputs, which
+Snakemake deletes when it marks them incomplete), keyed by the step's output and identity. A later call with the
+same key re-attaches to a job that is still queued or running, or collects its finished result, instead of
+submitting a duplicate (the Snakemake process may have been killed while the job ran).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import sys
+import time
+from typing import Any, Callable, Sequence
+
+log = logging.getLogger("llmpipe.dispatch")
+
+_FINISHED_OK = {"COMPLETED", "DONE", "FINISHED"}
+
+
+class StepFailed(RuntimeError):
+    """A dispatched job ended without a result: the message has its job id, state and the tail of its log."""
+
+
+def _say(msg: str, log_file: str | None = None) -> None:
+    line = f"[llmpipe {time.strftime('%H:%M:%S')}] {msg}"
+    print(line, file=sys.stderr, flush=True)
+    if log_file:
+        with open(log_file, "a") as fh:
+            fh.write(line + "\n")
+
+
+def job_key(*parts: Any) -> str:
+    """A short stable key for a submission record (sha1 of the parts' JSON)."""
+    return hashlib.sha1(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def _executor_kind(config: dict) -> str:
+    return (config.get("dispatch") or {}).get("executor", "local")
+
+
+def with_executor(config: dict, executor: str | None) -> dict:
+    """A shallow copy of ``config`` whose ``dispatch.executor`` is ``executor`` (unchanged when None).
+
+    Used for steps that must run on the submitting machine, e.g. downloads: compute nodes are often offline.
+    """
+    if executor is None:
+        return config
+    return {**config, "dispatch": {**(config.get("dispatch") or {}), "executor": executor}}
+
+
+def make_executor(config: dict, resources: dict, folder: str, name: str):
+    """Build a submitit executor for one step.
+
+    Args:
+        config: the workflow config (``dispatch`` and, for Slurm, ``slurm`` sections are read).
+        resources: the step's resources (see :func:`llmpipe.config.step_resources`).
+        folder: where submitit writes the job's pickles and logs (``%j`` is the job id).
+        name: the job name shown by ``squeue``.
+
+    Raises:
+        ValueError: unknown ``dispatch.executor``.
+    """
+    import submitit
+
+    kind = _executor_kind(config)
+    tasks = int(resources.get("tasks_per_node", 1))
+    gpus = int(resources.get("gpus_per_node", 0))
+    if kind == "debug":
+        return submitit.DebugExecutor(folder=folder)
+    if kind == "local":
+        ex = submitit.LocalExecutor(folder=folder)
+        ex.update_parameters(timeout_min=int(resources.get("time_min", 60)), tasks_per_node=tasks,
+                             gpus_per_node=gpus, nodes=1, name=name)
+        return ex
+    if kind == "slurm":
+        from llmpipe import slurm
+        return slurm.make_executor(config, resources, folder, name)
+    raise ValueError(f"dispatch.executor is {kind!r}; it must be local, slurm or debug. "
+                     f"Fix: use --profile slurm for Slurm, or no profile for local.")
+
+
+def _record_path(config: dict, key: str) -> str:
+    d = (config.get("dispatch") or {}).get("state_dir", ".llmpipe/jobs")
+    os.makedirs(d, exist_ok=True)
+    return os.path.join(d, f"{key}.json")
+
+
+def _write_record(path: str, record: dict) -> None:
+    tmp = path + ".tmp"
+    with open(tmp, "w") as fh:
+        json.dump(record, fh, indent=1)
+    os.replace(tmp, path)
+
+
+def _log_tail(job, n: int = 40) -> str:
+    chunks = []
+    for getter in ("stderr", "stdout"):
+        try:
+            text = getattr(job, getter)() or ""
+        except Exception:  # noqa: BLE001 - a missing log file is not an error here
+            text = ""
+        if text:
+            chunks.append(f"--- {getter} (last {n} lines) ---\n" + "\n".join(text.splitlines()[-n:]))
+    return "\n".join(chunks) or "(no log output)"
+
+
+def _reattach(config: dict, record: dict):
+    """Rebuild a submitit job object from a record; None when the executor kind changed."""
+    import submitit
+
+    if record.get("executor") != _executor_kind(config):
+        return None
+    if record["executor"] == "slurm":
+        return submitit.SlurmJob(folder=record["folder"], job_id=record["job_id"],
+                                 tasks=list(range(record.get("num_tasks", 1))))
+    return None  # local processes die with their parent's session; resubmit
+
+
+def _wait(job, log_file: str | None, poll_s: float, what: str) -> list:
+    """Block until ``job`` ends; return the results of all its tasks. Raise StepFailed with state and log."""
+    last_state = None
+    while not job.done():
+        state = job.state
+        if state != last_state:
+            _say(f"{what}: job {job.job_id} is {state}", log_file)
+            last_state = state
+        time.sleep(poll_s)
+    try:
+        return job.results()
+    except Exception as exc:  # noqa: BLE001 - re-raised with context
+        state = getattr(job, "state", "UNKNOWN")
+        raise StepFailed(f"{what}: job {job.job_id} ended in state {state}: {type(exc).__name__}: "
+                         f"{str(exc).strip().splitlines()[-1] if str(exc).strip() else ''}\n"
+                         f"log: {job.paths.stderr}\n{_log_tail(job)}") from exc
+
+
+def run_step(fn: Callable, *args: Any, step: str, resources: dict, config: dict, log_dir: str,
+             key: str, log_file: str | None = None, **kwargs: Any) -> Any:
+    """Run ``fn(*args, **kwargs)`` as one job on ``resources`` and return rank 0's result.
+
+    The job has ``nodes x tasks_per_node`` tasks; every task calls ``fn`` (training sets up torch.distributed
+    from submitit's environment). Blocks until the job ends.
+
+    Args:
+        step: a short name for logs (``train mpt-1b``).
+        resources: ``nodes, tasks_per_node, gpus_per_node, cpus_per_task, mem_gb, time_min``.
+        log_dir: folder for submitit's pickles and per-task logs.
+        key: identity of this submission (see :func:`job_key`); a live job with the same key is re-attached.
+        log_file: the Snakemake rule's log; every line printed here is appended to it too.
+
+    Raises:
+        StepFailed: the job failed, was cancelled or timed out (message: job id, state, log tail).
+    """
+    poll_s = float((config.get("dispatch") or {}).get("poll_s", 5))
+    rec_path = _record_path(config, key)
+    job = None
+    if os.path.exists(rec_path):
+        with open(rec_path) as fh:
+            record = json.load(fh)
+        job = _reattach(config, record)
+        if job is not None:
+            state = job.state
+            if state in _FINISHED_OK or not job.done():
+                _say(f"{step}: re-attaching to job {job.job_id} ({state}) submitted earlier; "
+                     f"not submitting a second copy", log_file)
+            else:
+                _say(f"{step}: earlier job {job.job_id} ended {state}; submitting a new one", log_file)
+                job = None
+    if job is None:
+        os.makedirs(log_dir, exist_ok=True)
+        ex = make_executor(config, resources, os.path.join(log_dir, "%j"), name=step.replace(" ", "_"))
+        job = ex.submit(fn, *args, **kwargs)
+        _write_record(rec_path, {"executor": _executor_kind(config), "job_id": str(job.job_id),
+                                 "folder": os.path.join(log_dir, "%j"), "step": step,
+                                 "num_tasks": int(resources.get("nodes", 1)) * int(resources.get("tasks_per_node", 1)),
+                                 "submitted": time.time()})
+        nodes = resources.get("nodes", 1)
+        _say(f"{step}: submitted job {job.job_id} ({_executor_kind(config)}, {nodes} node(s) x "
+             f"{resources.get('tasks_per_node', 1)} task(s), {resources.get('gpus_per_node', 0)} GPU(s)/node); "
+             f"log: {getattr(job.paths, 'stderr', log_dir)}", log_file)
+    try:
+        results = _wait(job, log_file, poll_s, step)
+    finally:
+        if job.done():
+            try:
+                os.remove(rec_path)
+            except FileNotFoundError:
+                pass
+    _say(f"{step}: job {job.job_id} finished", log_file)
+    return results[0]
+
+
+def map_steps(fn: Callable, items: Sequence[Any], *, step: str, resources: dict, config: dict, log_dir: str,
+              log_file: str | None = None, max_parallel: int = 0, on_result: Callable | None = None) -> list:
+    """Run ``fn(item)`` for each item as independent single-task jobs (a Slurm array, or local processes).
+
+    Results come back in the order of ``items``. ``on_result(i, result)`` is called as each job finishes so a
+    caller can print a line per finished unit.
+
+    Raises:
+        StepFailed: one or more jobs failed (message: each failed job's id, state and log tail).
+    """
+    if not items:
+        return []
+    os.makedirs(log_dir, exist_ok=True)
+    one = dict(resources, nodes=1, tasks_per_node=1)
+    ex = make_executor(config, one, os.path.join(log_dir, "%j"), name=step.replace(" ", "_"))
+    if max_parallel and hasattr(ex, "update_parameters") and _executor_kind(config) == "slurm":
+        ex.update_parameters(array_parallelism=max_parallel)
+    jobs = ex.map_array(fn, list(items))
+    _say(f"{step}: submitted {len(jobs)} job(s) ({_executor_kind(config)}); first id {jobs[0].job_id}; "
+         f"logs in {log_dir}", log_file)
+    poll_s = float((config.get("dispatch") or {}).get("poll_s", 5))
+    results: list = [None] * len(jobs)
+    pending = set(range(len(jobs)))
+    failures = []
+    while pending:
+        for i in sorted(pending):
+            if jobs[i].done():
+                pending.discard(i)
+                try:
+                    results[i] = jobs[i].result()
+                    if on_result:
+                        on_result(i, results[i])
+                except Exception as exc:  # noqa: BLE001 - collected and re-raised below
+                    failures.append(f"job {jobs[i].job_id} ({jobs[i].state}): {exc}\n{_log_tail(jobs[i], 15)}")
+        if pending:
+            time.sleep(min(poll_s, 1.0))
+    if failures:
+        raise StepFailed(f"{step}: {len(failures)} of {len(jobs)} job(s) failed:\n" + "\n".join(failures))
+    return results

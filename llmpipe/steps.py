@@ -1,0 +1,173 @@
+"""Glue between Snakemake rules and the step logic: what each ``scripts/*.py`` calls with its ``snakemake`` object.
+
+Each function reads the rule's inputs, outputs, wildcards and config, dispatches the heavy work through
+:mod:`llmpipe.dispatch` and writes the rule's output atomically (a temporary file renamed into place), so a
+killed step never leaves an output that looks complete.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from typing import Any
+
+from llmpipe import dispatch
+from llmpipe.config import run_config, step_resources
+
+
+def write_json(path: str, obj: Any) -> None:
+    """Write ``obj`` as JSON to ``path`` atomically (temporary file in the same folder, then rename)."""
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    tmp = f"{path}.tmp.{os.getpid()}"
+    with open(tmp, "w") as fh:
+        json.dump(obj, fh, indent=2, default=str)
+        fh.write("\n")
+    os.replace(tmp, path)
+
+
+def read_json(path: str) -> Any:
+    with open(path) as fh:
+        return json.load(fh)
+
+
+def _log_dir(smk, step: str, name: str) -> str:
+    return os.path.join(smk.config["results_dir"], "logs", step, f"{name}.submitit")
+
+
+def _start_log(smk) -> str:
+    log_file = smk.log[0]
+    os.makedirs(os.path.dirname(log_file), exist_ok=True)
+    open(log_file, "w").close()
+    return log_file
+
+
+def _key(smk, step: str) -> str:
+    return dispatch.job_key(step, list(smk.output), list(smk.params))
+
+
+def corpus(smk) -> None:
+    """Rule ``corpus``: write or download a corpus in C4's layout (on the submitting machine: it needs the hub)."""
+    from llmpipe.data.corpus import prepare_corpus
+    log_file = _start_log(smk)
+    name = smk.wildcards.corpus
+    out_dir = os.path.dirname(smk.output[0])
+    conf = dispatch.with_executor(smk.config, "local" if smk.config["dispatch"]["executor"] != "debug" else None)
+    dispatch.run_step(prepare_corpus, smk.config["corpora"][name], out_dir, step=f"corpus {name}",
+                      resources=dict(step_resources(smk.config, "data"), tasks_per_node=1, nodes=1),
+                      config=conf, log_dir=_log_dir(smk, "corpus", name), key=_key(smk, "corpus"),
+                      log_file=log_file)
+    if not os.path.exists(smk.output[0]):
+        raise RuntimeError(f"corpus {name}: {smk.output[0]} was not written")
+
+
+def tokenizer(smk) -> None:
+    """Rule ``tokenizer``: fetch, copy or train the tokenizer into ``results/tokenizers/{name}/``."""
+    from llmpipe.data.tokenizer import prepare_tokenizer
+    log_file = _start_log(smk)
+    name = smk.wildcards.tokenizer
+    out_dir = os.path.dirname(smk.output[0])
+    corpus_manifest = smk.input[0] if len(smk.input) else None
+    conf = dispatch.with_executor(smk.config, "local" if smk.config["dispatch"]["executor"] != "debug" else None)
+    dispatch.run_step(prepare_tokenizer, smk.config["tokenizers"][name], out_dir, corpus_manifest,
+                      step=f"tokenizer {name}",
+                      resources=dict(step_resources(smk.config, "data"), tasks_per_node=1, nodes=1),
+                      config=conf, log_dir=_log_dir(smk, "tokenizer", name), key=_key(smk, "tokenizer"),
+                      log_file=log_file)
+
+
+def mds(smk) -> None:
+    """Rule ``mds``: tokenize and concatenate the corpus into MDS shards, one parallel unit per input file."""
+    from llmpipe.data.mds import convert_dataset
+    log_file = _start_log(smk)
+    tok = smk.config["tokenizers"][smk.wildcards.tokenizer]
+    out_dir = os.path.dirname(smk.output[0])
+    name = f"{smk.wildcards.corpus}-{smk.wildcards.tokenizer}-concat{smk.wildcards.concat}"
+    convert_dataset(smk.input.corpus, os.path.dirname(smk.input.tokenizer), int(smk.wildcards.concat),
+                    tok["eos_text"], out_dir, config=smk.config, log_dir=_log_dir(smk, "mds", name),
+                    log_file=log_file)
+
+
+def verify_mds(smk) -> None:
+    """Rule ``verify_mds``: read the merged dataset back and check counts, lengths, vocabulary and text."""
+    from llmpipe.data.mds import verify_dataset
+    _start_log(smk)
+    tok_manifest = read_json(smk.input.tokenizer)
+    verify_dataset(os.path.dirname(smk.input.mds), os.path.dirname(smk.input.tokenizer), int(smk.wildcards.concat),
+                   int(tok_manifest["vocab_size"]), smk.output[0])
+
+
+def icl_task(smk) -> None:
+    """Rule ``icl_task``: build an in-context-learning task from held-out (validation) text."""
+    from llmpipe.data.icl import build_cloze_task
+    _start_log(smk)
+    task = next(t for t in smk.config["eval"]["icl_tasks"] if t["label"] == smk.wildcards.label)
+    build_cloze_task(smk.input[0], smk.output[0], int(task.get("num_items", 200)), int(task.get("seed", 17)))
+
+
+def train(smk) -> None:
+    """Rule ``train``: pretrain one run on ``nodes x tasks_per_node`` ranks; write train.json from rank 0."""
+    from llmpipe.train import TrainTask
+    log_file = _start_log(smk)
+    run = smk.wildcards.run
+    config = smk.config
+    res = step_resources(config, "train", run)
+    tok_manifest = read_json(smk.input.tokenizer)
+    rc = run_config(config, run)
+    if int(tok_manifest["vocab_size"]) > int(rc["arch"]["vocab_size"]):
+        raise ValueError(f"the tokenizer {rc['data']['tokenizer']} has {tok_manifest['vocab_size']} tokens but "
+                         f"models.{run}.arch.vocab_size is {rc['arch']['vocab_size']}. Fix: raise vocab_size.")
+    run_dir = os.path.dirname(smk.output[0])
+    task = TrainTask(config, run, os.path.join(os.path.dirname(smk.input.data), "mds"),
+                     os.path.dirname(smk.input.tokenizer), run_dir, smk.params.identity)
+    result = dispatch.run_step(task, step=f"train {run}", resources=res, config=config,
+                               log_dir=_log_dir(smk, "train", run), key=_key(smk, "train"), log_file=log_file)
+    if result is None or result.get("steps") != int(rc["train"]["max_duration_batches"]):
+        raise RuntimeError(f"train {run}: training ended at step {None if result is None else result.get('steps')} "
+                           f"instead of {rc['train']['max_duration_batches']}")
+    write_json(smk.output[0], result)
+
+
+def convert(smk) -> None:
+    """Rule ``convert``: export the final checkpoint to a Hugging Face folder (written aside, then renamed)."""
+    from llmpipe.convert import convert_checkpoint
+    log_file = _start_log(smk)
+    run = smk.wildcards.run
+    train_result = read_json(smk.input.train)
+    out_dir = os.path.dirname(smk.output[0])
+    dispatch.run_step(convert_checkpoint, smk.config, run, train_result["final_checkpoint"],
+                      os.path.dirname(smk.input.tokenizer), out_dir, smk.config["convert"]["dtype"],
+                      step=f"convert {run}", resources=step_resources(smk.config, "convert", run),
+                      config=smk.config, log_dir=_log_dir(smk, "convert", run), key=_key(smk, "convert"),
+                      log_file=log_file)
+
+
+def generate(smk) -> None:
+    """Rule ``generate``: the converted model answers the configured prompts -> generate.json."""
+    from llmpipe.generate import generate as gen
+    log_file = _start_log(smk)
+    run = smk.wildcards.run
+    result = dispatch.run_step(gen, os.path.dirname(smk.input[0]), smk.config["generate"],
+                               step=f"generate {run}", resources=step_resources(smk.config, "generate", run),
+                               config=smk.config, log_dir=_log_dir(smk, "generate", run),
+                               key=_key(smk, "generate"), log_file=log_file)
+    write_json(smk.output[0], result)
+
+
+def evaluate(smk) -> None:
+    """Rule ``eval``: held-out loss, perplexity, token accuracy and ICL accuracy of the converted model."""
+    from llmpipe.evaluate import evaluate as ev
+    log_file = _start_log(smk)
+    run = smk.wildcards.run
+    icl = dict(zip([t["label"] for t in smk.config["eval"]["icl_tasks"]], list(smk.input.icl)))
+    result = dispatch.run_step(ev, smk.config, run, os.path.dirname(smk.input.model),
+                               os.path.join(os.path.dirname(smk.input.data), "mds"), icl,
+                               step=f"eval {run}", resources=step_resources(smk.config, "eval", run),
+                               config=smk.config, log_dir=_log_dir(smk, "eval", run), key=_key(smk, "eval"),
+                               log_file=log_file)
+    write_json(smk.output[0], result)
+
+
+def remove_tree(path: str) -> None:
+    """Remove a folder if it exists (used for temporary export folders)."""
+    shutil.rmtree(path, ignore_errors=True)

@@ -1,0 +1,480 @@
+"""Pretraining through llm-foundry's own train entry point, configured from our YAML.
+
+:func:`foundry_train_config` turns one run of ``config/config.yaml`` into the config dict that
+``llmfoundry.command_utils.train`` takes. :class:`TrainTask` is what the dispatch module runs in every task
+(one per GPU): it exports the torch.distributed environment from submitit, picks the newest complete checkpoint
+to resume from, calls llm-foundry, and on rank 0 writes ``train.json``.
+
+Checkpoints live in ``results/{run}/checkpoints/`` and never rely on symlinks: composer's ``latest-rank0.pt``
+symlink is switched off by :class:`RunMonitor` (seed 001's shared drive refused symlinks and the run died at its
+first checkpoint). A checkpoint counts only once its ``.complete`` marker is written after the save returned, so
+a checkpoint half-written by a killed job is never resumed from. When Slurm signals the end of the allocation
+(``--signal=USR2@...``, preemption or time limit), training saves a checkpoint at the next batch boundary on all
+ranks and only then lets submitit requeue the job, which resumes from it.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import logging
+import os
+import re
+import shutil
+import signal
+import time
+from typing import Any
+
+from llmpipe.config import canonical, run_config, step_resources, world_size
+
+log = logging.getLogger("llmpipe.train")
+
+_CKPT_RE = re.compile(r"ep(\d+)-ba(\d+)-rank0\.pt$")
+_PENDING_SIGNAL: list = []  # (signum, frame, previous handler) set by our USR2 handler
+
+
+# ------------------------------------------------------------------------------------------- config
+
+def foundry_train_config(config: dict, run: str, *, data_dir: str | None, save_folder: str | None,
+                         world_size: int, tokenizer_dir: str | None = None) -> dict:
+    """Build the llm-foundry train config (the dict ``llmfoundry.command_utils.train`` takes) for one run.
+
+    Args:
+        config: the workflow config (``config/config.yaml`` merged with overrides).
+        run: a model name under ``models:``.
+        data_dir: the MDS dataset folder with ``train/`` and ``val/`` (None: caller sets the loaders).
+        save_folder: checkpoint folder (None: no checkpoints).
+        world_size: number of ranks; used to split the global batch.
+        tokenizer_dir: a folder with a saved Hugging Face tokenizer (None: the config's hub name).
+
+    Returns:
+        A plain dict; keys follow llm-foundry's ``TrainConfig``.
+    """
+    rc = run_config(config, run)
+    arch, train, data = rc["arch"], rc["train"], rc["data"]
+    seq = int(data["concat_tokens"])
+    opt = dict(train["optimizer"])
+    sched = dict(train["scheduler"])
+    sched_cfg = {"name": sched.pop("name"), "t_warmup": f"{int(sched.pop('t_warmup_batches'))}ba", **sched}
+    model = {
+        "name": "mpt_causal_lm",
+        "init_device": "meta" if train.get("fsdp") and world_size > 1 else "cpu",
+        "d_model": int(arch["d_model"]),
+        "n_heads": int(arch["n_heads"]),
+        "n_layers": int(arch["n_layers"]),
+        "expansion_ratio": arch.get("expansion_ratio", 4),
+        "max_seq_len": int(arch["max_seq_len"]),
+        "vocab_size": int(arch["vocab_size"]),
+        "no_bias": bool(arch.get("no_bias", True)),
+        "norm_type": arch.get("norm_type", "low_precision_layernorm"),
+        "attn_config": {"attn_impl": train.get("attn_impl", "torch"), **(arch.get("attn_config") or {})},
+    }
+    if "n_kv_heads" in arch:
+        model["attn_config"]["attn_type"] = "grouped_query_attention"
+        model["attn_config"]["kv_n_heads"] = int(arch["n_kv_heads"])
+    tok_name = tokenizer_dir or config["tokenizers"][data["tokenizer"]].get("name")
+
+    def loader(split: str, shuffle: bool, drop_last: bool) -> dict:
+        return {"name": "text",
+                "dataset": {"local": data_dir, "split": split, "shuffle": shuffle, "max_seq_len": seq,
+                            "shuffle_seed": int(train["seed"])},
+                "drop_last": drop_last, "num_workers": int(train.get("num_workers", 0))}
+
+    gbs = int(train["global_batch_size"])
+    per_device = gbs // world_size
+    cfg: dict[str, Any] = {
+        "run_name": run,
+        "seed": int(train["seed"]),
+        "max_seq_len": seq,
+        "model": model,
+        "tokenizer": {"name": tok_name, "kwargs": {"model_max_length": seq}},
+        "optimizer": opt,
+        "scheduler": sched_cfg,
+        "algorithms": {"gradient_clipping": {"clipping_type": "norm",
+                                             "clipping_threshold": float(train["grad_clip_norm"])}},
+        "max_duration": f"{int(train['max_duration_batches'])}ba",
+        "eval_interval": f"{int(train['eval_interval_batches'])}ba",
+        "eval_first": False,
+        "eval_subset_num_batches": int(train.get("eval_subset_batches", -1)),
+        "global_train_batch_size": gbs,
+        "device_train_microbatch_size": min(int(train["microbatch_size"]), per_device),
+        "device_eval_batch_size": int(train.get("eval_microbatch_size", train["microbatch_size"])),
+        "precision": train["precision"],
+        "progress_bar": False,
+        "log_to_console": True,
+        "console_log_interval": f"{int(train.get('log_interval_batches', 10))}ba",
+        "python_log_level": "info",
+        "dist_timeout": 600,
+        "callbacks": {"llmpipe_run_monitor": {"log_interval": int(train.get("log_interval_batches", 10))}},
+        "loggers": {},
+        "autoresume": False,
+        "save_overwrite": True,
+    }
+    if data_dir is not None:
+        cfg["train_loader"] = loader("train", True, True)
+        cfg["eval_loader"] = loader("val", False, False)
+    fsdp = train.get("fsdp")
+    if fsdp and world_size > 1:
+        cfg["fsdp_config"] = {"sharding_strategy": "FULL_SHARD", "mixed_precision": "PURE",
+                              "activation_checkpointing": False, "activation_checkpointing_reentrant": False,
+                              "activation_cpu_offload": False, "limit_all_gathers": True, **fsdp}
+    if train.get("compile"):
+        cfg["compile_config"] = {} if train["compile"] is True else dict(train["compile"])
+    if save_folder is not None:
+        cfg["save_folder"] = save_folder
+        cfg["save_interval"] = f"{int(train['save_interval_batches'])}ba"
+        cfg["save_num_checkpoints_to_keep"] = int(train.get("checkpoints_to_keep", 2))
+    return cfg
+
+
+# ------------------------------------------------------------------------------------------- checkpoints
+
+def complete_checkpoints(save_folder: str) -> list[tuple[int, str]]:
+    """Checkpoints in ``save_folder`` whose ``.complete`` marker exists, as ``(batch, path)`` sorted by batch.
+
+    A checkpoint file without its marker (a save interrupted by a kill) is ignored.
+    """
+    found = []
+    for path in glob.glob(os.path.join(save_folder, "ep*-ba*-rank0.pt")):
+        m = _CKPT_RE.search(path)
+        if m and os.path.exists(path + ".complete"):
+            found.append((int(m.group(2)), path))
+    return sorted(found)
+
+
+def newest_checkpoint(save_folder: str) -> str | None:
+    """Path of the newest complete checkpoint in ``save_folder`` (by batch number), or None."""
+    ckpts = complete_checkpoints(save_folder)
+    return ckpts[-1][1] if ckpts else None
+
+
+def prepare_save_folder(save_folder: str, identity: str) -> None:
+    """Make ``save_folder`` hold only checkpoints of this training identity.
+
+    Checkpoints of another identity (the architecture, data or optimizer changed) are removed so they are never
+    resumed from; leftover incomplete checkpoint files (no ``.complete`` marker) are removed too.
+    """
+    os.makedirs(save_folder, exist_ok=True)
+    ident_path = os.path.join(save_folder, "identity.json")
+    if os.path.exists(ident_path):
+        with open(ident_path) as fh:
+            old = fh.read()
+        if old != identity:
+            log.warning("training settings changed since the checkpoints in %s were saved: removing them",
+                        save_folder)
+            for p in glob.glob(os.path.join(save_folder, "*")):
+                if os.path.isdir(p):
+                    shutil.rmtree(p, ignore_errors=True)
+                else:
+                    os.remove(p)
+    for path in glob.glob(os.path.join(save_folder, "ep*-ba*-rank*.pt")):
+        rank0 = re.sub(r"-rank\d+\.pt$", "-rank0.pt", path)
+        if not os.path.exists(rank0 + ".complete"):
+            os.remove(path)
+    for path in glob.glob(os.path.join(save_folder, "*.complete")):
+        if not os.path.exists(path[: -len(".complete")]):
+            os.remove(path)
+    tmp = ident_path + ".tmp"
+    with open(tmp, "w") as fh:
+        fh.write(identity)
+    os.replace(tmp, ident_path)
+
+
+# ------------------------------------------------------------------------------------------- the callback
+
+def _build_monitor_class():
+    """Define :class:`RunMonitor` lazily so this module imports without composer (login node)."""
+    from composer.core import Callback, State
+    from composer.loggers import Logger
+
+    class RunMonitor(Callback):
+        """Records the loss curve and throughput, disables checkpoint symlinks, marks complete checkpoints and
+        saves a checkpoint when Slurm signals the end of the allocation.
+
+        Writes ``{save_folder}/../train_log.jsonl`` (one JSON line per ``log_interval`` batches: batch, loss,
+        tokens, elapsed seconds) on rank 0.
+        """
+
+        def __init__(self, log_interval: int = 10):
+            self.log_interval = int(log_interval)
+            self.records: list[dict] = []
+            self.first_loss: float | None = None
+            self.last_loss: float | None = None
+            self.t_fit_start = None
+            self.start_batch = 0
+            self.start_tokens = 0
+            self.batches_this_job = 0
+            self.log_path = None
+
+        def _savers(self, state: State):
+            from composer.callbacks import CheckpointSaver
+            return [cb for cb in state.callbacks if isinstance(cb, CheckpointSaver)]
+
+        def init(self, state: State, logger: Logger) -> None:
+            for saver in self._savers(state):
+                saver.latest_filename = None  # no symlinks: resume finds the newest checkpoint itself
+
+        def fit_start(self, state: State, logger: Logger) -> None:
+            import torch
+            self.t_fit_start = time.time()
+            self.start_batch = int(state.timestamp.batch)
+            self.start_tokens = int(state.timestamp.token)
+            if torch.cuda.is_available():
+                torch.cuda.reset_peak_memory_stats()
+            savers = self._savers(state)
+            if savers and savers[0].folder:
+                self.log_path = os.path.join(os.path.dirname(os.path.abspath(savers[0].folder)),
+                                             "train_log.jsonl")
+            self._install_signal_handler()
+
+        def _install_signal_handler(self) -> None:
+            """Defer submitit's USR2 handler to the next batch boundary (after a checkpoint is saved)."""
+            try:
+                previous = signal.getsignal(signal.SIGUSR2)
+            except ValueError:
+                return
+
+            def handler(signum, frame):
+                print(f"llmpipe: caught signal {signum}; checkpointing at the next batch boundary", flush=True)
+                _PENDING_SIGNAL.append((signum, frame, previous))
+
+            try:
+                signal.signal(signal.SIGUSR2, handler)
+            except ValueError:  # not in the main thread (tests)
+                pass
+
+        def batch_end(self, state: State, logger: Logger) -> None:
+            from composer.utils import dist
+            self.batches_this_job += 1
+            batch = int(state.timestamp.batch)
+            loss = state.loss
+            if isinstance(loss, dict):
+                loss = loss.get("total", next(iter(loss.values())))
+            try:
+                loss_v = float(loss.detach().float().mean().item()) if hasattr(loss, "detach") else float(loss)
+            except Exception:  # noqa: BLE001 - loss may be unavailable on some batches
+                loss_v = None
+            if loss_v is not None:
+                if self.first_loss is None:
+                    self.first_loss = loss_v
+                self.last_loss = loss_v
+            if batch % self.log_interval == 0 or batch == 1:
+                rec = {"batch": batch, "loss": loss_v, "tokens": int(state.timestamp.token),
+                       "elapsed_s": round(time.time() - self.t_fit_start, 3)}
+                self.records.append(rec)
+                if dist.get_global_rank() == 0 and self.log_path:
+                    with open(self.log_path, "a") as fh:
+                        fh.write(json.dumps(rec) + "\n")
+            self._maybe_checkpoint_and_requeue(state, logger)
+
+        def _maybe_checkpoint_and_requeue(self, state: State, logger: Logger) -> None:
+            from composer.utils import dist
+            import torch
+            flag = torch.tensor([1 if _PENDING_SIGNAL else 0], dtype=torch.int32)
+            if dist.get_world_size() > 1:
+                if torch.cuda.is_available():
+                    flag = flag.cuda()
+                dist.all_reduce(flag, reduce_operation="MAX")
+            if int(flag.item()) == 0:
+                return
+            print(f"llmpipe: saving checkpoint at batch {int(state.timestamp.batch)} before requeue", flush=True)
+            for saver in self._savers(state):
+                saver._save_checkpoint(state, logger)
+            self.batch_checkpoint(state, logger)
+            dist.barrier()
+            if _PENDING_SIGNAL:
+                signum, frame, previous = _PENDING_SIGNAL[-1]
+                if callable(previous):
+                    previous(signum, frame)  # submitit: pickle checkpoint(), scontrol requeue, exit
+            # ranks that did not get the signal wait here to be requeued by Slurm with the job
+            while True:
+                time.sleep(5)
+
+        def batch_checkpoint(self, state: State, logger: Logger) -> None:
+            from composer.utils import dist
+            if dist.get_global_rank() != 0:
+                return
+            for saver in self._savers(state):
+                if saver.saved_checkpoints:
+                    path = saver.saved_checkpoints[-1]
+                    if os.path.exists(path) and not os.path.exists(path + ".complete"):
+                        with open(path + ".complete", "w") as fh:
+                            fh.write(str(int(state.timestamp.batch)))
+
+        def fit_end(self, state: State, logger: Logger) -> None:
+            self.batch_checkpoint(state, logger)
+
+    return RunMonitor
+
+
+def register() -> None:
+    """Register :class:`RunMonitor` in llm-foundry's callbacks registry as ``llmpipe_run_monitor``."""
+    from llmfoundry.registry import callbacks
+    if "llmpipe_run_monitor" not in callbacks:
+        callbacks.register("llmpipe_run_monitor", func=_build_monitor_class())
+
+
+# ------------------------------------------------------------------------------------------- the task
+
+def export_dist_env() -> dict:
+    """Set RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, NODE_RANK, MASTER_ADDR, MASTER_PORT from submitit.
+
+    Uses ``submitit.helpers.TorchDistributedEnvironment`` inside a submitit job; outside one (debug executor)
+    sets a single-process environment. Returns the values set.
+    """
+    import submitit
+    try:
+        env = submitit.helpers.TorchDistributedEnvironment().export(set_cuda_visible_devices=False)
+        job = submitit.JobEnvironment()
+        os.environ["NODE_RANK"] = str(job.node)
+        os.environ["LOCAL_WORLD_SIZE"] = str(env.local_world_size)
+        out = {"rank": env.rank, "world_size": env.world_size, "local_rank": env.local_rank,
+               "local_world_size": env.local_world_size, "node_rank": job.node,
+               "master_addr": env.master_addr, "master_port": env.master_port, "hostname": job.hostname,
+               "job_id": job.job_id}
+    except RuntimeError:  # not inside a submitit job
+        for k, v in {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1",
+                     "NODE_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}.items():
+            os.environ.setdefault(k, v)
+        out = {"rank": 0, "world_size": 1, "local_rank": 0, "local_world_size": 1, "node_rank": 0}
+    return out
+
+
+class TrainTask:
+    """The training step as submitit runs it in every task; checkpointable for preemption and requeue.
+
+    Calling it trains (resuming from the newest complete checkpoint) and returns the train.json dict on rank 0.
+    ``checkpoint()`` is what submitit calls when Slurm signals the end: the job is requeued with the same task,
+    which resumes from the checkpoint :class:`RunMonitor` saved just before.
+    """
+
+    def __init__(self, config: dict, run: str, data_dir: str, tokenizer_dir: str, run_dir: str, identity: str):
+        self.config, self.run, self.data_dir = config, run, data_dir
+        self.tokenizer_dir, self.run_dir, self.identity = tokenizer_dir, run_dir, identity
+
+    def checkpoint(self, *args: Any, **kwargs: Any):
+        import submitit
+        return submitit.helpers.DelayedSubmission(self)
+
+    def __call__(self) -> dict | None:
+        dist_env = export_dist_env()
+        os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+        import llmpipe.attention  # noqa: F401 - registers attn_impl: sdpa
+        register()
+        from composer.utils import dist
+        from llmfoundry.command_utils import train
+        from omegaconf import OmegaConf
+
+        save_folder = os.path.join(self.run_dir, "checkpoints")
+        rank = int(dist_env["rank"])
+        if rank == 0:
+            prepare_save_folder(save_folder, self.identity)
+        res = step_resources(self.config, "train", self.run)
+        ws = int(dist_env["world_size"])
+        cfg = foundry_train_config(self.config, self.run, data_dir=self.data_dir, save_folder=save_folder,
+                                   world_size=ws, tokenizer_dir=self.tokenizer_dir)
+        # every rank waits until rank 0 cleaned the folder: a shared file is simplest before dist is up
+        _wait_for_file(os.path.join(save_folder, "identity.json"), self.identity)
+        resume = newest_checkpoint(save_folder)
+        if rank == 0 and resume is None:
+            log_path = os.path.join(self.run_dir, "train_log.jsonl")
+            if os.path.exists(log_path):
+                os.remove(log_path)  # a fresh start: the old loss curve belongs to another training
+        if resume:
+            cfg["load_path"] = resume
+            print(f"llmpipe: rank {rank} resuming from {resume}", flush=True)
+        print(f"llmpipe: rank {rank}/{ws} on {dist_env.get('hostname', 'localhost')} "
+              f"(node rank {dist_env.get('node_rank', 0)}, master {dist_env.get('master_addr', 'local')}); "
+              f"run {self.run}, expected devices {world_size(res)}", flush=True)
+        t0 = time.time()
+        trainer = train(OmegaConf.create(cfg))
+        wall = time.time() - t0
+        monitor = next(cb for cb in trainer.state.callbacks if type(cb).__name__ == "RunMonitor")
+        result = summarize(self.config, self.run, trainer, monitor, wall, ws, save_folder, resume)
+        trainer.close()
+        if rank == 0:
+            return result
+        return None
+
+
+def _wait_for_file(path: str, content: str, timeout_s: float = 600) -> None:
+    t0 = time.time()
+    while time.time() - t0 < timeout_s:
+        try:
+            with open(path) as fh:
+                if fh.read() == content:
+                    return
+        except FileNotFoundError:
+            pass
+        time.sleep(0.5)
+    raise TimeoutError(f"{path} did not appear within {timeout_s} s (rank 0 could not prepare checkpoints)")
+
+
+def summarize(config: dict, run: str, trainer, monitor, wall_s: float, ws: int, save_folder: str,
+              resumed_from: str | None) -> dict:
+    """Build the train.json record (seed 000's Table 1 columns) from a finished trainer.
+
+    Throughput counts only batches trained by this job (a resumed job does not take credit for earlier ones).
+    MFU = tokens/s per device x model FLOPs per token / peak FLOP/s of the device (None on CPU or an unknown
+    GPU); FLOPs per token follow llm-foundry's ``flops_per_batch`` (see :mod:`llmpipe.mfu`).
+    """
+    import torch
+    from llmpipe import mfu as mfu_mod
+
+    rc = run_config(config, run)
+    state = trainer.state
+    steps = int(state.timestamp.batch)
+    tokens = int(state.timestamp.token)
+    tokens_this_job = tokens - monitor.start_tokens
+    fit_s = time.time() - monitor.t_fit_start if monitor.t_fit_start else wall_s
+    tps = tokens_this_job / fit_s if fit_s > 0 else None
+    peak = mfu_mod.peak_flops(config)
+    fpt = mfu_mod.flops_per_token(rc["arch"], int(rc["data"]["concat_tokens"]))
+    mfu = mfu_mod.mfu(tps / ws, fpt, peak) if (tps and peak) else None
+    final = newest_checkpoint(save_folder)
+    if torch.cuda.is_available():
+        mem = torch.cuda.max_memory_allocated() / 2**30
+        device = torch.cuda.get_device_name()
+    else:
+        mem = None
+        device = "cpu"
+    import resource
+    res = step_resources(config, "train", run)
+    return {
+        "run": run,
+        "steps": steps,
+        "tokens": tokens,
+        "wall_clock_s": round(wall_s, 2),
+        "tokens_per_s": round(tps, 1) if tps else None,
+        "tokens_per_s_per_device": round(tps / ws, 1) if tps else None,
+        "mfu": round(mfu, 4) if mfu is not None else None,
+        "flops_per_token": fpt,
+        "peak_flops_per_device": peak,
+        "peak_memory_per_device_gib": round(mem, 3) if mem is not None else None,
+        "peak_host_rss_gib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 3),
+        "device": device,
+        "nodes": int(res["nodes"]),
+        "devices": ws,
+        "global_batch_size": int(rc["train"]["global_batch_size"]),
+        "concat_tokens": int(rc["data"]["concat_tokens"]),
+        "first_train_loss": monitor.first_loss if monitor.start_batch == 0 else _first_logged_loss(save_folder),
+        "final_train_loss": monitor.last_loss,
+        "resumed_from": resumed_from,
+        "batches_this_job": monitor.batches_this_job,
+        "final_checkpoint": final,
+        "checkpoint_size_bytes": os.path.getsize(final) if final else None,
+        "train_log": monitor.log_path,
+    }
+
+
+def _first_logged_loss(save_folder: str) -> float | None:
+    path = os.path.join(os.path.dirname(os.path.abspath(save_folder)), "train_log.jsonl")
+    try:
+        with open(path) as fh:
+            return json.loads(fh.readline())["loss"]
+    except (OSError, ValueError, KeyError):
+        return None
+
+
+__all__ = ["foundry_train_config", "TrainTask", "newest_checkpoint", "complete_checkpoints",
+           "prepare_save_folder", "register", "summarize", "canonical"]

@@ -1,0 +1,62 @@
+# Helpers shared by all rule files: config access, step identity (params), resources and input paths.
+# Only light imports here: `snakemake -n` must not import torch.
+import os
+import sys
+
+sys.path.insert(0, workflow.basedir)
+
+from llmpipe import config as cfg
+from llmpipe.preflight import check_results_dir
+
+RESULTS = config["results_dir"]
+LOGS = f"{RESULTS}/logs"
+check_results_dir(RESULTS)
+
+
+wildcard_constraints:
+    run=r"(?!data$|tokenizers$|logs$|report$|scaling$|bench$)[A-Za-z0-9_.-]+",
+    corpus=r"[A-Za-z0-9_.-]+",
+    tokenizer=r"[A-Za-z0-9_.-]+",
+    concat=r"\d+",
+    label=r"[A-Za-z0-9_.-]+",
+
+
+def run_cfg(wildcards):
+    """Validated settings of the run in the target path (clear ConfigError if it is wrong)."""
+    return cfg.validate_run(config, wildcards.run)
+
+
+def dataset_path(wildcards, leaf):
+    d = run_cfg(wildcards)["data"]
+    return f"{RESULTS}/data/{d['corpus']}/{d['tokenizer']}/concat{d['concat_tokens']}/{leaf}"
+
+
+def tokenizer_manifest_of_run(wildcards):
+    return f"{RESULTS}/tokenizers/{run_cfg(wildcards)['data']['tokenizer']}/manifest.json"
+
+
+def icl_task_files(wildcards):
+    corpus = run_cfg(wildcards)["data"]["corpus"]
+    return [f"{RESULTS}/data/{corpus}/icl/{t['label']}.jsonl" for t in config["eval"]["icl_tasks"]]
+
+
+def res(step, key, default=0):
+    """A resource of a step for Snakemake's `resources:` (shown by the dry run; never rerun triggers)."""
+
+    def get(wildcards):
+        run = getattr(wildcards, "run", None)
+        return int(cfg.step_resources(config, step, run).get(key, default) or 0)
+
+    return get
+
+
+def step_threads(step):
+    """Cores a step takes from Snakemake's --cores: all its CPUs when local, 1 when it only waits on Slurm."""
+
+    def get(wildcards):
+        if config["dispatch"]["executor"] != "local":
+            return 1
+        r = cfg.step_resources(config, step, getattr(wildcards, "run", None))
+        return max(1, int(r["cpus_per_task"]) * int(r["tasks_per_node"]))
+
+    return get

@@ -1,0 +1,20 @@
+# Conversion of the final composer checkpoint to a Hugging Face model folder (safetensors + tokenizer).
+
+
+rule convert:
+    input:
+        train=f"{RESULTS}/{{run}}/train.json",
+        tokenizer=tokenizer_manifest_of_run,
+    output:
+        f"{RESULTS}/{{run}}/hf/manifest.json",
+    params:
+        identity=lambda wc: cfg.convert_identity(config, wc.run),
+    log:
+        f"{LOGS}/convert/{{run}}.log",
+    threads: step_threads("convert")
+    resources:
+        nodes=1,
+        gpus_per_node=res("convert", "gpus_per_node"),
+        runtime=res("convert", "time_min"),
+    script:
+        "../scripts/convert.py"

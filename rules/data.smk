@@ -1,0 +1,107 @@
+# Data: corpus files in C4's layout -> tokenizer -> tokenized, concatenated MDS shards -> verification.
+# Prepared data is shared by every model with the same corpus, tokenizer and concat length.
+
+
+def corpus_identity(wildcards):
+    cfg.validate_corpus(config, wildcards.corpus)
+    return cfg.corpus_identity(config, wildcards.corpus)
+
+
+def tokenizer_identity(wildcards):
+    cfg.validate_tokenizer(config, wildcards.tokenizer)
+    return cfg.tokenizer_identity(config, wildcards.tokenizer)
+
+
+def tokenizer_inputs(wildcards):
+    t = cfg.validate_tokenizer(config, wildcards.tokenizer)
+    return [f"{RESULTS}/data/{t['corpus']}/raw/manifest.json"] if t["source"] == "train" else []
+
+
+def mds_identity(wildcards):
+    return cfg.mds_identity(config, wildcards.corpus, wildcards.tokenizer, int(wildcards.concat))
+
+
+rule corpus:
+    output:
+        f"{RESULTS}/data/{{corpus}}/raw/manifest.json",
+    params:
+        identity=corpus_identity,
+    log:
+        f"{LOGS}/corpus/{{corpus}}.log",
+    threads: 1
+    resources:
+        nodes=1,
+        runtime=res("data", "time_min"),
+    script:
+        "../scripts/corpus.py"
+
+
+rule tokenizer:
+    input:
+        tokenizer_inputs,
+    output:
+        f"{RESULTS}/tokenizers/{{tokenizer}}/manifest.json",
+    params:
+        identity=tokenizer_identity,
+    log:
+        f"{LOGS}/tokenizer/{{tokenizer}}.log",
+    threads: 1
+    resources:
+        nodes=1,
+        runtime=res("data", "time_min"),
+    script:
+        "../scripts/tokenizer.py"
+
+
+rule mds:
+    input:
+        corpus=f"{RESULTS}/data/{{corpus}}/raw/manifest.json",
+        tokenizer=f"{RESULTS}/tokenizers/{{tokenizer}}/manifest.json",
+    output:
+        f"{RESULTS}/data/{{corpus}}/{{tokenizer}}/concat{{concat}}/mds/manifest.json",
+    params:
+        identity=mds_identity,
+    log:
+        f"{LOGS}/mds/{{corpus}}-{{tokenizer}}-concat{{concat}}.log",
+    threads: step_threads("data")
+    resources:
+        nodes=res("data", "nodes"),
+        cpus_per_task=res("data", "cpus_per_task"),
+        runtime=res("data", "time_min"),
+    script:
+        "../scripts/mds.py"
+
+
+rule verify_mds:
+    input:
+        mds=f"{RESULTS}/data/{{corpus}}/{{tokenizer}}/concat{{concat}}/mds/manifest.json",
+        tokenizer=f"{RESULTS}/tokenizers/{{tokenizer}}/manifest.json",
+    output:
+        f"{RESULTS}/data/{{corpus}}/{{tokenizer}}/concat{{concat}}/verified.json",
+    params:
+        identity=mds_identity,
+    log:
+        f"{LOGS}/verify/{{corpus}}-{{tokenizer}}-concat{{concat}}.log",
+    threads: 1
+    resources:
+        nodes=1,
+        runtime=res("data", "time_min"),
+    script:
+        "../scripts/verify_mds.py"
+
+
+rule icl_task:
+    input:
+        f"{RESULTS}/data/{{corpus}}/raw/manifest.json",
+    output:
+        f"{RESULTS}/data/{{corpus}}/icl/{{label}}.jsonl",
+    params:
+        identity=lambda wc: cfg.canonical(
+            [t for t in config["eval"]["icl_tasks"] if t["label"] == wc.label]
+            + [cfg.STEP_VERSIONS["icl_tasks"]]
+        ),
+    log:
+        f"{LOGS}/icl/{{corpus}}-{{label}}.log",
+    threads: 1
+    script:
+        "../scripts/icl_task.py"

@@ -1,0 +1,21 @@
+# Evaluation on unseen data: held-out LM metrics on the val split and in-context-learning accuracy.
+
+
+rule eval:
+    input:
+        model=f"{RESULTS}/{{run}}/hf/manifest.json",
+        data=lambda wc: dataset_path(wc, "verified.json"),
+        icl=icl_task_files,
+    output:
+        f"{RESULTS}/{{run}}/eval.json",
+    params:
+        identity=lambda wc: cfg.eval_identity(config, wc.run),
+    log:
+        f"{LOGS}/eval/{{run}}.log",
+    threads: step_threads("eval")
+    resources:
+        nodes=1,
+        gpus_per_node=res("eval", "gpus_per_node"),
+        runtime=res("eval", "time_min"),
+    script:
+        "../scripts/eval.py"

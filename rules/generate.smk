@@ -1,0 +1,19 @@
+# Generation: the converted model answers the configured prompts.
+
+
+rule generate:
+    input:
+        f"{RESULTS}/{{run}}/hf/manifest.json",
+    output:
+        f"{RESULTS}/{{run}}/generate.json",
+    params:
+        identity=lambda wc: cfg.generate_identity(config, wc.run),
+    log:
+        f"{LOGS}/generate/{{run}}.log",
+    threads: step_threads("generate")
+    resources:
+        nodes=1,
+        gpus_per_node=res("generate", "gpus_per_node"),
+        runtime=res("generate", "time_min"),
+    script:
+        "../scripts/generate.py"

@@ -1,0 +1,469 @@
+#!/usr/bin/env python3
+"""Training-throughput benchmark: the project's own training step, one GPU, synthetic tokens.
+
+For each model (default: mpt-125m, mpt-350m, mpt-760m, mpt-1b from config/config.yaml) and each variant, this builds
+the llm-foundry train config with the project's ``llmpipe.train.foundry_train_config`` (world_size=1), overrides
+only the data (a synthetic dataloader of uniformly random token ids, registered in llm-foundry's ``dataloaders``
+registry as ``llmpipe_synthetic_tokens``), the duration, the batch (global batch = microbatch: no gradient
+accumulation), checkpoints/loggers/eval (off), and the knobs the variant names; then runs
+``llmfoundry.command_utils.train`` for ``--steps`` steps and times steps ``--skip``+1 .. ``--steps`` with CUDA
+synchronization at every batch end.
+
+Output: one CSV row per (model, variant) with tokens/s, MFU (llmpipe.mfu: llm-foundry's FLOPs formula against the
+detected dense bf16 peak), peak memory, microbatch, attention implementation and software versions.
+
+Usage (on a GPU machine, from the repository root):
+
+    python scripts/bench_train_throughput.py --out benchmarks/train-throughput.csv
+    python scripts/bench_train_throughput.py --models mpt-125m --variants default,torch_attn --steps 30
+
+Variants are named in :data:`VARIANTS`; ``--variants default`` runs the configuration exactly as the project's
+defaults produce it. ``--microbatch mpt-125m=32,...`` overrides a model's microbatch for all its variants.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import datetime as _dt
+import gc
+import json
+import os
+import socket
+import sys
+import tempfile
+import time
+import traceback
+from typing import Any, Optional
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+
+from llmpipe.mfu import detect_peak_flops, flops_per_token, mfu  # noqa: E402
+
+#: What each variant changes on top of the project's default train config. Keys:
+#:   attn_impl: 'sdpa' | 'torch' (MPT attention; 'sdpa' = llmpipe.attention)
+#:   drop_mask: add/remove the drop_full_attention_mask callback
+#:   optimizer: 'fused_adamw' (torch.optim.AdamW(fused=True), decoupled weight decay) | 'decoupled_adamw'
+#:   compile: True -> compile_config {} (torch.compile through composer) | False -> none
+#:   sdpa_backend: pin SDPA's backend (flash | cudnn | efficient | math)
+#:   mb_scale: multiply the model's microbatch
+VARIANTS: dict[str, dict[str, Any]] = {
+    'default': {},
+    'torch_attn': {'attn_impl': 'torch', 'drop_mask': False},
+    'sdpa_keep_mask': {'attn_impl': 'sdpa', 'drop_mask': False},
+    'sdpa': {'attn_impl': 'sdpa', 'drop_mask': True},
+    'sdpa_cudnn': {'attn_impl': 'sdpa', 'drop_mask': True, 'sdpa_backend': 'cudnn'},
+    'sdpa_flash': {'attn_impl': 'sdpa', 'drop_mask': True, 'sdpa_backend': 'flash'},
+    'fused_adamw': {'attn_impl': 'sdpa', 'drop_mask': True, 'optimizer': 'fused_adamw'},
+    'decoupled_adamw': {'attn_impl': 'sdpa', 'drop_mask': True, 'optimizer': 'decoupled_adamw'},
+    'mb_x2': {'attn_impl': 'sdpa', 'drop_mask': True, 'optimizer': 'fused_adamw', 'mb_scale': 2},
+    'mb_x4': {'attn_impl': 'sdpa', 'drop_mask': True, 'optimizer': 'fused_adamw', 'mb_scale': 4},
+    'compile': {'attn_impl': 'sdpa', 'drop_mask': True, 'optimizer': 'fused_adamw', 'compile': True},
+    'compile_mb_x2': {'attn_impl': 'sdpa', 'drop_mask': True, 'optimizer': 'fused_adamw', 'compile': True,
+                      'mb_scale': 2},
+}
+
+CSV_FIELDS = [
+    'timestamp', 'model', 'variant', 'status', 'config_source', 'attn_impl', 'attn_type', 'sdpa_backend',
+    'drop_mask', 'optimizer', 'compile', 'microbatch', 'seq_len', 'steps', 'timed_steps', 'tokens_per_s',
+    'step_ms', 'mfu', 'flops_per_token', 'flops_per_token_foundry', 'peak_flops', 'peak_mem_allocated_gb',
+    'peak_mem_reserved_gb', 'n_params', 'gpu', 'torch', 'cuda', 'composer', 'llmfoundry', 'python', 'error',
+    'command',
+]
+
+
+# ------------------------------------------------------------------------------------- registrations
+
+def _register_synthetic_loader() -> None:
+    """Register ``llmpipe_synthetic_tokens`` in llm-foundry's dataloader registry (idempotent)."""
+    import torch
+    from composer.core.data_spec import DataSpec
+    from llmfoundry.data.utils import get_tokens_per_batch_func
+    from llmfoundry.registry import dataloaders
+
+    if 'llmpipe_synthetic_tokens' in dataloaders.get_all():
+        return
+
+    class _Tokens(torch.utils.data.Dataset):
+        def __init__(self, n: int, seq_len: int, vocab: int, seed: int):
+            g = torch.Generator().manual_seed(seed)
+            self.data = torch.randint(0, vocab, (n, seq_len), generator=g, dtype=torch.long)
+
+        def __len__(self) -> int:
+            return len(self.data)
+
+        def __getitem__(self, i: int) -> dict:
+            ids = self.data[i]
+            return {'input_ids': ids, 'attention_mask': torch.ones_like(ids), 'labels': ids.clone()}
+
+    def build(tokenizer: Any, device_batch_size: int, *, seq_len: int, vocab_size: int, num_samples: int = 4096,
+              seed: int = 17, num_workers: int = 0, **_: Any) -> DataSpec:
+        """Random token ids in the format of llm-foundry's text collator (input_ids, attention_mask of ones,
+        labels = input_ids; the model shifts them)."""
+        ds = _Tokens(num_samples, seq_len, vocab_size, seed)
+        dl = torch.utils.data.DataLoader(ds, batch_size=int(device_batch_size), shuffle=False, drop_last=True,
+                                         num_workers=num_workers, pin_memory=True)
+        return DataSpec(dataloader=dl, get_num_tokens_in_batch=get_tokens_per_batch_func())
+
+    dataloaders.register('llmpipe_synthetic_tokens', func=build)
+
+
+def _register_fused_adamw() -> None:
+    """Register ``fused_adamw`` in llm-foundry's optimizer registry: torch.optim.AdamW(fused=True) with Composer's
+    decoupled weight decay (decay = lr_t / lr_0 * weight_decay, i.e. torch's ``weight_decay = wd / lr_0``)."""
+    import torch
+    from llmfoundry.registry import optimizers
+
+    if 'fused_adamw' in optimizers.get_all():
+        return
+
+    def build(params: Any, lr: float, betas: Any = (0.9, 0.95), eps: float = 1e-8, weight_decay: float = 0.0,
+              **kw: Any) -> torch.optim.Optimizer:
+        wd = weight_decay / lr if lr else 0.0
+        fused = torch.cuda.is_available()
+        return torch.optim.AdamW(params, lr=lr, betas=tuple(betas), eps=eps, weight_decay=wd, fused=fused)
+
+    optimizers.register('fused_adamw', func=build)
+
+
+def _dummy_tokenizer_dir(vocab: int) -> str:
+    """A tiny local tokenizer (train() requires one; the device has no hub access; the synthetic loader never
+    tokenizes text)."""
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+    from transformers import PreTrainedTokenizerFast
+
+    d = tempfile.mkdtemp(prefix='bench-tok-')
+    tok = Tokenizer(WordLevel({'<|endoftext|>': 0, '<unk>': 1}, unk_token='<unk>'))
+    PreTrainedTokenizerFast(tokenizer_object=tok, eos_token='<|endoftext|>', unk_token='<unk>',
+                            pad_token='<|endoftext|>').save_pretrained(d)
+    return d
+
+
+def _make_timer() -> Any:
+    """A Composer callback: CUDA-synchronized wall time at every batch end, plus llm-foundry's own FLOPs per
+    token (``flops_per_batch``) of the first batch, as a cross-check of :func:`llmpipe.mfu.flops_per_token`."""
+    from composer.core import Callback
+
+    class Timer(Callback):
+        def __init__(self) -> None:
+            self.times: list[float] = []
+            self.tokens: list[int] = []
+            self.foundry_flops: Optional[float] = None
+
+        def batch_end(self, state: Any, logger: Any) -> None:
+            import torch
+            torch.cuda.synchronize()
+            self.times.append(time.perf_counter())
+            self.tokens.append(int(state.batch['input_ids'].numel()))
+            if self.foundry_flops is None:
+                m = getattr(state.model, '_orig_mod', state.model)
+                m = getattr(m, 'module', m)
+                try:
+                    self.foundry_flops = float(m.flops_per_batch(state.batch)) / state.batch['input_ids'].numel()
+                except Exception:  # noqa: BLE001 - only a cross-check
+                    self.foundry_flops = float('nan')
+
+    return Timer()
+
+
+# ------------------------------------------------------------------------------------- config
+
+def _load_project_config(path: str) -> dict:
+    import yaml
+    with open(path) as f:
+        return yaml.safe_load(f)
+
+
+def _probe_config(config: dict, run: str, world_size: int) -> dict:
+    """Stand-in for llmpipe.train.foundry_train_config while that does not exist (config_source=probe)."""
+    from llmpipe.config import run_config
+    rc = run_config(config, run)
+    arch, tr = rc['arch'], rc['train']
+    opt = dict(tr['optimizer'])
+    sched = dict(tr['scheduler'])
+    return {
+        'run_name': f'bench-{run}',
+        'seed': tr['seed'],
+        'max_seq_len': arch['max_seq_len'],
+        'model': {
+            'name': 'mpt_causal_lm', 'init_device': 'cpu',
+            **{k: arch[k] for k in ('d_model', 'n_heads', 'n_layers', 'expansion_ratio', 'max_seq_len',
+                                    'vocab_size', 'no_bias', 'norm_type')},
+            'attn_config': {'attn_impl': 'torch'},
+            'loss_fn': 'torch_crossentropy',
+        },
+        'tokenizer': {'name': config['tokenizers'][rc['data']['tokenizer']].get('name', '')},
+        'train_loader': {'name': 'text', 'dataset': {}, 'drop_last': True, 'num_workers': tr['num_workers']},
+        'optimizer': opt,
+        'scheduler': {'name': sched.pop('name'), 't_warmup': f"{sched.pop('t_warmup_batches')}ba", **sched},
+        'algorithms': {'gradient_clipping': {'clipping_type': 'norm',
+                                             'clipping_threshold': tr['grad_clip_norm']}},
+        'max_duration': f"{tr['max_duration_batches']}ba",
+        'global_train_batch_size': tr['global_batch_size'],
+        'device_train_microbatch_size': tr['microbatch_size'],
+        'device_eval_batch_size': tr['eval_microbatch_size'],
+        'precision': tr['precision'],
+        'fsdp_config': dict(tr['fsdp']) if tr.get('fsdp') else None,
+        'compile_config': {} if tr.get('compile') else None,
+        'callbacks': {},
+        'loggers': {},
+    }
+
+
+def build_train_config(config: dict, run: str, variant: dict, *, steps: int, mb_override: Optional[int],
+                       tok_dir: str) -> tuple[dict, dict]:
+    """The llm-foundry train config for one benchmark run and a summary of the knobs as used.
+
+    Starts from ``llmpipe.train.foundry_train_config(config, run, data_dir=None, save_folder=None, world_size=1)``
+    (or :func:`_probe_config` if that function does not exist) and overrides only data, duration, batch,
+    checkpoints/loggers/eval and the variant's knobs.
+    """
+    from llmpipe.attention import mpt_attn_config, stock_attn_config
+    from llmpipe.config import run_config
+
+    try:
+        from llmpipe.train import foundry_train_config  # the project's own training step
+        cfg = foundry_train_config(config, run, data_dir=None, save_folder=None, world_size=1)
+        source = 'llmpipe.train'
+    except ImportError:
+        cfg = _probe_config(config, run, world_size=1)
+        source = 'probe'
+    cfg = json.loads(json.dumps(cfg))  # deep copy, plain types
+    rc = run_config(config, run)
+    arch = rc['arch']
+    seq_len = int(rc['data']['concat_tokens'])
+
+    mb = int(mb_override or cfg.get('device_train_microbatch_size') or rc['train']['microbatch_size'])
+    mb *= int(variant.get('mb_scale', 1))
+
+    # data: synthetic tokens instead of the MDS dataset; no eval
+    cfg['train_loader'] = {'name': 'llmpipe_synthetic_tokens', 'seq_len': seq_len,
+                           'vocab_size': int(arch['vocab_size']), 'num_samples': mb * 8, 'seed': 17}
+    for k in ('eval_loader', 'eval_loaders', 'icl_tasks', 'eval_gauntlet'):
+        cfg.pop(k, None)
+    cfg['eval_interval'] = 1  # unused without an eval loader
+    cfg['eval_first'] = False
+    cfg['tokenizer'] = {'name': tok_dir}
+    # duration and batch: global batch = microbatch
+    cfg['max_duration'] = f'{steps}ba'
+    cfg['global_train_batch_size'] = mb
+    cfg['device_train_microbatch_size'] = mb
+    cfg.pop('device_train_batch_size', None)
+    cfg['device_eval_batch_size'] = mb
+    # no checkpoints, loggers, resumption
+    for k in ('save_folder', 'load_path', 'autoresume', 'save_interval', 'save_num_checkpoints_to_keep'):
+        cfg.pop(k, None)
+    cfg['loggers'] = {}
+    cfg['progress_bar'] = False
+    cfg['log_to_console'] = False
+    cfg['python_log_level'] = 'warning'
+    cfg['run_name'] = f'bench-{run}'
+    callbacks = {k: v for k, v in (cfg.get('callbacks') or {}).items()
+                 if k in ('drop_full_attention_mask',)}  # keep speed-relevant callbacks only
+    # knobs
+    model = cfg['model']
+    attn_config = dict(model.get('attn_config') or {})
+    if 'attn_impl' in variant:
+        attn_config = mpt_attn_config(attn_config, variant['attn_impl'])
+    model['attn_config'] = attn_config
+    if 'drop_mask' in variant:
+        if variant['drop_mask']:
+            callbacks['drop_full_attention_mask'] = {}
+        else:
+            callbacks.pop('drop_full_attention_mask', None)
+    cfg['callbacks'] = callbacks
+    if 'optimizer' in variant:
+        cfg['optimizer']['name'] = variant['optimizer']
+    if 'compile' in variant:
+        cfg['compile_config'] = {} if variant['compile'] else None
+    attn_impl = 'sdpa' if attn_config.get('attn_type', '').startswith('sdpa_') else attn_config.get('attn_impl')
+    knobs = {
+        'config_source': source,
+        'attn_impl': attn_impl,
+        'attn_type': stock_attn_config(attn_config).get('attn_type', 'multihead_attention') if attn_impl != 'sdpa'
+        else attn_config['attn_type'],
+        'sdpa_backend': variant.get('sdpa_backend', os.environ.get('LLMPIPE_SDPA_BACKEND', '')) or 'auto',
+        'drop_mask': 'drop_full_attention_mask' in callbacks,
+        'optimizer': cfg['optimizer']['name'],
+        'compile': cfg.get('compile_config') is not None,
+        'microbatch': mb,
+        'seq_len': seq_len,
+    }
+    return cfg, knobs
+
+
+# ------------------------------------------------------------------------------------- run
+
+def _versions() -> dict:
+    import composer
+    import llmfoundry
+    import torch
+    return {
+        'gpu': torch.cuda.get_device_name() if torch.cuda.is_available() else 'cpu',
+        'torch': torch.__version__,
+        'cuda': torch.version.cuda or '',
+        'composer': composer.__version__,
+        'llmfoundry': llmfoundry.__version__,
+        'python': sys.version.split()[0],
+    }
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(('127.0.0.1', 0))
+        return s.getsockname()[1]
+
+
+def run_one(config: dict, run: str, vname: str, variant: dict, *, steps: int, skip: int, mb_override: Optional[int],
+            tok_dir: str) -> dict:
+    """Train one (model, variant) for ``steps`` steps; return its CSV row (status 'ok' or the error)."""
+    import torch
+    from omegaconf import OmegaConf
+
+    import llmpipe.attention as attn
+    from llmfoundry.command_utils import train
+
+    row: dict[str, Any] = {'model': run, 'variant': vname, 'steps': steps,
+                           'timestamp': _dt.datetime.now(_dt.timezone.utc).isoformat(timespec='seconds')}
+    trainer = None
+    try:
+        cfg, knobs = build_train_config(config, run, variant, steps=steps, mb_override=mb_override,
+                                        tok_dir=tok_dir)
+        row.update(knobs)
+        backend = variant.get('sdpa_backend')
+        attn._BACKEND_ENV = backend or os.environ.get('LLMPIPE_SDPA_BACKEND') or None
+        timer = _make_timer()
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+
+        # train() builds the callbacks from the config; add the timer through the registry-free path: wrap
+        # Trainer.__init__ to append it (the config itself stays the project's).
+        import composer
+        orig_init = composer.Trainer.__init__
+
+        def init(self, *a, **k):
+            k['callbacks'] = list(k.get('callbacks') or []) + [timer]
+            return orig_init(self, *a, **k)
+
+        composer.Trainer.__init__ = init
+        try:
+            trainer = train(OmegaConf.create(cfg))
+        finally:
+            composer.Trainer.__init__ = orig_init
+        t = timer.times
+        if len(t) < steps or steps <= skip + 1:
+            raise RuntimeError(f'only {len(t)} of {steps} steps timed')
+        dt = t[-1] - t[skip - 1]
+        n = len(t) - skip
+        toks = sum(timer.tokens[skip:])
+        tps = toks / dt
+        rc_arch = __import__('llmpipe.config', fromlist=['run_config']).run_config(config, run)['arch']
+        fpt = flops_per_token(rc_arch, knobs['seq_len'])
+        peak = detect_peak_flops('bf16', config.get('gpu_peak_flops') or {})
+        row.update({
+            'status': 'ok',
+            'timed_steps': n,
+            'tokens_per_s': round(tps, 1),
+            'step_ms': round(1000 * dt / n, 2),
+            'mfu': round(mfu(tps, fpt, peak), 4) if peak else '',
+            'flops_per_token': int(fpt),
+            'flops_per_token_foundry': int(timer.foundry_flops) if timer.foundry_flops == timer.foundry_flops
+            else '',
+            'peak_flops': peak or '',
+            'peak_mem_allocated_gb': round(torch.cuda.max_memory_allocated() / 1e9, 2),
+            'peak_mem_reserved_gb': round(torch.cuda.max_memory_reserved() / 1e9, 2),
+            'n_params': sum(p.numel() for p in trainer.state.model.parameters()),
+        })
+    except Exception as e:  # noqa: BLE001 - one failed variant must not stop the others
+        row['status'] = 'error'
+        msg = ''.join(traceback.format_exception_only(type(e), e)).strip().replace('\n', ' | ')
+        row['error'] = msg[-600:]
+        traceback.print_exc()
+    finally:
+        if trainer is not None:
+            try:
+                trainer.close()
+            except Exception:  # noqa: BLE001
+                pass
+        del trainer
+        gc.collect()
+        try:
+            import torch._dynamo
+            torch._dynamo.reset()
+        except Exception:  # noqa: BLE001
+            pass
+        torch.cuda.empty_cache()
+    return row
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
+    ap.add_argument('--config', default=os.path.join(ROOT, 'config', 'config.yaml'))
+    ap.add_argument('--models', default='mpt-125m,mpt-350m,mpt-760m,mpt-1b')
+    ap.add_argument('--variants', default='default', help=f'comma list of {sorted(VARIANTS)}')
+    ap.add_argument('--steps', type=int, default=30)
+    ap.add_argument('--skip', type=int, default=10, help='leading steps excluded from the timing')
+    ap.add_argument('--microbatch', default='', help='per-model microbatch overrides: mpt-125m=32,mpt-1b=16')
+    ap.add_argument('--out', default=os.path.join(ROOT, 'benchmarks', 'train-throughput.csv'))
+    ap.add_argument('--append', action='store_true', help='append to --out instead of overwriting')
+    args = ap.parse_args(argv)
+    if args.steps < 30 or args.skip < 10:
+        print('note: the method asks for >= 30 steps with the first 10 excluded', file=sys.stderr)
+
+    # one process, one GPU: a single-rank process group for composer
+    os.environ.setdefault('RANK', '0')
+    os.environ.setdefault('WORLD_SIZE', '1')
+    os.environ.setdefault('LOCAL_RANK', '0')
+    os.environ.setdefault('LOCAL_WORLD_SIZE', '1')
+    os.environ.setdefault('NODE_RANK', '0')
+    os.environ.setdefault('MASTER_ADDR', '127.0.0.1')
+    os.environ.setdefault('MASTER_PORT', str(_free_port()))
+
+    import llmpipe.attention  # noqa: F401 - registers sdpa + callback
+    _register_synthetic_loader()
+    _register_fused_adamw()
+
+    config = _load_project_config(args.config)
+    mb_over = dict(kv.split('=') for kv in args.microbatch.split(',') if kv)
+    variants = [v for v in args.variants.split(',') if v]
+    for v in variants:
+        if v not in VARIANTS:
+            ap.error(f'unknown variant {v!r}; known: {sorted(VARIANTS)}')
+    versions = _versions()
+    tok_dir = _dummy_tokenizer_dir(64)
+    command = 'python scripts/bench_train_throughput.py ' + ' '.join(argv if argv is not None else sys.argv[1:])
+
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    mode = 'a' if args.append and os.path.exists(args.out) else 'w'
+    rows = []
+    with open(args.out, mode, newline='') as f:
+        w = csv.DictWriter(f, fieldnames=CSV_FIELDS, extrasaction='ignore')
+        if mode == 'w':
+            w.writeheader()
+        for run in [m for m in args.models.split(',') if m]:
+            for v in variants:
+                t0 = time.time()
+                row = run_one(config, run, v, VARIANTS[v], steps=args.steps, skip=args.skip,
+                              mb_override=int(mb_over[run]) if run in mb_over else None, tok_dir=tok_dir)
+                row.update(versions)
+                row['command'] = command
+                w.writerow(row)
+                f.flush()
+                rows.append(row)
+                print(f"[bench] {run:9s} {v:16s} {row.get('status')} mb={row.get('microbatch')} "
+                      f"tok/s={row.get('tokens_per_s')} mfu={row.get('mfu')} "
+                      f"mem={row.get('peak_mem_allocated_gb')}GB ({time.time() - t0:.0f}s) {row.get('error', '')[:300]}",
+                      flush=True)
+    print('\nmodel      variant          mb   tokens/s    MFU    mem(GB)  status')
+    for r in rows:
+        print(f"{r['model']:10s} {r['variant']:16s} {str(r.get('microbatch', '')):4s} "
+              f"{str(r.get('tokens_per_s', '')):10s} {str(r.get('mfu', '')):6s} "
+              f"{str(r.get('peak_mem_allocated_gb', '')):7s} {r['status']}")
+    return 0 if all(r['status'] == 'ok' for r in rows) else 1
+
+
+if __name__ == '__main__':
+    sys.exit(main())
