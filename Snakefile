@@ -3,12 +3,14 @@
 #   snakemake --cores all                                  # the embedded default: results/mpt-tiny/eval.json
 #   snakemake -n results/mpt-1b/eval.json                  # the plan for MPT-1B, with each step's resources
 #   snakemake --profile slurm results/mpt-1b/eval.json     # the same DAG on a Slurm cluster
+import os
+
 from snakemake.utils import min_version
 
 min_version("9.0")
 
 
-configfile: "config/config.yaml"
+configfile: os.path.join(workflow.basedir, "config", "config.yaml")
 
 
 include: "rules/common.smk"

@@ -20,6 +20,7 @@ import hashlib
 import json
 import logging
 import os
+import re
 import sys
 import time
 from typing import Any, Callable, Sequence
@@ -141,9 +142,22 @@ def _wait(job, log_file: str | None, poll_s: float, what: str) -> list:
         return job.results()
     except Exception as exc:  # noqa: BLE001 - re-raised with context
         state = getattr(job, "state", "UNKNOWN")
-        raise StepFailed(f"{what}: job {job.job_id} ended in state {state}: {type(exc).__name__}: "
-                         f"{str(exc).strip().splitlines()[-1] if str(exc).strip() else ''}\n"
+        raise StepFailed(f"{what}: job {job.job_id} ended in state {state}: {_cause(job, exc)}\n"
                          f"log: {job.paths.stderr}\n{_log_tail(job)}") from exc
+
+
+def _cause(job, exc: Exception) -> str:
+    """The last ``SomethingError: message`` line of the job's stderr, else the exception's last line."""
+    try:
+        text = job.stderr() or ""
+    except Exception:  # noqa: BLE001
+        text = ""
+    for line in reversed(text.splitlines()):
+        m = re.match(r"^(?:\[rank\d+\]:\s*)?([A-Za-z_.]*(?:Error|Exception|Interrupt)\b.*)", line.strip())
+        if m:
+            return m.group(1)
+    lines = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {lines[-1] if lines else ''}"
 
 
 def run_step(fn: Callable, *args: Any, step: str, resources: dict, config: dict, log_dir: str,

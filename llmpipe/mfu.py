@@ -136,8 +136,9 @@ def mpt_param_count(arch: Mapping) -> dict[str, int]:
 
     Args:
         arch: ``d_model``, ``n_layers``, ``n_heads``, ``vocab_size``, ``max_seq_len``; optional
-            ``expansion_ratio`` (4), ``no_bias`` (False), ``learned_pos_emb`` (True),
-            ``tie_word_embeddings`` (True), ``kv_n_heads`` (= ``n_heads``; or ``attn_config.kv_n_heads`` with
+            ``expansion_ratio`` (4), ``no_bias`` (False), ``learned_pos_emb`` (True; off with
+            ``attn_config.alibi`` or ``rope``, as MPTConfig does),
+            ``tie_word_embeddings`` (True), ``kv_n_heads`` or ``n_kv_heads`` (= ``n_heads``; or ``attn_config.kv_n_heads`` with
             ``attn_type: grouped_query_attention``). Defaults are MPTConfig's. The FFN is MPT's ``mptmlp``
             (hidden ``int(expansion_ratio * d_model)``), norms have a bias unless ``no_bias``.
 
@@ -155,8 +156,8 @@ def mpt_param_count(arch: Mapping) -> dict[str, int]:
     bias = not bool(arch.get('no_bias', False))
     attn_cfg = arch.get('attn_config') or {}
     attn_type = str(attn_cfg.get('attn_type', 'multihead_attention'))
-    if arch.get('kv_n_heads') is not None:
-        kv_heads = int(arch['kv_n_heads'])
+    if arch.get('kv_n_heads', arch.get('n_kv_heads')) is not None:
+        kv_heads = int(arch.get('kv_n_heads', arch.get('n_kv_heads')))
     elif attn_type.endswith('grouped_query_attention'):
         kv_heads = int(attn_cfg['kv_n_heads'])
     elif attn_type.endswith('multiquery_attention'):
@@ -175,7 +176,9 @@ def mpt_param_count(arch: Mapping) -> dict[str, int]:
         + hidden * d + (d if bias else 0)           # ffn.down_proj
     )
     embedding = vocab * d
-    positional = msl * d if arch.get('learned_pos_emb', True) else 0
+    # MPTConfig turns learned positions off when ALiBi or RoPE is on.
+    learned = arch.get('learned_pos_emb', True) and not attn_cfg.get('alibi') and not attn_cfg.get('rope')
+    positional = msl * d if learned else 0
     tied = arch.get('tie_word_embeddings', True)
     lm_head = 0 if tied else vocab * d
     total = embedding + positional + n_layers * per_block + norm + lm_head

@@ -7,9 +7,11 @@ killed step never leaves an output that looks complete.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import shutil
+import traceback
 from typing import Any
 
 from llmpipe import dispatch
@@ -31,6 +33,23 @@ def read_json(path: str) -> Any:
         return json.load(fh)
 
 
+def _logged(step_fn):
+    """Append the error of a failing step to the rule's log, so `--show-failed-logs` shows why it failed."""
+
+    @functools.wraps(step_fn)
+    def wrapper(smk):
+        try:
+            return step_fn(smk)
+        except Exception as exc:
+            with open(smk.log[0], "a") as fh:
+                fh.write(f"\nERROR: {type(exc).__name__}: {exc}\n")
+                if not isinstance(exc, (dispatch.StepFailed, ValueError)):
+                    fh.write(traceback.format_exc())
+            raise
+
+    return wrapper
+
+
 def _log_dir(smk, step: str, name: str) -> str:
     return os.path.join(smk.config["results_dir"], "logs", step, f"{name}.submitit")
 
@@ -46,6 +65,7 @@ def _key(smk, step: str) -> str:
     return dispatch.job_key(step, list(smk.output), list(smk.params))
 
 
+@_logged
 def corpus(smk) -> None:
     """Rule ``corpus``: write or download a corpus in C4's layout (on the submitting machine: it needs the hub)."""
     from llmpipe.data.corpus import prepare_corpus
@@ -61,6 +81,7 @@ def corpus(smk) -> None:
         raise RuntimeError(f"corpus {name}: {smk.output[0]} was not written")
 
 
+@_logged
 def tokenizer(smk) -> None:
     """Rule ``tokenizer``: fetch, copy or train the tokenizer into ``results/tokenizers/{name}/``."""
     from llmpipe.data.tokenizer import prepare_tokenizer
@@ -76,6 +97,7 @@ def tokenizer(smk) -> None:
                       log_file=log_file)
 
 
+@_logged
 def mds(smk) -> None:
     """Rule ``mds``: tokenize and concatenate the corpus into MDS shards, one parallel unit per input file."""
     from llmpipe.data.mds import convert_dataset
@@ -88,6 +110,7 @@ def mds(smk) -> None:
                     log_file=log_file)
 
 
+@_logged
 def verify_mds(smk) -> None:
     """Rule ``verify_mds``: read the merged dataset back and check counts, lengths, vocabulary and text."""
     from llmpipe.data.mds import verify_dataset
@@ -97,6 +120,7 @@ def verify_mds(smk) -> None:
                    int(tok_manifest["vocab_size"]), smk.output[0])
 
 
+@_logged
 def icl_task(smk) -> None:
     """Rule ``icl_task``: build an in-context-learning task from held-out (validation) text."""
     from llmpipe.data.icl import build_cloze_task
@@ -105,6 +129,7 @@ def icl_task(smk) -> None:
     build_cloze_task(smk.input[0], smk.output[0], int(task.get("num_items", 200)), int(task.get("seed", 17)))
 
 
+@_logged
 def train(smk) -> None:
     """Rule ``train``: pretrain one run on ``nodes x tasks_per_node`` ranks; write train.json from rank 0."""
     from llmpipe.train import TrainTask
@@ -128,6 +153,7 @@ def train(smk) -> None:
     write_json(smk.output[0], result)
 
 
+@_logged
 def convert(smk) -> None:
     """Rule ``convert``: export the final checkpoint to a Hugging Face folder (written aside, then renamed)."""
     from llmpipe.convert import convert_checkpoint
@@ -142,6 +168,7 @@ def convert(smk) -> None:
                       log_file=log_file)
 
 
+@_logged
 def generate(smk) -> None:
     """Rule ``generate``: the converted model answers the configured prompts -> generate.json."""
     from llmpipe.generate import generate as gen
@@ -154,6 +181,7 @@ def generate(smk) -> None:
     write_json(smk.output[0], result)
 
 
+@_logged
 def evaluate(smk) -> None:
     """Rule ``eval``: held-out loss, perplexity, token accuracy and ICL accuracy of the converted model."""
     from llmpipe.evaluate import evaluate as ev

@@ -68,6 +68,7 @@ def foundry_train_config(config: dict, run: str, *, data_dir: str | None, save_f
         "no_bias": bool(arch.get("no_bias", True)),
         "norm_type": arch.get("norm_type", "low_precision_layernorm"),
         "attn_config": {"attn_impl": train.get("attn_impl", "torch"), **(arch.get("attn_config") or {})},
+        "loss_fn": train.get("loss_fn", "torch_crossentropy"),
     }
     if "n_kv_heads" in arch:
         model["attn_config"]["attn_type"] = "grouped_query_attention"
@@ -75,10 +76,14 @@ def foundry_train_config(config: dict, run: str, *, data_dir: str | None, save_f
     tok_name = tokenizer_dir or config["tokenizers"][data["tokenizer"]].get("name")
 
     def loader(split: str, shuffle: bool, drop_last: bool) -> dict:
-        return {"name": "text",
-                "dataset": {"local": data_dir, "split": split, "shuffle": shuffle, "max_seq_len": seq,
-                            "shuffle_seed": int(train["seed"])},
-                "drop_last": drop_last, "num_workers": int(train.get("num_workers", 0))}
+        workers = int(train.get("num_workers", 0))
+        out = {"name": "text",
+               "dataset": {"local": data_dir, "split": split, "shuffle": shuffle, "max_seq_len": seq,
+                           "shuffle_seed": int(train["seed"])},
+               "drop_last": drop_last, "num_workers": workers}
+        if workers == 0:  # torch refuses prefetching without worker processes
+            out.update(prefetch_factor=None, persistent_workers=False)
+        return out
 
     gbs = int(train["global_batch_size"])
     per_device = gbs // world_size
@@ -210,6 +215,10 @@ def _build_monitor_class():
             from composer.callbacks import CheckpointSaver
             return [cb for cb in state.callbacks if isinstance(cb, CheckpointSaver)]
 
+        def _save_folder(self, state: State) -> str:
+            savers = self._savers(state)
+            return str(savers[0].folder) if savers and savers[0].folder else "."
+
         def init(self, state: State, logger: Logger) -> None:
             for saver in self._savers(state):
                 saver.latest_filename = None  # no symlinks: resume finds the newest checkpoint itself
@@ -294,6 +303,9 @@ def _build_monitor_class():
             from composer.utils import dist
             if dist.get_global_rank() != 0:
                 return
+            for marker in glob.glob(os.path.join(self._save_folder(state), "*.complete")):
+                if not os.path.exists(marker[: -len(".complete")]):
+                    os.remove(marker)  # composer removed the checkpoint (checkpoints_to_keep)
             for saver in self._savers(state):
                 if saver.saved_checkpoints:
                     path = saver.saved_checkpoints[-1]
@@ -428,7 +440,8 @@ def summarize(config: dict, run: str, trainer, monitor, wall_s: float, ws: int, 
     tokens_this_job = tokens - monitor.start_tokens
     fit_s = time.time() - monitor.t_fit_start if monitor.t_fit_start else wall_s
     tps = tokens_this_job / fit_s if fit_s > 0 else None
-    peak = mfu_mod.peak_flops(config)
+    precision = rc["train"]["precision"]
+    peak = mfu_mod.detect_peak_flops(precision, config.get("gpu_peak_flops"))
     fpt = mfu_mod.flops_per_token(rc["arch"], int(rc["data"]["concat_tokens"]))
     mfu = mfu_mod.mfu(tps / ws, fpt, peak) if (tps and peak) else None
     final = newest_checkpoint(save_folder)

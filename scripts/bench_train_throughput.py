@@ -66,7 +66,7 @@ VARIANTS: dict[str, dict[str, Any]] = {
 }
 
 CSV_FIELDS = [
-    'timestamp', 'model', 'variant', 'status', 'config_source', 'attn_impl', 'attn_type', 'sdpa_backend',
+    'timestamp', 'model', 'variant', 'status', 'config_source', 'shims', 'attn_impl', 'attn_type', 'sdpa_backend',
     'drop_mask', 'optimizer', 'compile', 'microbatch', 'seq_len', 'steps', 'timed_steps', 'tokens_per_s',
     'step_ms', 'mfu', 'flops_per_token', 'flops_per_token_foundry', 'peak_flops', 'peak_mem_allocated_gb',
     'peak_mem_reserved_gb', 'n_params', 'gpu', 'torch', 'cuda', 'composer', 'llmfoundry', 'python', 'error',
@@ -119,13 +119,15 @@ def _register_fused_adamw() -> None:
     if 'fused_adamw' in optimizers.get_all():
         return
 
-    def build(params: Any, lr: float, betas: Any = (0.9, 0.95), eps: float = 1e-8, weight_decay: float = 0.0,
-              **kw: Any) -> torch.optim.Optimizer:
-        wd = weight_decay / lr if lr else 0.0
-        fused = torch.cuda.is_available()
-        return torch.optim.AdamW(params, lr=lr, betas=tuple(betas), eps=eps, weight_decay=wd, fused=fused)
+    class FusedAdamW(torch.optim.AdamW):
+        """torch.optim.AdamW(fused=True on CUDA) with Composer DecoupledAdamW's weight-decay convention."""
 
-    optimizers.register('fused_adamw', func=build)
+        def __init__(self, params: Any, lr: float = 1e-3, betas: Any = (0.9, 0.95), eps: float = 1e-8,
+                     weight_decay: float = 0.0, **kw: Any) -> None:
+            super().__init__(params, lr=lr, betas=tuple(betas), eps=eps,
+                             weight_decay=(weight_decay / lr) if lr else 0.0, fused=torch.cuda.is_available())
+
+    optimizers.register('fused_adamw', func=FusedAdamW)
 
 
 def _dummy_tokenizer_dir(vocab: int) -> str:
@@ -155,7 +157,8 @@ def _make_timer() -> Any:
 
         def batch_end(self, state: Any, logger: Any) -> None:
             import torch
-            torch.cuda.synchronize()
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
             self.times.append(time.perf_counter())
             self.tokens.append(int(state.batch['input_ids'].numel()))
             if self.foundry_flops is None:
@@ -177,61 +180,33 @@ def _load_project_config(path: str) -> dict:
         return yaml.safe_load(f)
 
 
-def _probe_config(config: dict, run: str, world_size: int) -> dict:
-    """Stand-in for llmpipe.train.foundry_train_config while that does not exist (config_source=probe)."""
-    from llmpipe.config import run_config
-    rc = run_config(config, run)
-    arch, tr = rc['arch'], rc['train']
-    opt = dict(tr['optimizer'])
-    sched = dict(tr['scheduler'])
-    return {
-        'run_name': f'bench-{run}',
-        'seed': tr['seed'],
-        'max_seq_len': arch['max_seq_len'],
-        'model': {
-            'name': 'mpt_causal_lm', 'init_device': 'cpu',
-            **{k: arch[k] for k in ('d_model', 'n_heads', 'n_layers', 'expansion_ratio', 'max_seq_len',
-                                    'vocab_size', 'no_bias', 'norm_type')},
-            'attn_config': {'attn_impl': 'torch'},
-            'loss_fn': 'torch_crossentropy',
-        },
-        'tokenizer': {'name': config['tokenizers'][rc['data']['tokenizer']].get('name', '')},
-        'train_loader': {'name': 'text', 'dataset': {}, 'drop_last': True, 'num_workers': tr['num_workers']},
-        'optimizer': opt,
-        'scheduler': {'name': sched.pop('name'), 't_warmup': f"{sched.pop('t_warmup_batches')}ba", **sched},
-        'algorithms': {'gradient_clipping': {'clipping_type': 'norm',
-                                             'clipping_threshold': tr['grad_clip_norm']}},
-        'max_duration': f"{tr['max_duration_batches']}ba",
-        'global_train_batch_size': tr['global_batch_size'],
-        'device_train_microbatch_size': tr['microbatch_size'],
-        'device_eval_batch_size': tr['eval_microbatch_size'],
-        'precision': tr['precision'],
-        'fsdp_config': dict(tr['fsdp']) if tr.get('fsdp') else None,
-        'compile_config': {} if tr.get('compile') else None,
-        'callbacks': {},
-        'loggers': {},
-    }
-
-
 def build_train_config(config: dict, run: str, variant: dict, *, steps: int, mb_override: Optional[int],
                        tok_dir: str) -> tuple[dict, dict]:
     """The llm-foundry train config for one benchmark run and a summary of the knobs as used.
 
     Starts from ``llmpipe.train.foundry_train_config(config, run, data_dir=None, save_folder=None, world_size=1)``
-    (or :func:`_probe_config` if that function does not exist) and overrides only data, duration, batch,
-    checkpoints/loggers/eval and the variant's knobs.
+    and overrides only data, duration, batch, checkpoints/loggers/eval and the variant's knobs. Two shims make a
+    config that llm-foundry would reject runnable, and are recorded in the row's ``shims`` column:
+    ``attn_impl: sdpa`` written straight into MPT's ``attn_config`` (MPTConfig accepts only torch/flash) becomes
+    :func:`llmpipe.attention.mpt_attn_config`, and a missing ``model.loss_fn`` (llm-foundry's default
+    ``fused_crossentropy`` needs flash-attn) becomes ``torch_crossentropy``.
     """
     from llmpipe.attention import mpt_attn_config, stock_attn_config
     from llmpipe.config import run_config
 
-    try:
-        from llmpipe.train import foundry_train_config  # the project's own training step
-        cfg = foundry_train_config(config, run, data_dir=None, save_folder=None, world_size=1)
-        source = 'llmpipe.train'
-    except ImportError:
-        cfg = _probe_config(config, run, world_size=1)
-        source = 'probe'
+    from llmpipe.train import foundry_train_config  # the project's own training step
+
+    cfg = foundry_train_config(config, run, data_dir=None, save_folder=None, world_size=1)
     cfg = json.loads(json.dumps(cfg))  # deep copy, plain types
+    source = 'llmpipe.train.foundry_train_config'
+    shims = []
+    ac = cfg['model'].get('attn_config') or {}
+    if ac.get('attn_impl') == 'sdpa':
+        cfg['model']['attn_config'] = mpt_attn_config(ac, 'sdpa')
+        shims.append('attn_impl:sdpa->mpt_attn_config')
+    if 'loss_fn' not in cfg['model']:
+        cfg['model']['loss_fn'] = 'torch_crossentropy'
+        shims.append('loss_fn:torch_crossentropy')
     rc = run_config(config, run)
     arch = rc['arch']
     seq_len = int(rc['data']['concat_tokens'])
@@ -282,6 +257,7 @@ def build_train_config(config: dict, run: str, variant: dict, *, steps: int, mb_
     attn_impl = 'sdpa' if attn_config.get('attn_type', '').startswith('sdpa_') else attn_config.get('attn_impl')
     knobs = {
         'config_source': source,
+        'shims': ';'.join(shims),
         'attn_impl': attn_impl,
         'attn_type': stock_attn_config(attn_config).get('attn_type', 'multihead_attention') if attn_impl != 'sdpa'
         else attn_config['attn_type'],
@@ -336,8 +312,9 @@ def run_one(config: dict, run: str, vname: str, variant: dict, *, steps: int, sk
         backend = variant.get('sdpa_backend')
         attn._BACKEND_ENV = backend or os.environ.get('LLMPIPE_SDPA_BACKEND') or None
         timer = _make_timer()
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats()
 
         # train() builds the callbacks from the config; add the timer through the registry-free path: wrap
         # Trainer.__init__ to append it (the config itself stays the project's).
@@ -363,6 +340,7 @@ def run_one(config: dict, run: str, vname: str, variant: dict, *, steps: int, sk
         rc_arch = __import__('llmpipe.config', fromlist=['run_config']).run_config(config, run)['arch']
         fpt = flops_per_token(rc_arch, knobs['seq_len'])
         peak = detect_peak_flops('bf16', config.get('gpu_peak_flops') or {})
+        cuda = torch.cuda.is_available()
         row.update({
             'status': 'ok',
             'timed_steps': n,
@@ -373,8 +351,8 @@ def run_one(config: dict, run: str, vname: str, variant: dict, *, steps: int, sk
             'flops_per_token_foundry': int(timer.foundry_flops) if timer.foundry_flops == timer.foundry_flops
             else '',
             'peak_flops': peak or '',
-            'peak_mem_allocated_gb': round(torch.cuda.max_memory_allocated() / 1e9, 2),
-            'peak_mem_reserved_gb': round(torch.cuda.max_memory_reserved() / 1e9, 2),
+            'peak_mem_allocated_gb': round(torch.cuda.max_memory_allocated() / 1e9, 2) if cuda else '',
+            'peak_mem_reserved_gb': round(torch.cuda.max_memory_reserved() / 1e9, 2) if cuda else '',
             'n_params': sum(p.numel() for p in trainer.state.model.parameters()),
         })
     except Exception as e:  # noqa: BLE001 - one failed variant must not stop the others
@@ -395,7 +373,8 @@ def run_one(config: dict, run: str, vname: str, variant: dict, *, steps: int, sk
             torch._dynamo.reset()
         except Exception:  # noqa: BLE001
             pass
-        torch.cuda.empty_cache()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
     return row
 
 

@@ -20,7 +20,7 @@ ARCHES = [
     {'d_model': 48, 'n_heads': 3, 'n_layers': 3, 'expansion_ratio': 2, 'max_seq_len': 16, 'vocab_size': 77},
     # untied output layer, no learned positions (ALiBi), GQA
     {'d_model': 64, 'n_heads': 8, 'n_layers': 2, 'expansion_ratio': 3, 'max_seq_len': 24, 'vocab_size': 50,
-     'no_bias': True, 'learned_pos_emb': False, 'tie_word_embeddings': False,
+     'no_bias': True, 'tie_word_embeddings': False,
      'attn_config': {'attn_type': 'grouped_query_attention', 'kv_n_heads': 2, 'alibi': True}},
     # multi-query attention, non-integer expansion
     {'d_model': 40, 'n_heads': 4, 'n_layers': 1, 'expansion_ratio': 2.5, 'max_seq_len': 8, 'vocab_size': 33,

@@ -86,12 +86,30 @@ def tokenizer_fingerprint(tokenizer_dir: str) -> str:
 _TOKENIZERS: dict[str, Any] = {}
 
 
+def eos_token_ids(tokenizer_dir: str, eos_text: str) -> list[int]:
+    """The ids ``eos_text`` tokenizes to (no added special tokens).
+
+    Taken from the tokenizer folder's ``manifest.json`` when it was written for the same ``eos_text`` (so the
+    parent process of a conversion need not import transformers / torch); otherwise computed with the tokenizer.
+    """
+    try:
+        with open(os.path.join(tokenizer_dir, "manifest.json")) as fh:
+            man = json.load(fh)
+        if man.get("eos_text") == eos_text and man.get("eos_ids"):
+            return [int(i) for i in man["eos_ids"]]
+    except (OSError, ValueError):
+        pass
+    return list(_tokenizer(os.path.abspath(tokenizer_dir))(eos_text, add_special_tokens=False)["input_ids"])
+
+
 def _tokenizer(tokenizer_dir: str):
-    if tokenizer_dir not in _TOKENIZERS:
+    """The tokenizer of a folder, cached per process (keyed by the folder's content, not only its path)."""
+    key = f"{tokenizer_dir}:{tokenizer_fingerprint(tokenizer_dir)}"
+    if key not in _TOKENIZERS:
         from llmpipe.data.tokenizer import load_tokenizer
 
-        _TOKENIZERS[tokenizer_dir] = load_tokenizer(tokenizer_dir)
-    return _TOKENIZERS[tokenizer_dir]
+        _TOKENIZERS[key] = load_tokenizer(tokenizer_dir)
+    return _TOKENIZERS[key]
 
 
 def _unit_identity(spec: dict) -> dict:
@@ -478,8 +496,7 @@ def convert_dataset(corpus_manifest: str, tokenizer_dir: str, concat_tokens: int
     out_dir = os.path.abspath(out_dir)
     remove_if_exists(os.path.join(out_dir, "manifest.json"))
 
-    tok = _tokenizer(os.path.abspath(tokenizer_dir))
-    eos_ids = tok(eos_text, add_special_tokens=False)["input_ids"] if eos_text else []
+    eos_ids = eos_token_ids(tokenizer_dir, eos_text) if eos_text else []
     if not eos_ids:
         raise DataError(f"eos_text {eos_text!r} tokenizes to no tokens with the tokenizer in {tokenizer_dir}: "
                         f"documents could not be separated. Fix: set the tokenizer's eos_text to its end-of-text "
@@ -493,9 +510,13 @@ def convert_dataset(corpus_manifest: str, tokenizer_dir: str, concat_tokens: int
     kind = _executor_kind(config)
 
     specs: list[dict] = []
+    present = []
     for csplit, msplit in MDS_SPLITS.items():
         files = cm["splits"].get(csplit) or []
         split_dir = os.path.join(out_dir, msplit)
+        if not files:  # a corpus without validation files (only in benchmarks): no val split
+            continue
+        present.append(msplit)
         wanted = {}
         for i, f in enumerate(files):
             name = f"unit-{i:05d}"
@@ -551,7 +572,9 @@ def convert_dataset(corpus_manifest: str, tokenizer_dir: str, concat_tokens: int
         "dtype": TOKEN_DTYPE, "compression": compression, "size_limit": size_limit,
         "splits": {}, "converted_units": [f"{s['split']}/{s['name']}" for s in todo], "reused_units": reused,
     }
-    for msplit in MDS_SPLITS.values():
+    if not specs:
+        raise DataError(f"{corpus_manifest} lists no input files. Fix: prepare the corpus again.")
+    for msplit in present:
         split_specs = [s for s in specs if s["split"] == msplit]
         recs = []
         for s in split_specs:
@@ -576,10 +599,9 @@ def convert_dataset(corpus_manifest: str, tokenizer_dir: str, concat_tokens: int
     manifest["seconds"] = round(time.time() - t0, 3)
     atomic_write_json(os.path.join(out_dir, "manifest.json"), manifest)
     shutil.rmtree(work, ignore_errors=True)
-    sp = manifest["splits"]
-    _say(f"mds: {out_dir}: train {sp['train']['samples']:,} samples ({sp['train']['tokens']:,} tokens), "
-         f"val {sp['val']['samples']:,} samples ({sp['val']['tokens']:,} tokens) in {manifest['seconds']:.1f} s",
-         log_file)
+    _say(f"mds: {out_dir}: " + ", ".join(f"{k} {v['samples']:,} samples ({v['tokens']:,} tokens)"
+                                         for k, v in manifest["splits"].items())
+         + f" in {manifest['seconds']:.1f} s", log_file)
     return manifest
 
 

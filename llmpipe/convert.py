@@ -1,0 +1,149 @@
+"""Export a composer checkpoint of an MPT model to a Hugging Face model folder.
+
+The folder holds ``config.json``, safetensors weights (bf16 by default: the optimizer state is dropped, so it is
+much smaller than the training checkpoint), the tokenizer, and MPT's modelling code with llm-foundry's imports
+flattened (llm-foundry's own ``edit_files_for_hf_compatibility``), so that
+``AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True)`` works without llm-foundry installed.
+Attention implementations that exist only in our package (``sdpa``) are mapped back to llm-foundry's stock
+``torch`` implementation in the exported config, as llm-foundry's own HF checkpointer does.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+
+from llmpipe.config import run_config
+
+#: attention implementations that the exported code knows; anything else is mapped to ``torch``.
+STOCK_ATTN_IMPLS = ("torch", "flash")
+
+
+def mpt_config_dict(config: dict, run: str) -> dict:
+    """The ``MPTConfig`` keyword arguments of a run (same model as :func:`llmpipe.train.foundry_train_config`)."""
+    from llmpipe.train import foundry_train_config
+    model = dict(foundry_train_config(config, run, data_dir=None, save_folder=None, world_size=1)["model"])
+    model.pop("name")
+    model["init_device"] = "cpu"
+    return model
+
+
+def load_composer_weights(ckpt_path: str) -> dict:
+    """Load the model weights of a composer checkpoint (full state dict) as an ``MPTForCausalLM`` state dict.
+
+    Raises:
+        FileNotFoundError: the checkpoint is missing.
+        KeyError: the file is not a composer checkpoint with ``state.model``.
+    """
+    import torch
+    if not os.path.exists(ckpt_path):
+        raise FileNotFoundError(f"composer checkpoint {ckpt_path} does not exist; rerun training "
+                                f"(snakemake --forcerun train ...)")
+    state = torch.load(ckpt_path, map_location="cpu", weights_only=False)
+    model_sd = state["state"]["model"]
+    prefix = "model."
+    return {k[len(prefix):] if k.startswith(prefix) else k: v for k, v in model_sd.items()}
+
+
+def build_hf_model(config: dict, run: str, ckpt_path: str):
+    """Instantiate llm-foundry's ``MPTForCausalLM`` for a run and load the checkpoint's weights (fp32)."""
+    import llmpipe.attention  # noqa: F401 - the training config may name attn_impl sdpa
+    from llmfoundry.models.mpt import MPTConfig, MPTForCausalLM
+
+    kwargs = mpt_config_dict(config, run)
+    mpt_cfg = MPTConfig(**kwargs)
+    model = MPTForCausalLM(mpt_cfg)
+    missing, unexpected = model.load_state_dict(load_composer_weights(ckpt_path), strict=False)
+    missing = [k for k in missing if not k.endswith("lm_head.weight")]  # tied to wte when absent
+    if missing or unexpected:
+        raise KeyError(f"checkpoint {ckpt_path} does not match models.{run}.arch: missing {missing[:5]}, "
+                       f"unexpected {unexpected[:5]}")
+    return model.eval()
+
+
+def convert_checkpoint(config: dict, run: str, ckpt_path: str, tokenizer_dir: str, out_dir: str,
+                       dtype: str = "bfloat16", verify: bool = True) -> dict:
+    """Write the Hugging Face folder ``out_dir`` for a run's composer checkpoint; return its manifest.
+
+    The folder is written aside and renamed into place, and ``manifest.json`` (the rule's output) is written
+    last, after verification, so an interrupted export never looks complete.
+
+    Args:
+        dtype: ``bfloat16`` | ``float16`` | ``float32``: the dtype of the saved weights.
+        verify: reload the written folder through transformers alone and compare its logits with the source
+            model on a fixed random input; the max abs difference is recorded in the manifest.
+
+    Raises:
+        ValueError: unknown dtype.
+    """
+    import torch
+    from llmfoundry.models.mpt import MPTConfig, MPTForCausalLM
+    from llmfoundry.utils.huggingface_hub_utils import edit_files_for_hf_compatibility
+    from transformers import AutoTokenizer
+
+    dtypes = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+    if dtype not in dtypes:
+        raise ValueError(f"convert.dtype is {dtype!r}; it must be one of {', '.join(dtypes)}.")
+    t0 = time.time()
+    model = build_hf_model(config, run, ckpt_path)
+    if model.config.attn_config.get("attn_impl") not in STOCK_ATTN_IMPLS:
+        model.config.attn_config["attn_impl"] = "torch"
+    model.config.init_device = "cpu"
+    # written aside and renamed into place; the name must be a valid module name for transformers' remote code
+    tmp = os.path.join(os.path.dirname(os.path.abspath(out_dir)), "_export_tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    os.makedirs(tmp)
+    MPTConfig.register_for_auto_class()
+    MPTForCausalLM.register_for_auto_class("AutoModelForCausalLM")
+    export = model.to(dtypes[dtype])
+    export.config.torch_dtype = dtypes[dtype]
+    export.save_pretrained(tmp, safe_serialization=True)
+    AutoTokenizer.from_pretrained(tokenizer_dir).save_pretrained(tmp)
+    edit_files_for_hf_compatibility(tmp)
+    if os.path.isdir(out_dir):
+        shutil.rmtree(out_dir)
+    os.replace(tmp, out_dir)
+
+    manifest = {
+        "run": run,
+        "source_checkpoint": os.path.abspath(ckpt_path),
+        "source_checkpoint_bytes": os.path.getsize(ckpt_path),
+        "dtype": dtype,
+        "attn_impl": export.config.attn_config["attn_impl"],
+        "n_params": int(sum(p.numel() for p in model.parameters())),
+        "bytes": int(sum(os.path.getsize(os.path.join(out_dir, f)) for f in os.listdir(out_dir))),
+        "seconds": None,
+    }
+    if verify:
+        manifest["verify_max_abs_logit_diff"] = verify_export(out_dir, build_hf_model(config, run, ckpt_path),
+                                                              dtype)
+    manifest["seconds"] = round(time.time() - t0, 2)
+    tmp_manifest = os.path.join(out_dir, "manifest.json.tmp")
+    with open(tmp_manifest, "w") as fh:
+        json.dump(manifest, fh, indent=2)
+    os.replace(tmp_manifest, os.path.join(out_dir, "manifest.json"))  # last: the folder is complete now
+    return manifest
+
+
+def verify_export(folder: str, reference, dtype: str, seq_len: int = 16, seed: int = 0) -> float:
+    """Max abs difference between the logits of the exported folder and ``reference`` on a random input.
+
+    The export is loaded with ``transformers.AutoModelForCausalLM(..., trust_remote_code=True)`` (its own copied
+    modelling code, not llm-foundry's classes) and run in fp32 on the CPU, as is the reference model (cast to
+    the export dtype and back, so only the export's own error is measured).
+    """
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True, torch_dtype=torch.float32).eval()
+    gen = torch.Generator().manual_seed(seed)
+    vocab = reference.config.vocab_size
+    ids = torch.randint(0, vocab, (2, min(seq_len, reference.config.max_seq_len)), generator=gen)
+    ref = reference.to({"bfloat16": torch.bfloat16, "float16": torch.float16,
+                        "float32": torch.float32}[dtype]).float()
+    with torch.no_grad():
+        a = hf(input_ids=ids).logits
+        b = ref(input_ids=ids).logits
+    return float((a - b).abs().max())

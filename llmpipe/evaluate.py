@@ -1,0 +1,98 @@
+"""Evaluation of the exported model on unseen data through llm-foundry's evaluator.
+
+Held-out language-modelling metrics (cross entropy, perplexity, token accuracy) on the val split of the run's
+MDS dataset, and accuracy on the in-context-learning tasks of ``config['eval']['icl_tasks']`` (built by the
+project from held-out text, see :mod:`llmpipe.data.icl`). The model is the Hugging Face export
+(``hf_causal_lm`` with ``trust_remote_code``), so evaluation also proves the export loads and runs.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+
+from llmpipe.config import run_config
+
+
+def evaluate(config: dict, run: str, model_dir: str, data_dir: str, icl_files: dict[str, str]) -> dict:
+    """Evaluate the Hugging Face model in ``model_dir``; return the eval.json record.
+
+    Args:
+        data_dir: the MDS dataset folder (its ``val`` split is used).
+        icl_files: ICL task label -> jsonl path.
+
+    Returns:
+        ``{"val": {"loss", "perplexity", "token_accuracy"}, "icl": {label: {"<k>-shot": accuracy}},
+        "metrics": every metric llm-foundry computed, "seconds", ...}``. Loss in nats per token.
+    """
+    import torch
+    from composer.utils import dist  # noqa: F401
+    from llmfoundry.command_utils import evaluate as foundry_evaluate
+    from omegaconf import OmegaConf
+
+    from llmpipe.train import export_dist_env
+    export_dist_env()
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    rc = run_config(config, run)
+    ecfg = config["eval"]
+    seq = int(rc["data"]["concat_tokens"])
+    bs = int(ecfg.get("batch_size", 8))
+    on_gpu = torch.cuda.is_available()
+    tasks = []
+    for t in ecfg.get("icl_tasks", []):
+        tasks.append({"label": t["label"], "dataset_uri": os.path.abspath(icl_files[t["label"]]),
+                      "num_fewshot": list(t.get("num_fewshot", [0])), "icl_task_type": "language_modeling",
+                      "continuation_delimiter": "", "example_delimiter": "\n"})
+    items = max([int(t.get("num_items", 200)) for t in ecfg.get("icl_tasks", [])] or [0])
+    cfg = {
+        "run_name": f"eval-{run}",
+        "seed": 17,
+        "max_seq_len": seq,
+        "device_eval_batch_size": bs,
+        "precision": "amp_bf16" if on_gpu else "fp32",
+        "python_log_level": "info",
+        "log_config": False,
+        "models": [{
+            "model_name": run,
+            "model": {"name": "hf_causal_lm", "pretrained_model_name_or_path": os.path.abspath(model_dir),
+                      "pretrained": True, "trust_remote_code": True, "use_auth_token": False},
+            "tokenizer": {"name": os.path.abspath(model_dir), "kwargs": {"model_max_length": seq}},
+        }],
+        "icl_tasks": tasks,
+        "icl_subset_num_batches": math.ceil(items / bs) + 1 if items else None,
+        "eval_loader": {"name": "text", "label": "heldout",
+                        "dataset": {"local": os.path.abspath(data_dir), "split": "val", "shuffle": False,
+                                    "max_seq_len": seq},
+                        "drop_last": False, "num_workers": 0},
+        "eval_subset_num_batches": int(ecfg.get("val_batches", -1)),
+    }
+    t0 = time.time()
+    trainers, _ = foundry_evaluate(OmegaConf.create(cfg))
+    metrics: dict[str, dict[str, float]] = {}
+    for label, mets in trainers[0].state.eval_metrics.items():
+        metrics[label] = {}
+        for name, metric in mets.items():
+            try:
+                metrics[label][name] = float(metric.compute())
+            except Exception:  # noqa: BLE001 - a metric that saw no batch has no value
+                continue
+    heldout = next((v for k, v in metrics.items() if k.startswith("heldout") or k == "eval"), {})
+    icl = {}
+    for label, mets in metrics.items():
+        if "/" in label:
+            task, shots = label.split("/", 1)
+            acc = next((v for k, v in mets.items() if "Accuracy" in k), None)
+            icl.setdefault(task, {})[shots] = acc
+    loss = heldout.get("LanguageCrossEntropy")
+    return {
+        "run": run,
+        "model": model_dir,
+        "val": {"loss": loss, "perplexity": heldout.get("LanguagePerplexity", math.exp(loss) if loss else None),
+                "token_accuracy": heldout.get("TokenAccuracy"), "batches": int(ecfg.get("val_batches", -1)),
+                "batch_size": bs, "seq_len": seq},
+        "icl": icl,
+        "metrics": metrics,
+        "device": torch.cuda.get_device_name() if on_gpu else "cpu",
+        "seconds": round(time.time() - t0, 2),
+    }

@@ -1,0 +1,273 @@
+#!/usr/bin/env python
+"""Benchmark: our parallel MDS conversion vs llm-foundry's ``convert_dataset_json``, and our worker scaling.
+
+One run, one input: a generated corpus in C4's layout (``--files`` train files of English text recombined from the
+paragraphs of the builtin Python-documentation corpus, deterministic from ``--seed``), one tokenizer (a byte-level
+BPE trained on the builtin corpus, ``--vocab`` tokens), ``--concat`` tokens per sample, zstd shards,
+``TOKENIZERS_PARALLELISM=false`` on both sides. Every measurement runs in a fresh Python process:
+
+* ``llm-foundry``: ``from llmfoundry.command_utils import convert_dataset_json`` called as a user would (a folder of
+  json.gz files, ``split='train'``, ``concat_tokens``, the tokenizer folder, ``eos_text``), with a fresh
+  ``HF_DATASETS_CACHE``. Wall time is the ``convert_dataset_json`` call only (the library import is excluded).
+  By default it converts the first ``--foundry-files`` files (it is single-process and slow); its rate per core
+  is compared with ours on the same files at 1 worker (``ours-1w-same-input`` row) and on all files.
+* ``ours``: :func:`llmpipe.data.mds.convert_dataset` with ``data_prep.workers = N`` through the local (submitit)
+  executor, for each N of ``--workers``. Wall time is the whole call: spawning the worker processes (each imports
+  torch via mosaicml-streaming), converting, merging the indexes and writing the manifest.
+
+Columns of the CSV: ``impl, workers, files, documents, tokens, samples, wall_s, cpu_s`` (user+sys of the process
+and its children), ``tokens_per_s``, ``tokens_per_s_per_core`` (= tokens / (wall_s x workers)),
+``tokens_per_cpu_s`` (= tokens / cpu_s: counts any threads a side uses), ``unit_s_sum`` (ours: the sum of the
+units' own conversion seconds, i.e. without process start-up, merge and polling; llm-foundry: its wall time),
+``tokens_per_unit_s`` (= tokens / unit_s_sum), ``speedup`` (ours: wall at 1 worker /
+wall at N; llm-foundry: its per-core rate / ours at 1 worker on the same files), ``efficiency`` (= speedup / N),
+``cpus`` (CPUs available), ``host``.
+
+Usage::
+
+    python scripts/bench_mds.py --workers 1,2,4,8,16 --out benchmarks/mds-throughput.csv
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import gzip
+import json
+import multiprocessing
+import os
+import random
+import resource
+import shutil
+import subprocess
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+EOS = "<|endoftext|>"
+
+
+def log(msg: str) -> None:
+    print(f"[bench {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+# ---------------------------------------------------------------------------------------------- inputs
+
+def make_inputs(work: str, files: int, mb_per_file: float, vocab: int, seed: int) -> tuple[str, str]:
+    """Builtin corpus -> tokenizer; then ``files`` generated train files. Returns (corpus manifest, tok dir)."""
+    from llmpipe.data.corpus import _scan_all, builtin_documents
+    from llmpipe.data.errors import atomic_write_json
+    from llmpipe.data.tokenizer import prepare_tokenizer
+
+    tag = f"f{files}-mb{mb_per_file:g}-v{vocab}-s{seed}"
+    base = os.path.join(work, "builtin")
+    tok_dir = os.path.join(work, f"tok-v{vocab}")
+    corpus = os.path.join(work, f"corpus-{tag}")
+    man = os.path.join(corpus, "manifest.json")
+    if os.path.exists(man) and os.path.exists(os.path.join(tok_dir, "manifest.json")):
+        log(f"reusing inputs in {corpus}")
+        return man, tok_dir
+    from llmpipe.data.corpus import prepare_corpus
+
+    log("building the builtin corpus and training the tokenizer")
+    prepare_corpus({"source": "builtin", "subset": "en", "train_files": 4, "val_files": 1}, base)
+    prepare_tokenizer({"source": "train", "vocab_size": vocab, "eos_text": EOS}, tok_dir,
+                      os.path.join(base, "manifest.json"))
+    global _PARS
+    _PARS = [p for d in builtin_documents() for p in d["text"].split("\n\n")]
+    en = os.path.join(corpus, "en")
+    os.makedirs(en, exist_ok=True)
+    t0 = time.time()
+    jobs = [(os.path.join(en, f"c4-train.{i:05d}-of-01024.json.gz"), int(mb_per_file * 1e6), seed * 100003 + i)
+            for i in range(files)]
+    with multiprocessing.get_context("fork").Pool(min(files, len(os.sched_getaffinity(0)))) as pool:
+        paths = pool.map(_gen_file, jobs)
+    log(f"generated {files} files x {mb_per_file:g} MB of text in {time.time() - t0:.0f} s")
+    info = _scan_all({"train": paths, "validation": []})
+    atomic_write_json(man, {"version": 1, "source": "bench", "subset": "en", "root": corpus,
+                            "splits": {"train": [{k: f[k] for k in ("name", "path", "bytes", "documents")}
+                                                 for f in info["train"]], "validation": []},
+                            "documents": {"train": sum(f["documents"] for f in info["train"])}})
+    return man, tok_dir
+
+
+_PARS: list[str] = []
+
+
+def _gen_file(job: tuple[str, int, int]) -> str:
+    """Write one C4-layout file of about ``target`` characters of text; deterministic from its seed."""
+    path, target, seed = job
+    rng = random.Random(seed)
+    n = j = 0
+    with gzip.open(path + ".tmp", "wt", compresslevel=1, encoding="utf-8") as fh:
+        while n < target:
+            # a C4-sized document (~2 kB): a few paragraphs drawn at random, in random order
+            text = "\n".join(rng.choice(_PARS) for _ in range(rng.randint(1, 6)))
+            fh.write(json.dumps({"text": text, "timestamp": "2019-04-25T12:57:54Z",
+                                 "url": f"https://example.org/bench/{j}"}) + "\n")
+            n += len(text)
+            j += 1
+    os.replace(path + ".tmp", path)
+    return path
+
+
+def subset_manifest(man: str, k: int, out: str) -> str:
+    with open(man) as fh:
+        m = json.load(fh)
+    m["splits"]["train"] = m["splits"]["train"][:k]
+    m["documents"] = {"train": sum(f["documents"] for f in m["splits"]["train"])}
+    with open(out, "w") as fh:
+        json.dump(m, fh)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------- runners
+
+def _cpu_s() -> float:
+    a = resource.getrusage(resource.RUSAGE_SELF)
+    b = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return a.ru_utime + a.ru_stime + b.ru_utime + b.ru_stime
+
+
+def run_ours(args: argparse.Namespace) -> dict:
+    """(child) our convert_dataset with N workers; prints a JSON result line."""
+    from llmpipe.data.mds import convert_dataset
+
+    out = args.out_dir
+    shutil.rmtree(out, ignore_errors=True)
+    cfg = {"dispatch": {"executor": "local", "state_dir": os.path.join(out + "-state"), "poll_s": 0.2},
+           "data_prep": {"compression": "zstd", "size_limit": 1 << 26, "workers": args.n},
+           "data_resources": {"time_min": 600}}
+    c0 = _cpu_s()
+    t0 = time.perf_counter()
+    m = convert_dataset(args.manifest, args.tok, args.concat, EOS, out, config=cfg, log_dir=out + "-logs")
+    wall = time.perf_counter() - t0
+    tr = m["splits"]["train"]
+    return {"wall_s": wall, "cpu_s": _cpu_s() - c0, "tokens": tr["tokens"], "samples": tr["samples"],
+            "documents": tr["documents"], "files": len(tr["units"]),
+            "unit_s_sum": sum(u["seconds"] for u in tr["units"])}
+
+
+def run_foundry(args: argparse.Namespace) -> dict:
+    """(child) llm-foundry's convert_dataset_json on the same files, as a user would call it."""
+    with open(args.manifest) as fh:
+        files = [f["path"] for f in json.load(fh)["splits"]["train"]]
+    src = args.out_dir + "-input"
+    shutil.rmtree(src, ignore_errors=True)
+    os.makedirs(src)
+    for p in files:  # the folder the user points --path at
+        os.symlink(p, os.path.join(src, os.path.basename(p)))
+    out = args.out_dir
+    shutil.rmtree(out, ignore_errors=True)
+    from llmfoundry.command_utils import convert_dataset_json
+
+    c0 = _cpu_s()
+    t0 = time.perf_counter()
+    convert_dataset_json(path=src, out_root=out, compression="zstd", concat_tokens=args.concat, split="train",
+                         tokenizer=args.tok, bos_text="", eos_text=EOS, no_wrap=False, num_workers=None)
+    wall = time.perf_counter() - t0
+    with open(os.path.join(out, "index.json")) as fh:
+        samples = sum(s["samples"] for s in json.load(fh)["shards"])
+    with open(args.manifest) as fh:
+        docs = sum(f["documents"] for f in json.load(fh)["splits"]["train"])
+    return {"wall_s": wall, "cpu_s": _cpu_s() - c0, "tokens": samples * args.concat, "samples": samples,
+            "documents": docs, "files": len(files), "unit_s_sum": wall}
+
+
+def child(kind: str, manifest: str, tok: str, concat: int, n: int, out_dir: str, env_extra: dict) -> dict:
+    env = dict(os.environ, TOKENIZERS_PARALLELISM="false", PYTHONPATH=ROOT + os.pathsep +
+               os.environ.get("PYTHONPATH", ""), **env_extra)
+    cmd = [sys.executable, os.path.abspath(__file__), "--child", kind, "--manifest", manifest, "--tok", tok,
+           "--concat", str(concat), "--n", str(n), "--out-dir", out_dir]
+    r = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, text=True)
+    if r.returncode:
+        raise SystemExit(f"{kind} run failed (rc {r.returncode})")
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+# ---------------------------------------------------------------------------------------------- main
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--workers", default="1,2,4,8,16", help="comma-separated worker counts for our converter")
+    ap.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "mds-throughput.csv"))
+    ap.add_argument("--files", type=int, default=16, help="generated train files (units)")
+    ap.add_argument("--mb-per-file", type=float, default=40.0, help="MB of text per generated file")
+    ap.add_argument("--foundry-files", type=int, default=2,
+                    help="files llm-foundry converts (0 = all); ours at 1 worker is also run on these")
+    ap.add_argument("--concat", type=int, default=2048)
+    ap.add_argument("--vocab", type=int, default=8192)
+    ap.add_argument("--seed", type=int, default=17)
+    ap.add_argument("--work-dir", default=os.environ.get("BENCH_WORK", "/tmp/llmpipe-bench"))
+    ap.add_argument("--child", choices=["ours", "foundry"], help=argparse.SUPPRESS)
+    ap.add_argument("--manifest", help=argparse.SUPPRESS)
+    ap.add_argument("--tok", help=argparse.SUPPRESS)
+    ap.add_argument("--n", type=int, default=1, help=argparse.SUPPRESS)
+    ap.add_argument("--out-dir", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+
+    if args.child:
+        os.environ["TOKENIZERS_PARALLELISM"] = "false"
+        res = run_ours(args) if args.child == "ours" else run_foundry(args)
+        print(json.dumps(res))
+        return
+
+    os.makedirs(args.work_dir, exist_ok=True)
+    man, tok = make_inputs(args.work_dir, args.files, args.mb_per_file, args.vocab, args.seed)
+    cpus = len(os.sched_getaffinity(0))
+    host = os.uname().nodename
+    workers = [int(w) for w in args.workers.split(",") if w.strip()]
+    rows = []
+
+    def row(impl: str, n: int, r: dict, speedup: float | None) -> dict:
+        d = {"impl": impl, "workers": n, "files": r["files"], "documents": r["documents"], "tokens": r["tokens"],
+             "samples": r["samples"], "wall_s": round(r["wall_s"], 3), "cpu_s": round(r["cpu_s"], 3),
+             "tokens_per_s": round(r["tokens"] / r["wall_s"]),
+             "tokens_per_s_per_core": round(r["tokens"] / (r["wall_s"] * n)),
+             "tokens_per_cpu_s": round(r["tokens"] / r["cpu_s"]) if r["cpu_s"] else "",
+             "unit_s_sum": round(r["unit_s_sum"], 3), "tokens_per_unit_s": round(r["tokens"] / r["unit_s_sum"]),
+             "speedup": round(speedup, 3) if speedup is not None else "",
+             "efficiency": round(speedup / n, 3) if speedup is not None and impl == "ours" else "",
+             "cpus": cpus, "host": host}
+        log(", ".join(f"{k}={v}" for k, v in d.items()))
+        rows.append(d)
+        return d
+
+    k = args.foundry_files or args.files
+    fman = man if k >= args.files else subset_manifest(man, k, os.path.join(args.work_dir, f"manifest-first{k}.json"))
+    scratch = os.path.join(args.work_dir, "out")
+    log(f"llm-foundry convert_dataset_json on {k} file(s)")
+    rf = child("foundry", fman, tok, args.concat, 1, os.path.join(scratch, "foundry"),
+               {"HF_DATASETS_CACHE": os.path.join(scratch, "hf-datasets-cache")})
+    shutil.rmtree(os.path.join(scratch, "hf-datasets-cache"), ignore_errors=True)
+    if k < args.files:
+        log(f"ours, 1 worker, on the same {k} file(s)")
+        rs = child("ours", fman, tok, args.concat, 1, os.path.join(scratch, "ours-same"), {})
+        row("ours-same-input", 1, rs, 1.0)
+    else:
+        rs = None
+    base = None
+    for n in workers:
+        log(f"ours, {n} worker(s), {args.files} files")
+        r = child("ours", man, tok, args.concat, n, os.path.join(scratch, f"ours-{n}"), {})
+        if n == 1:
+            base = r
+        row("ours", n, r, (base["wall_s"] / r["wall_s"]) if base else None)
+        shutil.rmtree(os.path.join(scratch, f"ours-{n}"), ignore_errors=True)
+    ref = rs or base
+    foundry_speed = (rf["tokens"] / rf["wall_s"]) / (ref["tokens"] / ref["wall_s"]) if ref else None
+    row("llm-foundry", 1, rf, foundry_speed)
+
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    with open(args.out + ".tmp", "w", newline="") as fh:
+        w = csv.DictWriter(fh, fieldnames=list(rows[0]))
+        w.writeheader()
+        w.writerows(rows)
+    os.replace(args.out + ".tmp", args.out)
+    log(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
