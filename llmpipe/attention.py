@@ -48,6 +48,7 @@ __all__ = [
     'mpt_attn_config',
     'register',
     'sdpa_attention',
+    'set_sdpa_backend',
     'stock_attn_config',
     'use_sdpa',
 ]
@@ -64,31 +65,41 @@ _TORCH_VERSION = tuple(int(x) for x in torch.__version__.split('+')[0].split('.'
 _SDPA_HAS_GQA = _TORCH_VERSION >= (2, 5)
 _SDPA_HAS_SCALE = _TORCH_VERSION >= (2, 1)
 
-#: Optional SDPA backend pin for benchmarking: LLMPIPE_SDPA_BACKEND=flash|efficient|cudnn|math (default: PyTorch
-#: chooses). Read once at import.
-_BACKEND_ENV = os.environ.get('LLMPIPE_SDPA_BACKEND', '').strip().lower() or None
-
-
 def _reference():
     from llmfoundry.models.layers.attention import scaled_multihead_dot_product_attention
     return scaled_multihead_dot_product_attention
 
 
-def _backend_ctx():
-    """A context manager pinning SDPA to the backend named by ``LLMPIPE_SDPA_BACKEND`` (or a null context)."""
-    import contextlib
-    if _BACKEND_ENV is None:
-        return contextlib.nullcontext()
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-    names = {
-        'flash': SDPBackend.FLASH_ATTENTION,
-        'efficient': SDPBackend.EFFICIENT_ATTENTION,
-        'cudnn': SDPBackend.CUDNN_ATTENTION,
-        'math': SDPBackend.MATH,
+def set_sdpa_backend(name: Optional[str]) -> None:
+    """Restrict PyTorch's SDPA to one fused backend for this process (``torch.backends.cuda.enable_*_sdp``).
+
+    Args:
+        name: ``'cudnn'`` (cuDNN attention), ``'flash'`` (FlashAttention-2), ``'efficient'`` (memory-efficient
+            attention), each with the math backend left on as the fallback for inputs the fused kernel refuses;
+            ``'math'`` alone; or ``None``/``'auto'``: every backend on, PyTorch chooses (its default).
+
+    Raises:
+        ValueError: unknown name.
+
+    Process-global flags rather than a context manager inside :func:`sdpa_attention`, so that torch.compile traces
+    nothing extra. The environment variable ``LLMPIPE_SDPA_BACKEND`` applies a name at import.
+    """
+    key = (name or 'auto').strip().lower()
+    flags = {
+        'auto': dict(flash=True, mem_efficient=True, cudnn=True, math=True),
+        'cudnn': dict(flash=False, mem_efficient=False, cudnn=True, math=True),
+        'flash': dict(flash=True, mem_efficient=False, cudnn=False, math=True),
+        'efficient': dict(flash=False, mem_efficient=True, cudnn=False, math=True),
+        'math': dict(flash=False, mem_efficient=False, cudnn=False, math=True),
     }
-    if _BACKEND_ENV not in names:
-        raise ValueError(f'LLMPIPE_SDPA_BACKEND={_BACKEND_ENV!r}: expected one of {sorted(names)}')
-    return sdpa_kernel([names[_BACKEND_ENV]])
+    if key not in flags:
+        raise ValueError(f'unknown SDPA backend {name!r}; known: {sorted(flags)}')
+    b = torch.backends.cuda
+    b.enable_flash_sdp(flags[key]['flash'])
+    b.enable_mem_efficient_sdp(flags[key]['mem_efficient'])
+    if hasattr(b, 'enable_cudnn_sdp'):
+        b.enable_cudnn_sdp(flags[key]['cudnn'])
+    b.enable_math_sdp(flags[key]['math'])
 
 
 def _repeat_kv(x: torch.Tensor, n_rep: int) -> torch.Tensor:
@@ -225,8 +236,7 @@ def sdpa_attention(
         else:
             k, v = _repeat_kv(k, n_rep), _repeat_kv(v, n_rep)
 
-    with _backend_ctx():
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, **kwargs)   # (b, h, s_q, d)
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, **kwargs)   # (b, h, s_q, d)
     out = out.transpose(1, 2).reshape(b, s_q, n_heads * d)
     return out, None, past_key_value
 
@@ -385,3 +395,5 @@ def use_sdpa(model: torch.nn.Module) -> int:
 
 
 register()
+if os.environ.get('LLMPIPE_SDPA_BACKEND'):
+    set_sdpa_backend(os.environ['LLMPIPE_SDPA_BACKEND'])

@@ -92,6 +92,10 @@ def make_executor(config: dict, resources: dict, folder: str, name: str):
                      f"Fix: use --profile slurm for Slurm, or no profile for local.")
 
 
+def _slurm_poll_s(config: dict) -> float:
+    return float((config.get("slurm") or {}).get("poll_s", 30))
+
+
 def _record_path(config: dict, key: str) -> str:
     d = (config.get("dispatch") or {}).get("state_dir", ".llmpipe/jobs")
     os.makedirs(d, exist_ok=True)
@@ -118,31 +122,124 @@ def _log_tail(job, n: int = 40) -> str:
 
 
 def _reattach(config: dict, record: dict):
-    """Rebuild a submitit job object from a record; None when the executor kind changed."""
+    """Rebuild a submitit job object from a record; None when it cannot be the same job any more.
+
+    None when the executor kind changed, for local jobs (their processes die with the Snakemake process that
+    started them), and for a Slurm job id that Slurm no longer knows or that now names another job (a different
+    name: the id was reused, e.g. after the cluster's state was reset).
+    """
     import submitit
 
     if record.get("executor") != _executor_kind(config):
         return None
     if record["executor"] == "slurm":
+        from llmpipe import slurm
+
+        try:
+            info = slurm.job_info(record["job_id"])
+        except RuntimeError:
+            info = {}  # Slurm did not answer: assume the job is still there rather than submit a duplicate
+        if info is None:
+            return None
+        if info and record.get("name") and info.get("JobName") != record["name"]:
+            return None
         return submitit.SlurmJob(folder=record["folder"], job_id=record["job_id"],
                                  tasks=list(range(record.get("num_tasks", 1))))
     return None  # local processes die with their parent's session; resubmit
 
 
-def _wait(job, log_file: str | None, poll_s: float, what: str) -> list:
-    """Block until ``job`` ends; return the results of all its tasks. Raise StepFailed with state and log."""
+#: Slurm states in which a job will never run again (sacct's first word; ``CANCELLED by 0`` is ``CANCELLED``).
+_SLURM_TERMINAL = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL",
+                   "DEADLINE", "REVOKED", "SPECIAL_EXIT"}
+
+
+def _is_slurm(job) -> bool:
+    return type(job).__name__ == "SlurmJob"
+
+
+def _slurm_state(job, force: bool = False) -> str:
+    """The Slurm state of ``job`` (sacct), first word only; ``force`` asks sacct now."""
+    return (job.watcher.get_state(job.job_id, mode="force" if force else "standard") or "UNKNOWN").split()[0]
+
+
+def _final_slurm_state(job, wait_s: float = 20.0) -> str:
+    """The state of an ended Slurm job, waiting up to ``wait_s`` for accounting to catch up (RUNNING -> FAILED)."""
+    deadline = time.time() + wait_s
+    state = _slurm_state(job, force=True)
+    while state not in _SLURM_TERMINAL and time.time() < deadline:
+        time.sleep(1.0)
+        state = _slurm_state(job, force=True)
+    return state
+
+
+def _slurm_really_ended(job) -> bool:
+    """Whether a Slurm job that submitit calls done has really ended.
+
+    submitit decides from sacct, which shows a job being requeued (preemption, time-limit checkpoint) as FAILED or
+    CANCELLED for a moment. When a task's result is missing, ask the controller (squeue, no accounting lag): if the
+    job is still queued or running, forget submitit's cached state and keep waiting.
+    """
+    tasks = getattr(job, "_sub_jobs", None) or [job]
+    if all(t.paths.result_pickle.exists() for t in tasks):
+        return True
+    from llmpipe import slurm
+
+    try:
+        info = slurm.job_info(job.job_id)
+    except RuntimeError:
+        return True
+    state = ((info or {}).get("State") or "").split()[0] if info else ""
+    if state and state not in _SLURM_TERMINAL:
+        job.watcher._finished.discard(job.job_id)  # submitit caches finished states forever
+        job.watcher._info_dict.pop(job.job_id, None)
+        return False
+    return True
+
+
+def _wait(job, log_file: str | None, poll_s: float, what: str, slurm_poll_s: float = 30.0) -> list:
+    """Block until ``job`` ends; return the results of all its tasks. Raise StepFailed with state and log.
+
+    Slurm jobs: sacct is asked at least every ``slurm_poll_s`` seconds (submitit's own watcher backs off to 10
+    minutes on long jobs), and each state change is logged with the job's nodes.
+    """
     last_state = None
-    while not job.done():
+    last_force = time.time()
+    slurm = _is_slurm(job)
+    told_nodes = False
+    while True:
+        force = slurm and time.time() - last_force >= slurm_poll_s
+        if force:
+            last_force = time.time()
+        if job.done(force_check=force) and (not slurm or _slurm_really_ended(job)):
+            break
         state = job.state
         if state != last_state:
-            _say(f"{what}: job {job.job_id} is {state}", log_file)
+            where = ""
+            if slurm:
+                nodes = job.watcher.get_info(job.job_id, mode="cache").get("NodeList", "")
+                if nodes and nodes not in ("None assigned", "(null)"):
+                    where = f" on {nodes}"
+                    told_nodes = told_nodes or state == "RUNNING"
+            _say(f"{what}: job {job.job_id} is {state}{where}", log_file)
             last_state = state
         time.sleep(poll_s)
+    if slurm:
+        # a job that died without writing its result pickles (cancelled, timed out, node failure) never will:
+        # do not let submitit wait 15 s per task for them
+        state = _slurm_state(job, force=True)
+        nodes = job.watcher.get_info(job.job_id, mode="cache").get("NodeList", "")
+        if not told_nodes and nodes and nodes not in ("None assigned", "(null)"):
+            _say(f"{what}: job {job.job_id} ran on {nodes} ({state})", log_file)
+        if state in _SLURM_TERMINAL and state != "COMPLETED":
+            for sub in [job, *getattr(job, "_sub_jobs", [])]:
+                sub._results_timeout_s = 3
     try:
         return job.results()
     except Exception as exc:  # noqa: BLE001 - re-raised with context
-        state = getattr(job, "state", "UNKNOWN")
-        raise StepFailed(f"{what}: job {job.job_id} ended in state {state}: {_cause(job, exc)}\n"
+        state = _final_slurm_state(job) if slurm else getattr(job, "state", "UNKNOWN")
+        nodes = job.watcher.get_info(job.job_id, mode="cache").get("NodeList", "") if slurm else ""
+        raise StepFailed(f"{what}: job {job.job_id} ended in state {state}"
+                         f"{f' on {nodes}' if nodes and nodes != 'None assigned' else ''}: {_cause(job, exc)}\n"
                          f"log: {job.paths.stderr}\n{_log_tail(job)}") from exc
 
 
@@ -184,7 +281,10 @@ def run_step(fn: Callable, *args: Any, step: str, resources: dict, config: dict,
         with open(rec_path) as fh:
             record = json.load(fh)
         job = _reattach(config, record)
-        if job is not None:
+        if job is None:
+            _say(f"{step}: earlier {record.get('executor')} job {record.get('job_id')} is gone; "
+                 f"submitting a new one", log_file)
+        else:
             state = job.state
             if state in _FINISHED_OK or not job.done():
                 _say(f"{step}: re-attaching to job {job.job_id} ({state}) submitted earlier; "
@@ -198,14 +298,15 @@ def run_step(fn: Callable, *args: Any, step: str, resources: dict, config: dict,
         job = ex.submit(fn, *args, **kwargs)
         _write_record(rec_path, {"executor": _executor_kind(config), "job_id": str(job.job_id),
                                  "folder": os.path.join(log_dir, "%j"), "step": step,
-                                 "num_tasks": int(resources.get("nodes", 1)) * int(resources.get("tasks_per_node", 1)),
+                                 "name": step.replace(" ", "_"),
+                                 "num_tasks": int(getattr(job, "num_tasks", 1)),
                                  "submitted": time.time()})
         nodes = resources.get("nodes", 1)
         _say(f"{step}: submitted job {job.job_id} ({_executor_kind(config)}, {nodes} node(s) x "
              f"{resources.get('tasks_per_node', 1)} task(s), {resources.get('gpus_per_node', 0)} GPU(s)/node); "
              f"log: {getattr(job.paths, 'stderr', log_dir)}", log_file)
     try:
-        results = _wait(job, log_file, poll_s, step)
+        results = _wait(job, log_file, poll_s, step, _slurm_poll_s(config))
     finally:
         if job.done():
             try:
@@ -240,7 +341,12 @@ def map_steps(fn: Callable, items: Sequence[Any], *, step: str, resources: dict,
     results: list = [None] * len(jobs)
     pending = set(range(len(jobs)))
     failures = []
+    slurm_poll_s = _slurm_poll_s(config)
+    last_force = time.time()
     while pending:
+        if _is_slurm(jobs[0]) and time.time() - last_force >= slurm_poll_s:
+            jobs[0].watcher.update()  # one sacct for all of them; submitit's own backs off to 10 minutes
+            last_force = time.time()
         for i in sorted(pending):
             if jobs[i].done():
                 pending.discard(i)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import os
+import tempfile
 import time
 
 from llmpipe.config import run_config
@@ -61,14 +62,23 @@ def evaluate(config: dict, run: str, model_dir: str, data_dir: str, icl_files: d
         }],
         "icl_tasks": tasks,
         "icl_subset_num_batches": math.ceil(items / bs) + 1 if items else None,
-        "eval_loader": {"name": "text", "label": "heldout",
+        "eval_loader": {"name": "text",
                         "dataset": {"local": os.path.abspath(data_dir), "split": "val", "shuffle": False,
                                     "max_seq_len": seq},
-                        "drop_last": False, "num_workers": 0},
+                        "drop_last": False, "num_workers": 0, "prefetch_factor": None,
+                        "persistent_workers": False},
         "eval_subset_num_batches": int(ecfg.get("val_batches", -1)),
     }
     t0 = time.time()
-    trainers, _ = foundry_evaluate(OmegaConf.create(cfg))
+    # llm-foundry copies (symlinks) each ICL task file into the working folder; use a node-local scratch folder
+    # so nothing lands in the user's folder and shared drives that refuse symlinks are never touched.
+    cwd = os.getcwd()
+    with tempfile.TemporaryDirectory(prefix="llmpipe-eval-") as scratch:
+        os.chdir(scratch)
+        try:
+            trainers, _ = foundry_evaluate(OmegaConf.create(cfg))
+        finally:
+            os.chdir(cwd)
     metrics: dict[str, dict[str, float]] = {}
     for label, mets in trainers[0].state.eval_metrics.items():
         metrics[label] = {}
@@ -77,7 +87,7 @@ def evaluate(config: dict, run: str, model_dir: str, data_dir: str, icl_files: d
                 metrics[label][name] = float(metric.compute())
             except Exception:  # noqa: BLE001 - a metric that saw no batch has no value
                 continue
-    heldout = next((v for k, v in metrics.items() if k.startswith("heldout") or k == "eval"), {})
+    heldout = metrics.get("eval", {})  # llm-foundry labels a single eval_loader "eval"
     icl = {}
     for label, mets in metrics.items():
         if "/" in label:

@@ -9,19 +9,23 @@ BPE trained on the builtin corpus, ``--vocab`` tokens), ``--concat`` tokens per 
 * ``llm-foundry``: ``from llmfoundry.command_utils import convert_dataset_json`` called as a user would (a folder of
   json.gz files, ``split='train'``, ``concat_tokens``, the tokenizer folder, ``eos_text``), with a fresh
   ``HF_DATASETS_CACHE``. Wall time is the ``convert_dataset_json`` call only (the library import is excluded).
-  By default it converts the first ``--foundry-files`` files (it is single-process and slow); its rate per core
-  is compared with ours on the same files at 1 worker (``ours-1w-same-input`` row) and on all files.
+  It converts the first ``--foundry-files`` files (default 1: it is single-process and slow); ours converts the
+  same files with 1 worker (row ``ours-same-input``), and its per-core rate is also compared with every ``ours``
+  row (columns ``per_core_vs_foundry``: wall-clock based; ``conversion_vs_foundry``: without process start-up).
 * ``ours``: :func:`llmpipe.data.mds.convert_dataset` with ``data_prep.workers = N`` through the local (submitit)
-  executor, for each N of ``--workers``. Wall time is the whole call: spawning the worker processes (each imports
-  torch via mosaicml-streaming), converting, merging the indexes and writing the manifest.
+  executor, for each N of ``--workers``, on all ``--files`` files (1 worker first, then the largest N first; the
+  CSV is rewritten after every run, so a run cut short by a time limit keeps what it measured). Wall time is the
+  whole call: spawning the worker processes (each imports torch via mosaicml-streaming), converting, merging the
+  indexes and writing the manifest.
 
-Columns of the CSV: ``impl, workers, files, documents, tokens, samples, wall_s, cpu_s`` (user+sys of the process
-and its children), ``tokens_per_s``, ``tokens_per_s_per_core`` (= tokens / (wall_s x workers)),
-``tokens_per_cpu_s`` (= tokens / cpu_s: counts any threads a side uses), ``unit_s_sum`` (ours: the sum of the
-units' own conversion seconds, i.e. without process start-up, merge and polling; llm-foundry: its wall time),
-``tokens_per_unit_s`` (= tokens / unit_s_sum), ``speedup`` (ours: wall at 1 worker /
-wall at N; llm-foundry: its per-core rate / ours at 1 worker on the same files), ``efficiency`` (= speedup / N),
-``cpus`` (CPUs available), ``host``.
+Columns of the CSV: ``impl, workers, files, documents, text_mb`` (UTF-8 text converted), ``tokens, samples,
+wall_s, cpu_s`` (user+sys of the process and its children), ``tokens_per_s``, ``tokens_per_s_per_core``
+(= tokens / (wall_s x workers)), ``text_mb_per_s_per_core``, ``tokens_per_cpu_s`` (= tokens / cpu_s: counts any
+threads a side uses), ``unit_s_sum`` (ours: the sum of the units' own conversion seconds, i.e. without process
+start-up, merge and polling; llm-foundry: its wall time), ``tokens_per_unit_s`` (= tokens / unit_s_sum),
+``speedup`` (ours: wall at 1 worker / wall at N), ``efficiency`` (= speedup / N), ``per_core_vs_foundry``,
+``conversion_vs_foundry`` (ours / llm-foundry, per core and per conversion second), ``cpus`` (CPUs available),
+``host``. At the end a markdown table and the full-C4 estimate are printed.
 
 Usage::
 
@@ -66,7 +70,8 @@ def make_inputs(work: str, files: int, mb_per_file: float, vocab: int, seed: int
     tok_dir = os.path.join(work, f"tok-v{vocab}")
     corpus = os.path.join(work, f"corpus-{tag}")
     man = os.path.join(corpus, "manifest.json")
-    if os.path.exists(man) and os.path.exists(os.path.join(tok_dir, "manifest.json")):
+    if all(os.path.exists(p) for p in (man, os.path.join(corpus, "text-bytes.json"),
+                                        os.path.join(tok_dir, "manifest.json"))):
         log(f"reusing inputs in {corpus}")
         return man, tok_dir
     from llmpipe.data.corpus import prepare_corpus
@@ -83,7 +88,10 @@ def make_inputs(work: str, files: int, mb_per_file: float, vocab: int, seed: int
     jobs = [(os.path.join(en, f"c4-train.{i:05d}-of-01024.json.gz"), int(mb_per_file * 1e6), seed * 100003 + i)
             for i in range(files)]
     with multiprocessing.get_context("fork").Pool(min(files, len(os.sched_getaffinity(0)))) as pool:
-        paths = pool.map(_gen_file, jobs)
+        made = pool.map(_gen_file, jobs)
+    paths = [p for p, _ in made]
+    with open(os.path.join(corpus, "text-bytes.json"), "w") as fh:
+        json.dump({os.path.basename(p): b for p, b in made}, fh)
     log(f"generated {files} files x {mb_per_file:g} MB of text in {time.time() - t0:.0f} s")
     info = _scan_all({"train": paths, "validation": []})
     atomic_write_json(man, {"version": 1, "source": "bench", "subset": "en", "root": corpus,
@@ -96,11 +104,11 @@ def make_inputs(work: str, files: int, mb_per_file: float, vocab: int, seed: int
 _PARS: list[str] = []
 
 
-def _gen_file(job: tuple[str, int, int]) -> str:
+def _gen_file(job: tuple[str, int, int]) -> tuple[str, int]:
     """Write one C4-layout file of about ``target`` characters of text; deterministic from its seed."""
     path, target, seed = job
     rng = random.Random(seed)
-    n = j = 0
+    n = j = nbytes = 0
     with gzip.open(path + ".tmp", "wt", compresslevel=1, encoding="utf-8") as fh:
         while n < target:
             # a C4-sized document (~2 kB): a few paragraphs drawn at random, in random order
@@ -108,9 +116,10 @@ def _gen_file(job: tuple[str, int, int]) -> str:
             fh.write(json.dumps({"text": text, "timestamp": "2019-04-25T12:57:54Z",
                                  "url": f"https://example.org/bench/{j}"}) + "\n")
             n += len(text)
+            nbytes += len(text.encode("utf-8"))
             j += 1
     os.replace(path + ".tmp", path)
-    return path
+    return path, nbytes
 
 
 def subset_manifest(man: str, k: int, out: str) -> str:
@@ -176,6 +185,15 @@ def run_foundry(args: argparse.Namespace) -> dict:
             "documents": docs, "files": len(files), "unit_s_sum": wall}
 
 
+def text_bytes(manifest: str) -> int:
+    """UTF-8 bytes of document text in the files of a bench manifest."""
+    with open(manifest) as fh:
+        m = json.load(fh)
+    with open(os.path.join(m["root"], "text-bytes.json")) as fh:
+        sizes = json.load(fh)
+    return sum(sizes[f["name"]] for f in m["splits"]["train"])
+
+
 def child(kind: str, manifest: str, tok: str, concat: int, n: int, out_dir: str, env_extra: dict) -> dict:
     env = dict(os.environ, TOKENIZERS_PARALLELISM="false", PYTHONPATH=ROOT + os.pathsep +
                os.environ.get("PYTHONPATH", ""), **env_extra)
@@ -184,19 +202,46 @@ def child(kind: str, manifest: str, tok: str, concat: int, n: int, out_dir: str,
     r = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, text=True)
     if r.returncode:
         raise SystemExit(f"{kind} run failed (rc {r.returncode})")
-    return json.loads(r.stdout.strip().splitlines()[-1])
+    res = json.loads(r.stdout.strip().splitlines()[-1])
+    res["text_bytes"] = text_bytes(manifest)
+    return res
 
 
 # ---------------------------------------------------------------------------------------------- main
+
+FIELDS = ["impl", "workers", "files", "documents", "text_mb", "tokens", "samples", "wall_s", "cpu_s",
+          "tokens_per_s", "tokens_per_s_per_core", "text_mb_per_s_per_core", "tokens_per_cpu_s", "unit_s_sum", "tokens_per_unit_s", "speedup", "efficiency",
+          "per_core_vs_foundry", "conversion_vs_foundry", "cpus", "host"]
+
+
+def sorted_rows(rows: list[dict]) -> list[dict]:
+    order = {"llm-foundry": 0, "ours-same-input": 1, "ours": 2}
+    return sorted(rows, key=lambda r: (order.get(r["impl"], 3), int(r["workers"])))
+
+
+def write_csv(path: str, rows: list[dict]) -> None:
+    rows = sorted_rows(rows)
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path + ".tmp", "w", newline="") as fh:
+        w = csv.DictWriter(fh, fieldnames=FIELDS)
+        w.writeheader()
+        w.writerows(rows)
+    os.replace(path + ".tmp", path)
+
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--workers", default="1,2,4,8,16", help="comma-separated worker counts for our converter")
     ap.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "mds-throughput.csv"))
     ap.add_argument("--files", type=int, default=16, help="generated train files (units)")
-    ap.add_argument("--mb-per-file", type=float, default=40.0, help="MB of text per generated file")
-    ap.add_argument("--foundry-files", type=int, default=2,
-                    help="files llm-foundry converts (0 = all); ours at 1 worker is also run on these")
+    ap.add_argument("--mb-per-file", type=float, default=48.0, help="MB of text per generated file")
+    ap.add_argument("--foundry-files", type=int, default=1, help="files llm-foundry converts (0 = all)")
+    ap.add_argument("--no-foundry", action="store_true", help="skip the llm-foundry run")
+    ap.add_argument("--no-same-input", dest="same_input", action="store_false",
+                    help="skip running ours (1 worker) on exactly the files llm-foundry converted")
+    ap.add_argument("--append", action="store_true",
+                    help="keep the rows already in --out (e.g. a sweep split over two commands); speedups use "
+                         "the 1-worker row found there when this run has none")
     ap.add_argument("--concat", type=int, default=2048)
     ap.add_argument("--vocab", type=int, default=8192)
     ap.add_argument("--seed", type=int, default=17)
@@ -214,59 +259,103 @@ def main() -> None:
         print(json.dumps(res))
         return
 
+    t_start = time.time()
     os.makedirs(args.work_dir, exist_ok=True)
     man, tok = make_inputs(args.work_dir, args.files, args.mb_per_file, args.vocab, args.seed)
     cpus = len(os.sched_getaffinity(0))
     host = os.uname().nodename
     workers = [int(w) for w in args.workers.split(",") if w.strip()]
-    rows = []
+    rows: list[dict] = []
+    if args.append and os.path.exists(args.out):
+        with open(args.out) as fh:
+            rows = [r for r in csv.DictReader(fh)]
+        ran = set(workers)
+        rows = [r for r in rows if not (r["impl"] == "ours" and int(r["workers"]) in ran)
+                and not (r["impl"] == "llm-foundry" and not args.no_foundry)]
+    foundry = next((r for r in rows if r["impl"] == "llm-foundry"), None)
+    base = next((r for r in rows if r["impl"] == "ours" and int(r["workers"]) == 1), None)
 
-    def row(impl: str, n: int, r: dict, speedup: float | None) -> dict:
-        d = {"impl": impl, "workers": n, "files": r["files"], "documents": r["documents"], "tokens": r["tokens"],
-             "samples": r["samples"], "wall_s": round(r["wall_s"], 3), "cpu_s": round(r["cpu_s"], 3),
-             "tokens_per_s": round(r["tokens"] / r["wall_s"]),
-             "tokens_per_s_per_core": round(r["tokens"] / (r["wall_s"] * n)),
-             "tokens_per_cpu_s": round(r["tokens"] / r["cpu_s"]) if r["cpu_s"] else "",
-             "unit_s_sum": round(r["unit_s_sum"], 3), "tokens_per_unit_s": round(r["tokens"] / r["unit_s_sum"]),
-             "speedup": round(speedup, 3) if speedup is not None else "",
-             "efficiency": round(speedup / n, 3) if speedup is not None and impl == "ours" else "",
-             "cpus": cpus, "host": host}
-        log(", ".join(f"{k}={v}" for k, v in d.items()))
-        rows.append(d)
-        return d
+    def make_row(impl: str, n: int, r: dict) -> dict:
+        return {"impl": impl, "workers": n, "files": r["files"], "documents": r["documents"],
+                "text_mb": round(r["text_bytes"] / 1e6, 3), "tokens": r["tokens"], "samples": r["samples"], "wall_s": round(r["wall_s"], 3),
+                "cpu_s": round(r["cpu_s"], 3), "tokens_per_s": round(r["tokens"] / r["wall_s"]),
+                "tokens_per_s_per_core": round(r["tokens"] / (r["wall_s"] * n)),
+                "text_mb_per_s_per_core": round(r["text_bytes"] / 1e6 / (r["wall_s"] * n), 3),
+                "tokens_per_cpu_s": round(r["tokens"] / r["cpu_s"]) if r["cpu_s"] else "",
+                "unit_s_sum": round(r["unit_s_sum"], 3), "tokens_per_unit_s": round(r["tokens"] / r["unit_s_sum"]),
+                "speedup": "", "efficiency": "", "per_core_vs_foundry": "", "conversion_vs_foundry": "",
+                "cpus": cpus, "host": host}
 
-    k = args.foundry_files or args.files
-    fman = man if k >= args.files else subset_manifest(man, k, os.path.join(args.work_dir, f"manifest-first{k}.json"))
+    def vs_foundry(d: dict) -> None:
+        if foundry and d["impl"] != "llm-foundry":
+            d["per_core_vs_foundry"] = round(float(d["tokens_per_s_per_core"]) /
+                                             float(foundry["tokens_per_s_per_core"]), 3)
+            d["conversion_vs_foundry"] = round(float(d["tokens_per_unit_s"]) / float(foundry["tokens_per_unit_s"]), 3)
+
     scratch = os.path.join(args.work_dir, "out")
-    log(f"llm-foundry convert_dataset_json on {k} file(s)")
-    rf = child("foundry", fman, tok, args.concat, 1, os.path.join(scratch, "foundry"),
-               {"HF_DATASETS_CACHE": os.path.join(scratch, "hf-datasets-cache")})
-    shutil.rmtree(os.path.join(scratch, "hf-datasets-cache"), ignore_errors=True)
-    if k < args.files:
-        log(f"ours, 1 worker, on the same {k} file(s)")
-        rs = child("ours", fman, tok, args.concat, 1, os.path.join(scratch, "ours-same"), {})
-        row("ours-same-input", 1, rs, 1.0)
-    else:
-        rs = None
-    base = None
-    for n in workers:
+    k = min(args.foundry_files or args.files, args.files)
+    fman = man if k >= args.files else subset_manifest(man, k, os.path.join(args.work_dir, f"manifest-first{k}.json"))
+    if not args.no_foundry:
+        log(f"llm-foundry convert_dataset_json on {k} file(s)")
+        rf = child("foundry", fman, tok, args.concat, 1, os.path.join(scratch, "foundry"),
+                   {"HF_DATASETS_CACHE": os.path.join(scratch, "hf-datasets-cache")})
+        shutil.rmtree(os.path.join(scratch, "hf-datasets-cache"), ignore_errors=True)
+        shutil.rmtree(os.path.join(scratch, "foundry"), ignore_errors=True)
+        foundry = make_row("llm-foundry", 1, rf)
+        rows.append(foundry)
+        log(", ".join(f"{k_}={v}" for k_, v in foundry.items()))
+        write_csv(args.out, rows)
+        for d in rows:
+            vs_foundry(d)
+    if args.same_input and k < args.files:
+        log(f"ours, 1 worker, on the same {k} file(s) as llm-foundry")
+        d = make_row("ours-same-input", 1, child("ours", fman, tok, args.concat, 1,
+                                                 os.path.join(scratch, "ours-same"), {}))
+        vs_foundry(d)
+        rows.append(d)
+        write_csv(args.out, rows)
+        shutil.rmtree(os.path.join(scratch, "ours-same"), ignore_errors=True)
+    # 1 worker first (the base of the speedups), then the largest counts: if a time limit cuts the run short,
+    # the rows that matter most are already in the CSV
+    for n in sorted(workers, key=lambda w: (w != 1, -w)):
         log(f"ours, {n} worker(s), {args.files} files")
-        r = child("ours", man, tok, args.concat, n, os.path.join(scratch, f"ours-{n}"), {})
-        if n == 1:
-            base = r
-        row("ours", n, r, (base["wall_s"] / r["wall_s"]) if base else None)
+        d = make_row("ours", n, child("ours", man, tok, args.concat, n, os.path.join(scratch, f"ours-{n}"), {}))
         shutil.rmtree(os.path.join(scratch, f"ours-{n}"), ignore_errors=True)
-    ref = rs or base
-    foundry_speed = (rf["tokens"] / rf["wall_s"]) / (ref["tokens"] / ref["wall_s"]) if ref else None
-    row("llm-foundry", 1, rf, foundry_speed)
+        if n == 1:
+            base = d
+        if base:
+            d["speedup"] = round(float(base["wall_s"]) / d["wall_s"], 3)
+            d["efficiency"] = round(d["speedup"] / n, 3)
+        vs_foundry(d)
+        rows.append(d)
+        log(", ".join(f"{k_}={v}" for k_, v in d.items()))
+        write_csv(args.out, rows)  # after every row: a run cut short still leaves its results
+    log(f"wrote {args.out} ({time.time() - t_start:.0f} s in all)")
+    print(summary(rows))
 
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out + ".tmp", "w", newline="") as fh:
-        w = csv.DictWriter(fh, fieldnames=list(rows[0]))
-        w.writeheader()
-        w.writerows(rows)
-    os.replace(args.out + ".tmp", args.out)
-    log(f"wrote {args.out}")
+
+#: C4 en train: 1024 files, ~365 M documents, ~156 B tokens (C4 paper, T5 tokenizer); used for the estimate.
+C4_TRAIN_TOKENS = 156e9
+
+
+def summary(rows: list[dict]) -> str:
+    """A markdown table of the rows and the full-C4 estimate from the measured per-core rates."""
+    cols = ["impl", "workers", "files", "tokens", "wall_s", "tokens_per_s_per_core", "text_mb_per_s_per_core",
+            "speedup", "efficiency", "per_core_vs_foundry"]
+    out = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    for r in sorted_rows(rows):
+        out.append("| " + " | ".join(str(r.get(c, "")) for c in cols) + " |")
+    ours = [r for r in rows if r["impl"] == "ours"]
+    if ours:
+        worst = min(float(r["tokens_per_s_per_core"]) for r in ours)
+        best = max(float(r["tokens_per_s_per_core"]) for r in ours)
+        out.append("")
+        for cores in (16, 64, 256, 1024):
+            out.append(f"- full C4 en train (~{C4_TRAIN_TOKENS / 1e9:.0f} B tokens) on {cores} cores: "
+                       f"{C4_TRAIN_TOKENS / (best * cores) / 3600:.1f} h at {best:,.0f} tokens/s/core "
+                       f"({C4_TRAIN_TOKENS / (worst * cores) / 3600:.1f} h at the lowest measured "
+                       f"{worst:,.0f})")
+    return "\n".join(out)
 
 
 if __name__ == "__main__":

@@ -47,8 +47,11 @@ from llmpipe.mfu import detect_peak_flops, flops_per_token, mfu  # noqa: E402
 #:   drop_mask: add/remove the drop_full_attention_mask callback
 #:   optimizer: 'fused_adamw' (torch.optim.AdamW(fused=True), decoupled weight decay) | 'decoupled_adamw'
 #:   compile: True -> compile_config {} (torch.compile through composer) | False -> none
-#:   sdpa_backend: pin SDPA's backend (flash | cudnn | efficient | math)
+#:   compile_fix: apply _dynamo_catalogue_fix() first (without it compile fails on Python 3.12)
+#:   sdpa_backend: pin SDPA's backend (flash | cudnn | efficient | math; llmpipe.attention.set_sdpa_backend)
 #:   mb_scale: multiply the model's microbatch
+#:   train_metrics: False -> model.use_train_metrics False (no per-step LanguageCrossEntropy/Perplexity/TokenAccuracy
+#:       over the logits; the loss itself is unchanged)
 VARIANTS: dict[str, dict[str, Any]] = {
     'default': {},
     'torch_attn': {'attn_impl': 'torch', 'drop_mask': False},
@@ -60,14 +63,25 @@ VARIANTS: dict[str, dict[str, Any]] = {
     'decoupled_adamw': {'attn_impl': 'sdpa', 'drop_mask': True, 'optimizer': 'decoupled_adamw'},
     'mb_x2': {'attn_impl': 'sdpa', 'drop_mask': True, 'optimizer': 'fused_adamw', 'mb_scale': 2},
     'mb_x4': {'attn_impl': 'sdpa', 'drop_mask': True, 'optimizer': 'fused_adamw', 'mb_scale': 4},
-    'compile': {'attn_impl': 'sdpa', 'drop_mask': True, 'optimizer': 'fused_adamw', 'compile': True},
+    'compile_nofix': {'attn_impl': 'sdpa', 'drop_mask': True, 'optimizer': 'fused_adamw', 'compile': True},
+    'compile': {'attn_impl': 'sdpa', 'drop_mask': True, 'optimizer': 'fused_adamw', 'compile': True,
+                'compile_fix': True},
     'compile_mb_x2': {'attn_impl': 'sdpa', 'drop_mask': True, 'optimizer': 'fused_adamw', 'compile': True,
-                      'mb_scale': 2},
+                      'compile_fix': True, 'mb_scale': 2},
+    'compile_cudnn': {'attn_impl': 'sdpa', 'drop_mask': True, 'optimizer': 'fused_adamw', 'compile': True,
+                      'compile_fix': True, 'sdpa_backend': 'cudnn'},
+    'nometrics_mb_x2': {'attn_impl': 'sdpa', 'drop_mask': True, 'optimizer': 'fused_adamw', 'mb_scale': 2,
+                        'train_metrics': False},
+    'compile_nometrics': {'attn_impl': 'sdpa', 'drop_mask': True, 'optimizer': 'fused_adamw', 'compile': True,
+                          'compile_fix': True, 'train_metrics': False},
+    'cudnn_fused': {'attn_impl': 'sdpa', 'drop_mask': True, 'optimizer': 'fused_adamw', 'sdpa_backend': 'cudnn'},
+    'cudnn_fused_mb_x2': {'attn_impl': 'sdpa', 'drop_mask': True, 'optimizer': 'fused_adamw',
+                          'sdpa_backend': 'cudnn', 'mb_scale': 2},
 }
 
 CSV_FIELDS = [
     'timestamp', 'model', 'variant', 'status', 'config_source', 'shims', 'attn_impl', 'attn_type', 'sdpa_backend',
-    'drop_mask', 'optimizer', 'compile', 'microbatch', 'seq_len', 'steps', 'timed_steps', 'tokens_per_s',
+    'drop_mask', 'optimizer', 'compile', 'train_metrics', 'microbatch', 'seq_len', 'steps', 'timed_steps', 'tokens_per_s',
     'step_ms', 'mfu', 'flops_per_token', 'flops_per_token_foundry', 'peak_flops', 'peak_mem_allocated_gb',
     'peak_mem_reserved_gb', 'n_params', 'gpu', 'torch', 'cuda', 'composer', 'llmfoundry', 'python', 'error',
     'command',
@@ -128,6 +142,31 @@ def _register_fused_adamw() -> None:
                              weight_decay=(weight_decay / lr) if lr else 0.0, fused=torch.cuda.is_available())
 
     optimizers.register('fused_adamw', func=FusedAdamW)
+
+
+def _dynamo_catalogue_fix() -> None:
+    """Make composer's ``compile_config`` work with llm-foundry 0.22 on Python 3.12 (idempotent).
+
+    Cause of the ``InternalTorchDynamoError: KeyError: 0`` (see benchmarks/README.md): torch.compile traces
+    ``ComposerMPTCausalLM.forward``/``loss``, which test ``ffn_type in ffns_with_megablocks``; that is a catalogue
+    ``Registry``, whose ``__contains__`` reads the module global ``catalogue.AVAILABLE_ENTRY_POINTS``, a stdlib
+    ``importlib.metadata.EntryPoints``. On Python 3.12 that class is a tuple whose ``__getitem__`` takes an entry-point
+    *name*; dynamo guards it like a tuple, by index (``AVAILABLE_ENTRY_POINTS[0]``), and the guard raises KeyError(0).
+    Fix: give modeling_mpt a frozenset snapshot of that registry's names (the only registry consulted in the
+    traced code; same answer), and make any other catalogue membership test run eagerly (a graph break, not an
+    error).
+    """
+    import catalogue
+    import torch
+    from llmfoundry.layers_registry import ffns_with_megablocks
+    from llmfoundry.models.mpt import modeling_mpt
+
+    if not isinstance(modeling_mpt.ffns_with_megablocks, frozenset):
+        modeling_mpt.ffns_with_megablocks = frozenset(ffns_with_megablocks.get_all())
+    if not getattr(catalogue.Registry.__contains__, '_llmpipe_eager', False):
+        wrapped = torch.compiler.disable(catalogue.Registry.__contains__)
+        wrapped._llmpipe_eager = True
+        catalogue.Registry.__contains__ = wrapped
 
 
 def _dummy_tokenizer_dir(vocab: int) -> str:
@@ -254,6 +293,8 @@ def build_train_config(config: dict, run: str, variant: dict, *, steps: int, mb_
         cfg['optimizer']['name'] = variant['optimizer']
     if 'compile' in variant:
         cfg['compile_config'] = {} if variant['compile'] else None
+    if 'train_metrics' in variant:
+        model['use_train_metrics'] = bool(variant['train_metrics'])
     attn_impl = 'sdpa' if attn_config.get('attn_type', '').startswith('sdpa_') else attn_config.get('attn_impl')
     knobs = {
         'config_source': source,
@@ -264,9 +305,10 @@ def build_train_config(config: dict, run: str, variant: dict, *, steps: int, mb_
         'sdpa_backend': variant.get('sdpa_backend', os.environ.get('LLMPIPE_SDPA_BACKEND', '')) or 'auto',
         'drop_mask': 'drop_full_attention_mask' in callbacks,
         'optimizer': cfg['optimizer']['name'],
-        'compile': cfg.get('compile_config') is not None,
+        'compile': (cfg.get('compile_config') is not None) and ('fix' if variant.get('compile_fix') else 'nofix'),
         'microbatch': mb,
         'seq_len': seq_len,
+        'train_metrics': model.get('use_train_metrics', True),
     }
     return cfg, knobs
 
@@ -309,8 +351,9 @@ def run_one(config: dict, run: str, vname: str, variant: dict, *, steps: int, sk
         cfg, knobs = build_train_config(config, run, variant, steps=steps, mb_override=mb_override,
                                         tok_dir=tok_dir)
         row.update(knobs)
-        backend = variant.get('sdpa_backend')
-        attn._BACKEND_ENV = backend or os.environ.get('LLMPIPE_SDPA_BACKEND') or None
+        attn.set_sdpa_backend(variant.get('sdpa_backend') or os.environ.get('LLMPIPE_SDPA_BACKEND') or 'auto')
+        if variant.get('compile_fix'):
+            _dynamo_catalogue_fix()
         timer = _make_timer()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()

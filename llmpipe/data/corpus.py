@@ -35,6 +35,7 @@ import os
 import re
 import sys
 import time
+import warnings
 import zlib
 from concurrent.futures import ThreadPoolExecutor
 from typing import Iterator
@@ -231,7 +232,8 @@ def prepare_corpus(corpus_cfg: dict, out_dir: str) -> dict:
     Args:
         corpus_cfg: one entry of ``corpora:`` in the config: ``source`` (builtin | hub | local), ``subset``,
             ``train_files``, ``val_files``; for hub ``repo_id``, ``revision``, ``download_retries`` (attempts
-            per file, default 5) and optionally ``retry_wait_s`` (first back-off, default 2 s) and ``endpoint``
+            per file, default 5), optionally ``download_workers`` (files downloaded at once, default 4),
+            ``retry_wait_s`` (first back-off, default 2 s) and ``endpoint``
             (default: ``$HF_ENDPOINT`` or the public hub); for local ``local_dir``. An optional ``key`` (the
             corpus' key in ``corpora:``) makes error messages name the setting.
         out_dir: the corpus folder (created).
@@ -325,17 +327,22 @@ def _prepare_hub(corpus_cfg: dict, out_dir: str) -> dict:
     wait0 = float(corpus_cfg.get("retry_wait_s", 2.0))
     endpoint = corpus_cfg.get("endpoint") or os.environ.get("HF_ENDPOINT") or None
     wanted = _wanted(corpus_cfg)
-    paths: dict[str, list[str]] = {}
-    total = sum(len(v) for v in wanted.values())
-    done = 0
-    for split, rels in wanted.items():
-        paths[split] = []
-        for rel in rels:
-            done += 1
-            print(f"[llmpipe] corpus: {repo_id}@{revision}: file {done}/{total}: {rel}", file=sys.stderr,
-                  flush=True)
-            paths[split].append(download_file(repo_id, rel, revision=revision, out_dir=out_dir,
-                                              retries=retries, wait_s=wait0, endpoint=endpoint, where=where))
+    flat = [(split, rel) for split, rels in wanted.items() for rel in rels]
+    total = len(flat)
+
+    def fetch(i_item: tuple[int, tuple[str, str]]) -> str:
+        i, (_split, rel) = i_item
+        print(f"[llmpipe] corpus: {repo_id}@{revision}: file {i + 1}/{total}: {rel}", file=sys.stderr, flush=True)
+        return download_file(repo_id, rel, revision=revision, out_dir=out_dir, retries=retries, wait_s=wait0,
+                             endpoint=endpoint, where=where)
+
+    # a few files at a time: the hub serves each file at a limited rate
+    n_threads = max(1, min(int(corpus_cfg.get("download_workers", 4) or 1), total))
+    with ThreadPoolExecutor(max_workers=n_threads) as pool:
+        got = list(pool.map(fetch, enumerate(flat)))
+    paths: dict[str, list[str]] = {s: [] for s in wanted}
+    for (split, _rel), path in zip(flat, got):
+        paths[split].append(path)
     files = _scan_all(paths)
     return _write_manifest(corpus_cfg, out_dir, files, {"repo_id": repo_id, "revision": revision,
                                                         "endpoint": endpoint or "https://huggingface.co"})
@@ -411,7 +418,7 @@ def _clean_paragraph(par: str) -> str | None:
         return None
     text = " ".join(ln.strip() for ln in lines)
     text = re.sub(r"^[*\-] ", "", text)  # bullet
-    text = re.sub(r"\*\*?([^*]+)\*\*?", r"\1", text)  # *emphasis*
+    text = re.sub(r"(?<![\w*])\*{1,2}(?=\S)([^*]+?)(?<=\S)\*{1,2}(?![\w*])", r"\1", text)  # *emphasis*
     text = re.sub(r"\s+", " ", text).strip()
     if text.endswith("::"):
         text = text[:-1]
@@ -488,7 +495,9 @@ def _cmodule_docstrings() -> Iterator[tuple[str, str, list[str]]]:
         if name in _SKIP_CMODULES or name.startswith(("_test", "xx", "_xx", "_ctypes_test")):
             continue
         try:
-            mod = importlib.import_module(name)
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # deprecated modules (audioop, nis ...) still have docs
+                mod = importlib.import_module(name)
         except Exception:  # noqa: BLE001 - a module that cannot load here simply contributes nothing
             continue
         raw = [mod.__doc__ or ""]
@@ -513,18 +522,18 @@ def builtin_documents(max_chars: int = BUILTIN_MAX_CHARS) -> list[dict]:
     from pydoc_data.topics import topics
 
     ver = f"{sys.version_info.major}.{sys.version_info.minor}"
-    sources: list[tuple[str, str, list[str]]] = []
-    for name in sorted(topics):
-        sources.append((f"topic:{name}", f"https://docs.python.org/{ver}/reference/topics.html#{name}",
-                        _paragraphs(topics[name])))
-    for rel, mod, pars in _stdlib_docstrings():
-        sources.append((f"module:{rel}", f"https://docs.python.org/{ver}/library/{mod}.html", pars))
-    for key, mod, pars in _cmodule_docstrings():
-        sources.append((key, f"https://docs.python.org/{ver}/library/{mod}.html", pars))
+    def sources() -> Iterator[tuple[str, str, list[str]]]:  # lazily: stops being read at max_chars
+        for name in sorted(topics):
+            yield (f"topic:{name}", f"https://docs.python.org/{ver}/reference/topics.html#{name}",
+                   _paragraphs(topics[name]))
+        for rel, mod, pars in _stdlib_docstrings():
+            yield f"module:{rel}", f"https://docs.python.org/{ver}/library/{mod}.html", pars
+        for key, mod, pars in _cmodule_docstrings():
+            yield key, f"https://docs.python.org/{ver}/library/{mod}.html", pars
     seen: set[str] = set()
     docs: list[dict] = []
     total = 0
-    for key, url, pars in sources:
+    for key, url, pars in sources():
         cur: list[str] = []
         n = 0
         part = 0

@@ -254,7 +254,7 @@ def convert_unit(spec: dict) -> dict:
     chain = itertools.chain.from_iterable
     tty = sys.stderr.isatty()
     bar = tqdm(total=spec["input_bytes"], unit="B", unit_scale=True, desc=f"{spec['split']}/{spec['name']}",
-               mininterval=0.5 if tty else 30, file=sys.stderr, disable=spec.get("quiet", False))
+               mininterval=0.5 if tty else 60, file=sys.stderr, disable=spec.get("quiet", False))
     last_progress = 0.0
     try:
         writer = MDSWriter(out=tmp_dir, columns=COLUMNS, compression=spec["compression"],
@@ -527,8 +527,10 @@ def convert_dataset(corpus_manifest: str, tokenizer_dir: str, concat_tokens: int
                 "unit_dir": os.path.join(split_dir, name), "tokenizer_dir": os.path.abspath(tokenizer_dir),
                 "tokenizer_fingerprint": fp, "concat_tokens": concat, "eos_ids": list(eos_ids),
                 "compression": compression, "size_limit": size_limit,
-                "progress": os.path.join(progress_dir, f"{msplit}.{name}.json"),
-                "quiet": kind != "debug",  # local / slurm workers log to files; the parent shows the bars
+                "progress": os.path.join(progress_dir, f"{msplit}.{name}.json") if kind != "slurm" else None,
+                # local workers log to files and the parent draws their bars; on Slurm the bar goes to the
+                # job's log (a line a minute); in debug mode the unit runs here and draws its own bar
+                "quiet": kind == "local",
             }
             wanted[name] = spec
             specs.append(spec)
@@ -554,12 +556,18 @@ def convert_dataset(corpus_manifest: str, tokenizer_dir: str, concat_tokens: int
             os.makedirs(claim_dir, exist_ok=True)
             jobs = [{"units": todo, "claim_dir": claim_dir} for _ in range(n_workers)]
             max_parallel = 0
-        _say(f"mds: converting {len(todo)} unit(s) of {len(specs)} with {len(jobs) if kind != 'slurm' else n_workers}"
-             f" worker(s) ({kind}); concat_tokens={concat}, eos ids {list(eos_ids)}", log_file)
-        mon = _Monitor(todo, log_file, bars=kind != "debug")
+        how = (f"as a Slurm job array of {len(jobs)} task(s)" + (f", at most {max_parallel} at once" if max_parallel
+                                                                  else "")) if kind == "slurm" else \
+            f"with {len(jobs)} worker process(es) ({kind})"
+        _say(f"mds: converting {len(todo)} unit(s) of {len(specs)} {how}; concat_tokens={concat}, "
+             f"eos ids {list(eos_ids)}", log_file)
+        # progress files are polled for local runs only: on Slurm (hundreds of units on a shared file system)
+        # the line per finished unit comes from map_steps' on_result
+        mon = _Monitor(todo if kind != "slurm" else [], log_file, bars=kind == "local")
+        mon.total = len(todo)
         mon.start()
         try:
-            map_steps(run_units, jobs, step=f"mds {os.path.basename(out_dir)}", resources=res, config=config,
+            map_steps(run_units, jobs, step="mds " + "/".join(out_dir.split(os.sep)[-4:]), resources=res, config=config,
                       log_dir=log_dir, log_file=log_file, max_parallel=max_parallel,
                       on_result=lambda i, recs: [mon.announce(r) for r in recs or []])
         finally:

@@ -1,14 +1,14 @@
 #!/usr/bin/env bash
 # Start llmpipe's throw-away Slurm test cluster on this machine:
 #   munged + MariaDB + slurmdbd (sacct) + slurmctld on the host, and NODES slurmd nodes n1..nN, each in its own
-#   network namespace (10.214.0.1N on a private bridge) with its own hostname, each declaring GPUS count-only GPUs.
-# Partitions: debug (all nodes, default, MaxTime 60 min) and small (n1 only, MaxTime 5 min).
+#   network namespace (10.214.0.1N on a private bridge) with its own hostname, each declaring GPUS GPUs (stand-ins: no real devices).
+# Partitions: debug (all nodes, default, MaxTime 24 h) and small (n1 only, MaxTime 5 min).
 #
 #   tests/slurm_cluster/start.sh            # then: export SLURM_CONF=$LLMPIPE_SLURM_DIR/etc/slurm.conf
 #
 # Environment:
 #   LLMPIPE_SLURM_DIR  state folder (config, logs, spool, database, PID files); default /tmp/llmpipe-slurm
-#   NODES=2 CPUS=4 MEM=4000 GPUS=4          nodes, CPUs / memory (MB) / count-only GPUs declared per node
+#   NODES=2 CPUS=16 MEM=32000 GPUS=4         nodes, CPUs / memory (MB) / count-only GPUs declared per node
 #   FRESH=1            restart even when a healthy cluster with this state folder is running
 # Idempotent: a healthy running cluster is left alone (prints "already running"); anything else is stopped with
 # stop.sh (which kills only what this script started) and started afresh. Needs root, ip netns, nsenter, unshare.
@@ -16,7 +16,7 @@
 set -euo pipefail
 HERE="$(cd "$(dirname "$0")" && pwd)"
 DIR="${LLMPIPE_SLURM_DIR:-/tmp/llmpipe-slurm}"
-NODES="${NODES:-2}"; CPUS="${CPUS:-4}"; MEM="${MEM:-4000}"; GPUS="${GPUS:-4}"
+NODES="${NODES:-2}"; CPUS="${CPUS:-16}"; MEM="${MEM:-32000}"; GPUS="${GPUS:-4}"
 NET=10.214.0; BR=llmpbr0; NS=llmp-n; VETH=llmpv
 CTLD_PORT=16827; SLURMD_PORT=16828; DBD_PORT=16829; DB_PORT=13326
 CTL_IP="$NET.1"
@@ -35,7 +35,7 @@ healthy() {
   [[ -f $C && -f $DIR/run/started ]] || return 1
   local f; for f in munged slurmdbd slurmctld mysqld; do
     [[ -f $DIR/run/$f.pid ]] && kill -0 "$(cat "$DIR/run/$f.pid")" 2>/dev/null || return 1; done
-  [[ "$(SLURM_CONF=$C timeout 5 sinfo -h -N -o '%N %t' 2>/dev/null | grep -cE ' (idle|mix|alloc)')" == "$NODES" ]]
+  [[ "$(SLURM_CONF=$C timeout 5 sinfo -h -N -p debug -o '%N %t' 2>/dev/null | grep -cE ' (idle|mix|alloc)')" == "$NODES" ]]
 }
 if [[ "${FRESH:-0}" != 1 ]] && healthy; then
   log "already running ($DIR)"; echo "export SLURM_CONF=$C"; exit 0
@@ -144,5 +144,5 @@ for _ in $(seq 1 300); do
 done
 [[ $up == "$NODES" ]] || { sinfo -N >&2 || true; die "only $up of $NODES nodes idle: see $DIR/log/slurmctld.log, slurmd-n*.log"; }
 touch "$DIR/run/started"
-log "ready: $NODES nodes x $GPUS GPUs; partitions debug (default, 60 min), small (n1, 5 min)"
+log "ready: $NODES nodes x $GPUS GPUs; partitions debug (default, 24 h), small (n1, 5 min)"
 echo "export SLURM_CONF=$C"

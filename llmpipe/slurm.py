@@ -1,0 +1,428 @@
+"""The Slurm side of dispatch: a configured submitit ``SlurmExecutor`` per step, and a preflight check.
+
+Where a step runs is site config, ``config['slurm']`` (defaults: :data:`DEFAULTS`, documented in
+``config/slurm-site.yaml``, which ``profiles/slurm`` merges). What a step needs is the step's ``resources``
+(``nodes, gpus_per_node, tasks_per_node, cpus_per_task, mem_gb, time_min``); a step's resources may also carry a
+``slurm:`` mapping that overrides site keys for that step only (e.g. ``data_resources: {slurm: {partition: cpu}}``).
+
+This module imports neither torch nor submitit at import time: :func:`preflight` runs in the Snakefile at
+dry-run time and costs two ``scontrol``/``sinfo`` calls (cached per process).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import re
+import shlex
+import shutil
+import subprocess
+from typing import Any
+
+from llmpipe.config import ConfigError, deep_merge
+
+#: Site settings read from ``config['slurm']``; every key is documented in ``config/slurm-site.yaml``.
+DEFAULTS: dict[str, Any] = {
+    "partition": None,
+    "account": None,
+    "qos": None,
+    "constraint": None,
+    "exclusive": False,
+    "gpu_type": None,
+    "sbatch_args": {},
+    "srun_args": [],
+    "setup": [],
+    "env": {},
+    "container": {
+        "type": None,
+        "image": None,
+        "mounts": [],
+        "workdir": None,
+        "python": "python",
+        "apptainer": "apptainer",
+        "apptainer_args": ["--nv"],
+        "pyxis_args": [],
+    },
+    "signal_delay_s": 120,
+    "max_requeue_timeouts": 3,
+    "poll_s": 30,
+    "preflight": True,
+    "command_timeout_s": 30,
+}
+
+
+def site_config(config: dict, resources: dict | None = None) -> dict:
+    """The effective Slurm site settings for one step.
+
+    :data:`DEFAULTS`, overlaid with ``config['slurm']``, overlaid with ``resources['slurm']`` (per-step overrides).
+
+    Raises:
+        ConfigError: ``slurm`` (or ``resources.slurm``) is not a mapping, or ``slurm.container.type`` is unknown.
+    """
+    site = config.get("slurm") or {}
+    if not isinstance(site, dict):
+        raise ConfigError(f"`slurm:` must be a mapping of site settings, got {site!r}. "
+                          f"Fix: see config/slurm-site.yaml for the keys.")
+    out = deep_merge(DEFAULTS, site)
+    over = (resources or {}).get("slurm")
+    if over:
+        if not isinstance(over, dict):
+            raise ConfigError(f"resources.slurm must be a mapping of site settings, got {over!r}.")
+        out = deep_merge(out, over)
+    ctype = (out.get("container") or {}).get("type")
+    if ctype not in (None, "", "none", "pyxis", "apptainer"):
+        raise ConfigError(f"slurm.container.type is {ctype!r}; it must be null, pyxis or apptainer.")
+    if ctype in ("pyxis", "apptainer") and not out["container"].get("image"):
+        raise ConfigError(f"slurm.container.type is {ctype} but slurm.container.image is not set. "
+                          f"Fix: set the image (a registry reference or a .sqsh/.sif file), or type: null.")
+    return out
+
+
+def tasks_per_node(resources: dict) -> int:
+    """Tasks per node: ``tasks_per_node`` when given, else one per GPU (``gpus_per_node``), else 1."""
+    t = resources.get("tasks_per_node")
+    if t:
+        return int(t)
+    gpus = int(resources.get("gpus_per_node", 0) or 0)
+    return gpus if gpus > 0 else 1
+
+
+def _gres(site: dict, gpus: int) -> str:
+    gtype = site.get("gpu_type")
+    return f"gpu:{gtype}:{gpus}" if gtype else f"gpu:{gpus}"
+
+
+def _python_and_srun_args(site: dict) -> tuple[str | None, list[str]]:
+    """The python command of the job (None: this interpreter) and the srun arguments, container included."""
+    srun_args = [str(a) for a in site.get("srun_args") or []]
+    cont = site.get("container") or {}
+    ctype = cont.get("type")
+    mounts = [str(m) for m in cont.get("mounts") or []]
+    if ctype == "apptainer":
+        cmd = [str(cont.get("apptainer") or "apptainer"), "exec", *[str(a) for a in cont.get("apptainer_args") or []]]
+        if mounts:
+            cmd.append("--bind=" + ",".join(mounts))
+        cmd += [str(cont["image"]), str(cont.get("python") or "python")]
+        return " ".join(shlex.quote(c) for c in cmd), srun_args
+    if ctype == "pyxis":
+        srun_args.append(f"--container-image={cont['image']}")
+        if mounts:
+            srun_args.append("--container-mounts=" + ",".join(mounts))
+        if cont.get("workdir"):
+            srun_args.append(f"--container-workdir={cont['workdir']}")
+        srun_args += [str(a) for a in cont.get("pyxis_args") or []]
+        return shlex.quote(str(cont.get("python") or "python")), srun_args
+    return None, srun_args
+
+
+def sbatch_parameters(config: dict, resources: dict, name: str) -> dict:
+    """The submitit ``SlurmExecutor`` parameters for one step (what :func:`make_executor` passes on).
+
+    Units: ``time`` in minutes (from ``resources.time_min``), ``mem`` as ``<N>GB`` (``resources.mem_gb``; 0 leaves
+    memory to the site's default and is not sent), ``signal_delay_s`` in seconds.
+    """
+    site = site_config(config, resources)
+    gpus = int(resources.get("gpus_per_node", 0) or 0)
+    params: dict[str, Any] = {
+        "job_name": name,
+        "nodes": int(resources.get("nodes", 1)),
+        "ntasks_per_node": tasks_per_node(resources),
+        "cpus_per_task": int(resources.get("cpus_per_task", 1) or 1),
+        "time": int(resources.get("time_min", 60)),
+        "signal_delay_s": int(site["signal_delay_s"]),
+    }
+    if gpus > 0:
+        params["gres"] = _gres(site, gpus)
+    mem = float(resources.get("mem_gb", 0) or 0)
+    if mem > 0:
+        params["mem"] = f"{int(mem)}GB" if mem == int(mem) else f"{int(mem * 1024)}MB"
+    for key in ("partition", "account", "qos", "constraint"):
+        if site.get(key):
+            params[key] = str(site[key])
+    if site.get("exclusive"):
+        params["exclusive"] = True
+    extra: dict[str, Any] = {"requeue": True}   # preemption and time-limit checkpoints requeue the job
+    for k, v in (site.get("sbatch_args") or {}).items():
+        k = str(k).lstrip("-").replace("-", "_")
+        if v is None or v is False:
+            extra.pop(k, None)
+        else:
+            extra[k] = v
+    params["additional_parameters"] = extra
+    setup = [f"export {k}={shlex.quote(str(v))}" for k, v in (site.get("env") or {}).items()
+             if re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", str(k))]
+    bad = [k for k in (site.get("env") or {}) if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", str(k))]
+    if bad:
+        raise ConfigError(f"slurm.env has invalid variable name(s) {bad}. Fix: use shell variable names.")
+    setup += [str(line) for line in site.get("setup") or []]
+    if setup:
+        params["setup"] = setup
+    _, srun_args = _python_and_srun_args(site)
+    if srun_args:
+        params["srun_args"] = srun_args
+    return params
+
+
+def make_executor(config: dict, resources: dict, folder: str, name: str):
+    """A ``submitit.SlurmExecutor`` configured for one step.
+
+    ``nodes x ntasks_per_node`` tasks (one per GPU, or ``tasks_per_node`` on CPU nodes), ``--gres=gpu:N`` when the
+    step needs GPUs, ``--cpus-per-task``, ``--mem`` (unless ``mem_gb`` is 0), ``--time`` (minutes), the site's
+    partition/account/qos/constraint/exclusive and extra sbatch/srun arguments, ``export`` lines for
+    ``slurm.env``, ``--signal=USR2@slurm.signal_delay_s`` and ``--requeue`` (so checkpointing steps resume after a
+    preemption or time limit) and, with ``slurm.container``, pyxis ``--container-image`` srun arguments or an
+    ``apptainer exec IMAGE python`` wrapper around the job's python.
+
+    Args:
+        config: the workflow config (``slurm`` is read; see config/slurm-site.yaml).
+        resources: the step's resources (see :func:`llmpipe.config.step_resources`).
+        folder: where submitit writes the job's pickles and logs (``%j`` is the job id); must be on a filesystem
+            the compute nodes share.
+        name: the job name (``squeue``/``sacct``).
+
+    Raises:
+        ConfigError: ``sbatch``/``srun`` are not on PATH, or a ``slurm`` setting is invalid.
+    """
+    for tool in ("sbatch", "srun"):
+        if shutil.which(tool) is None:
+            raise ConfigError(f"dispatch.executor is slurm but `{tool}` is not on PATH. Fix: run snakemake on a "
+                              f"Slurm login node (or load the slurm module), or drop --profile slurm to run locally.")
+    import submitit
+
+    site = site_config(config, resources)
+    python, _ = _python_and_srun_args(site)
+    ex = submitit.SlurmExecutor(folder=folder, python=python,
+                                max_num_timeout=int(site["max_requeue_timeouts"]))
+    ex.update_parameters(**sbatch_parameters(config, resources, name))
+    return ex
+
+
+# ---------------------------------------------------------------------------------------------- cluster queries
+
+def _run(cmd: list[str], timeout: float) -> str:
+    try:
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    except FileNotFoundError as exc:
+        raise ConfigError(f"`{cmd[0]}` is not on PATH. Fix: run on a Slurm login node (or load the slurm "
+                          f"module), or drop --profile slurm to run locally.") from exc
+    except subprocess.TimeoutExpired as exc:
+        raise ConfigError(f"`{' '.join(cmd)}` did not answer within {timeout:.0f} s: the Slurm controller is not "
+                          f"reachable. Fix: check `sinfo` works here (SLURM_CONF, munge).") from exc
+    if out.returncode != 0:
+        raise ConfigError(f"`{' '.join(cmd)}` failed (exit {out.returncode}): {out.stderr.strip()[-500:]}. "
+                          f"Fix: check `sinfo` works here (SLURM_CONF, munge), or drop --profile slurm.")
+    return out.stdout
+
+
+def _kv(line: str) -> dict[str, str]:
+    """``Key=Value Key2=Value2`` (scontrol -o) to a dict; values never contain spaces in the keys we read."""
+    out = {}
+    for tok in line.split():
+        if "=" in tok:
+            k, v = tok.split("=", 1)
+            out[k] = v
+    return out
+
+
+def parse_time_min(text: str) -> float:
+    """A Slurm time (``MaxTime``) in minutes; ``inf`` for UNLIMITED/INFINITE.
+
+    Accepts ``minutes``, ``minutes:seconds``, ``hours:minutes:seconds``, ``days-hours``, ``days-hours:minutes``
+    and ``days-hours:minutes:seconds``. Raises ValueError for anything else.
+    """
+    t = text.strip()
+    if t.upper() in ("UNLIMITED", "INFINITE", "NONE", ""):
+        return float("inf")
+    days = 0
+    if "-" in t:
+        d, t = t.split("-", 1)
+        days = int(d)
+        parts = [int(p) for p in t.split(":")]
+        h, m, s = (parts + [0, 0])[:3]
+        return days * 1440 + h * 60 + m + s / 60
+    parts = [int(p) for p in t.split(":")]
+    if len(parts) == 1:
+        return float(parts[0])
+    if len(parts) == 2:
+        return parts[0] + parts[1] / 60
+    if len(parts) == 3:
+        return parts[0] * 60 + parts[1] + parts[2] / 60
+    raise ValueError(f"not a Slurm time: {text!r}")
+
+
+def parse_gpus(gres: str, gpu_type: str | None = None) -> int:
+    """Number of GPUs in a node's GRES string (``gpu:4``, ``gpu:a100:8(S:0-1)``, ``gpu:a100:4,gpu:v100:2``).
+
+    With ``gpu_type`` only GPUs of that type count (untyped GPUs never do).
+    """
+    total = 0
+    for item in re.split(r",(?![^()]*\))", gres or ""):
+        item = re.sub(r"\(.*?\)", "", item).strip()
+        parts = item.split(":")
+        if not parts or parts[0] != "gpu":
+            continue
+        count = int(parts[-1]) if len(parts) >= 2 and parts[-1].isdigit() else 1
+        gtype = parts[1] if len(parts) == 3 else None
+        if gpu_type and gtype != gpu_type:
+            continue
+        total += count
+    return total
+
+
+def _conf_key() -> str:
+    return os.environ.get("SLURM_CONF", "")
+
+
+@functools.lru_cache(maxsize=8)
+def _partitions(conf_key: str, timeout: float) -> dict[str, dict[str, str]]:
+    out = _run(["scontrol", "show", "partition", "--oneliner"], timeout)
+    parts = {}
+    for line in out.splitlines():
+        kv = _kv(line)
+        if "PartitionName" in kv:
+            parts[kv["PartitionName"]] = kv
+    return parts
+
+
+@functools.lru_cache(maxsize=32)
+def _nodes(conf_key: str, partition: str, timeout: float) -> list[dict[str, Any]]:
+    out = _run(["sinfo", "--noheader", "--Node", "--partition", partition, "--format", "%N|%G|%c|%m|%t"],
+               timeout)
+    nodes = {}
+    for line in out.splitlines():
+        f = line.strip().split("|")
+        if len(f) != 5:
+            continue
+        name, gres, cpus, mem, state = f
+        nodes[name] = {"name": name, "gres": gres, "cpus": int(cpus) if cpus.isdigit() else 0,
+                       "mem_mb": int(mem) if mem.rstrip("+").isdigit() else 0, "state": state}
+    return list(nodes.values())
+
+
+def clear_cache() -> None:
+    """Forget cached ``scontrol``/``sinfo`` answers (tests change the cluster between calls)."""
+    _partitions.cache_clear()
+    _nodes.cache_clear()
+
+
+def preflight(config: dict, resources: dict, where: str = "resources") -> dict:
+    """Check that a step's request can ever run on this cluster, before anything is submitted.
+
+    Reads ``scontrol show partition`` and ``sinfo --Node`` (cached per process; no torch, no submitit) and checks:
+    sbatch/sinfo/scontrol are on PATH, the partition (``slurm.partition``, or the cluster's default) exists and is
+    up, ``nodes`` is at most the partition's node count (and its MaxNodes), enough of its nodes have
+    ``gpus_per_node`` GPUs (of ``slurm.gpu_type`` when set), ``cpus_per_task x tasks`` CPUs and ``mem_gb`` memory,
+    and ``time_min`` is within the partition's MaxTime. Does nothing when ``slurm.preflight`` is false.
+
+    Args:
+        config: the workflow config.
+        resources: the step's resources.
+        where: the config path of ``resources`` for messages (e.g. ``models.mpt-1b.resources``).
+
+    Returns:
+        A summary: ``partition``, ``max_time_min``, ``total_nodes`` and ``fitting_nodes`` (empty when skipped).
+
+    Raises:
+        ConfigError: naming the setting, what the cluster has, and the fix.
+    """
+    site = site_config(config, resources)
+    if not site.get("preflight", True):
+        return {}
+    timeout = float(site.get("command_timeout_s") or 30)
+    for tool in ("sbatch", "sinfo", "scontrol"):
+        if shutil.which(tool) is None:
+            raise ConfigError(f"dispatch.executor is slurm but `{tool}` is not on PATH. Fix: run snakemake on a "
+                              f"Slurm login node (or load the slurm module), or drop --profile slurm to run locally.")
+    parts = _partitions(_conf_key(), timeout)
+    pname = site.get("partition")
+    if pname:
+        if pname not in parts:
+            raise ConfigError(f"slurm.partition is {pname!r}, but this cluster has no such partition (it has: "
+                              f"{', '.join(sorted(parts)) or 'none'}). Fix: set slurm.partition in "
+                              f"config/slurm-site.yaml or with --config, to one of those.")
+    else:
+        defaults = [n for n, kv in parts.items() if kv.get("Default") == "YES"]
+        if not defaults:
+            raise ConfigError(f"slurm.partition is not set and this cluster has no default partition (it has: "
+                              f"{', '.join(sorted(parts)) or 'none'}). Fix: set slurm.partition.")
+        pname = defaults[0]
+    p = parts[pname]
+    state = p.get("State", "UP")
+    if state != "UP":
+        raise ConfigError(f"Slurm partition {pname!r} (slurm.partition) is {state}: jobs would wait forever. "
+                          f"Fix: choose another partition with slurm.partition.")
+
+    nodes = int(resources.get("nodes", 1))
+    total = int(p.get("TotalNodes", "0") or 0)
+    if nodes > total:
+        raise ConfigError(f"{where}.nodes is {nodes}, but Slurm partition {pname!r} has only {total} node(s) "
+                          f"({p.get('Nodes', '?')}). Fix: lower {where}.nodes to at most {total}, or pick a bigger "
+                          f"partition with slurm.partition.")
+    max_nodes = p.get("MaxNodes", "UNLIMITED")
+    if max_nodes.isdigit() and nodes > int(max_nodes):
+        raise ConfigError(f"{where}.nodes is {nodes}, but Slurm partition {pname!r} allows at most {max_nodes} "
+                          f"node(s) per job (MaxNodes). Fix: lower {where}.nodes, or pick another partition.")
+
+    time_min = float(resources.get("time_min", 60))
+    max_time = parse_time_min(p.get("MaxTime", "UNLIMITED"))
+    if time_min > max_time:
+        raise ConfigError(f"{where}.time_min is {time_min:g} minutes, but Slurm partition {pname!r} allows at most "
+                          f"{max_time:g} minutes (MaxTime={p.get('MaxTime')}): the job would wait forever "
+                          f"(PartitionTimeLimit). Fix: set {where}.time_min to at most {max_time:g} (training "
+                          f"checkpoints and requeues itself), or pick another partition with slurm.partition.")
+
+    gpus = int(resources.get("gpus_per_node", 0) or 0)
+    tasks = tasks_per_node(resources)
+    cpus = int(resources.get("cpus_per_task", 1) or 1) * tasks
+    mem_mb = float(resources.get("mem_gb", 0) or 0) * 1024
+    node_list = _nodes(_conf_key(), pname, timeout)
+    gtype = site.get("gpu_type")
+    what = f"gpu:{gtype}" if gtype else "GPU"
+    if gpus > 0:
+        best = max((parse_gpus(n["gres"], gtype) for n in node_list), default=0)
+        if gpus > best:
+            raise ConfigError(f"{where}.gpus_per_node is {gpus}, but the nodes of Slurm partition {pname!r} have at "
+                              f"most {best} {what}(s) each. Fix: set {where}.gpus_per_node to at most {best} "
+                              f"(and raise nodes instead), or pick a GPU partition with slurm.partition"
+                              f"{'' if not gtype else ' or change slurm.gpu_type'}.")
+    fitting = [n for n in node_list if (gpus == 0 or parse_gpus(n["gres"], gtype) >= gpus)
+               and (not n["cpus"] or n["cpus"] >= cpus) and (not mem_mb or not n["mem_mb"] or n["mem_mb"] >= mem_mb)]
+    if len(fitting) < nodes:
+        max_cpus = max((n["cpus"] for n in node_list), default=0)
+        max_mem_gb = max((n["mem_mb"] for n in node_list), default=0) / 1024
+        raise ConfigError(f"{where} asks for {nodes} node(s) with {gpus} {what}(s), {cpus} CPUs "
+                          f"(cpus_per_task x {tasks} tasks) and {resources.get('mem_gb', 0) or 0} GB each, but only "
+                          f"{len(fitting)} node(s) of Slurm partition {pname!r} have that (most CPUs on a node: "
+                          f"{max_cpus}, most memory: {max_mem_gb:.1f} GB). Fix: lower {where}.cpus_per_task / mem_gb / nodes, or pick another "
+                          f"partition with slurm.partition.")
+    return {"partition": pname, "max_time_min": max_time, "total_nodes": total, "fitting_nodes": len(fitting)}
+
+
+def job_info(job_id: str, timeout: float = 30) -> dict[str, str] | None:
+    """What Slurm knows about a job: ``{'JobID', 'JobName', 'State', 'NodeList'}``, or None when it knows nothing.
+
+    Asks ``squeue`` first (live jobs, no accounting lag), then ``sacct`` (finished jobs).
+
+    Raises:
+        RuntimeError: ``sacct`` failed or did not answer within ``timeout`` seconds (so "unknown" is not "gone").
+    """
+    jid = str(job_id)
+    try:
+        out = subprocess.run(["squeue", "--noheader", "--jobs", jid, "--format", "%i|%j|%T|%N"],
+                             capture_output=True, text=True, timeout=timeout)
+        for line in out.stdout.splitlines():
+            f = line.strip().split("|")
+            if len(f) == 4 and f[0] == jid:
+                return {"JobID": f[0], "JobName": f[1], "State": f[2], "NodeList": f[3]}
+        out = subprocess.run(["sacct", "--noheader", "--parsable2", "--allocations", "--jobs", jid,
+                              "--format", "JobID,JobName,State,NodeList"],
+                             capture_output=True, text=True, timeout=timeout)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        raise RuntimeError(f"cannot ask Slurm about job {jid}: {exc}") from exc
+    if out.returncode != 0:
+        raise RuntimeError(f"sacct failed for job {jid}: {out.stderr.strip()[-300:]}")
+    for line in out.stdout.splitlines():
+        f = line.strip().split("|")
+        if len(f) == 4 and f[0] == jid:
+            return {"JobID": f[0], "JobName": f[1], "State": (f[2].split() or ["UNKNOWN"])[0], "NodeList": f[3]}
+    return None

@@ -1,0 +1,75 @@
+"""Shared fixtures: a workflow working folder, dry runs, and one real run of the tiny pipeline."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+SNAKEMAKE = [sys.executable, "-m", "snakemake"]
+
+pytest_plugins = ["tests.slurm_cluster.fixture"] if (REPO / "tests/slurm_cluster/fixture.py").exists() else []
+
+
+def snakemake(workdir: Path, *args: str, check: bool = True, timeout: float = 1800, env: dict | None = None):
+    """Run snakemake on this repository's Snakefile in ``workdir``; return the CompletedProcess."""
+    cmd = SNAKEMAKE + ["-s", str(REPO / "Snakefile"), "-d", str(workdir), *args]
+    proc = subprocess.run(cmd, cwd=workdir, capture_output=True, text=True, timeout=timeout,
+                          env={**os.environ, **(env or {})})
+    if check and proc.returncode != 0:
+        raise AssertionError(f"snakemake {' '.join(args)} failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n"
+                             f"{proc.stderr[-6000:]}")
+    return proc
+
+
+def planned_jobs(proc) -> dict[str, int]:
+    """Parse the 'Job stats' table of a dry run: rule -> number of jobs. Empty when nothing would run."""
+    out = proc.stdout + proc.stderr
+    if "Nothing to be done" in out:
+        return {}
+    m = re.search(r"Job stats:\n(.*?)\n\s*total\s+\d+", out, re.S)
+    assert m, f"no job stats in dry run output:\n{out[-3000:]}"
+    jobs = {}
+    for line in m.group(1).splitlines():
+        parts = line.split()
+        if len(parts) == 2 and parts[1].isdigit():
+            jobs[parts[0]] = int(parts[1])
+    return jobs
+
+
+@pytest.fixture
+def workdir(tmp_path: Path) -> Path:
+    """An empty working folder for the workflow (results/, .snakemake/ go there)."""
+    return tmp_path
+
+
+@pytest.fixture(scope="session")
+def tiny_run(tmp_path_factory) -> Path:
+    """The embedded default run end to end once (CPU, a few minutes); returns its working folder.
+
+    Runs with symlinks refused (tests/helpers/sitecustomize.py), as on seed 001's shared drive.
+    """
+    wd = tmp_path_factory.mktemp("tiny-run")
+    t0 = time.time()
+    proc = snakemake(wd, "--cores", "2", env=no_symlink_env(wd))
+    (wd / "pipeline-stdout.txt").write_text(proc.stdout + proc.stderr + f"\nseconds: {time.time() - t0:.1f}\n")
+    return wd
+
+
+def no_symlink_env(workdir: Path) -> dict:
+    """Environment for a workflow run in which creating a symlink anywhere under ``workdir`` fails."""
+    return {"PYTHONPATH": os.pathsep.join([str(REPO / "tests" / "helpers"), str(REPO)]),
+            "LLMPIPE_TEST_NO_SYMLINK": str(workdir)}
+
+
+def copy_run(src: Path, dst: Path) -> Path:
+    """Copy a finished working folder (results and Snakemake's metadata), keeping modification times."""
+    shutil.copytree(src, dst, symlinks=True, copy_function=shutil.copy2)
+    return dst

@@ -1,0 +1,66 @@
+"""Bad input gets one clear message naming the setting and the fix, already from the dry run."""
+
+from __future__ import annotations
+
+import os
+import stat
+
+import pytest
+
+from tests.conftest import snakemake
+
+
+def dry_fail(workdir, *args) -> str:
+    proc = snakemake(workdir, "-n", *args, check=False)
+    assert proc.returncode != 0, proc.stdout[-2000:]
+    return proc.stdout + proc.stderr
+
+
+def test_unknown_model(workdir):
+    out = dry_fail(workdir, "results/mpt-2b/eval.json")
+    assert "unknown model or run 'mpt-2b'" in out and "mpt-1b" in out
+
+
+def test_missing_local_data_source(workdir, tmp_path):
+    out = dry_fail(workdir, "results/mpt-125m/train.json", "--config",
+                   "corpora={'c4': {'source': 'local', 'local_dir': '%s/nowhere'}}" % tmp_path)
+    assert "corpora.c4.local_dir" in out and "does not exist" in out
+
+
+def test_global_batch_not_divisible_by_devices(workdir):
+    # 3 nodes x 8 GPUs = 24 devices; 256 is not a multiple of 24
+    out = dry_fail(workdir, "results/mpt-125m/train.json", "--config", "models={'mpt-125m': {'resources': {'nodes': 3}}}")
+    assert "models.mpt-125m.train.global_batch_size (256) is not divisible by the number of devices (24" in out
+
+
+def test_concat_tokens_larger_than_max_seq_len(workdir):
+    out = dry_fail(workdir, "results/mpt-tiny/train.json", "--config",
+                   "models={'mpt-tiny': {'data': {'concat_tokens': 256}}}")
+    assert "models.mpt-tiny.data.concat_tokens (256) is larger than models.mpt-tiny.arch.max_seq_len (128)" in out
+
+
+def test_tokenizer_without_eos_text(workdir):
+    out = dry_fail(workdir, "results/mpt-tiny/train.json", "--config",
+                   "tokenizers={'bpe-builtin-docs': {'eos_text': ''}}")
+    assert "tokenizers.bpe-builtin-docs.eos_text is empty" in out
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root can write anywhere; covered by the path-under-a-file case")
+def test_unwritable_results_dir_permissions(workdir, tmp_path):
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    ro.chmod(stat.S_IRUSR | stat.S_IXUSR)
+    out = dry_fail(workdir, "--config", f"results_dir={ro}/results")
+    assert "results_dir" in out and "not writable" in out
+
+
+def test_unwritable_results_dir(workdir, tmp_path):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a folder")
+    out = dry_fail(workdir, "--config", f"results_dir={blocker}/results")
+    assert f"results_dir '{blocker}/results' is not writable" in out
+
+
+def test_unknown_corpus_in_model(workdir):
+    out = dry_fail(workdir, "results/mpt-125m/train.json", "--config", "models={'mpt-125m': {'data': {'corpus': 'pile'}}}")
+    assert "models.mpt-125m.data.corpus is 'pile'" in out

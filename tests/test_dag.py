@@ -1,0 +1,49 @@
+"""Dry runs of the full-size models: the whole chain is planned, with resources, fast, without torch."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+
+from tests.conftest import REPO, planned_jobs, snakemake
+
+ALL_RULES = {"corpus", "tokenizer", "mds", "verify_mds", "icl_task", "train", "convert", "generate", "eval"}
+
+
+@pytest.fixture
+def no_torch(tmp_path):
+    """A PYTHONPATH entry whose `torch` (and transformers, llmfoundry) cannot be imported."""
+    d = tmp_path / "blocked"
+    d.mkdir()
+    for name in ("torch", "transformers", "llmfoundry", "composer"):
+        (d / f"{name}.py").write_text(f"raise ImportError('{name} must not be imported by a dry run')\n")
+    return {"PYTHONPATH": os.pathsep.join([str(d), str(REPO)])}
+
+
+@pytest.mark.parametrize("model", ["mpt-1b", "mpt-70b"])
+def test_dry_run_plans_whole_chain_fast_without_torch(workdir, no_torch, model):
+    t0 = time.time()
+    proc = snakemake(workdir, "-n", f"results/{model}/eval.json", env=no_torch)
+    elapsed = time.time() - t0
+    jobs = planned_jobs(proc)
+    # hub tokenizer: no tokenizer training on a corpus, but every stage is there
+    assert set(jobs) == ALL_RULES - {"generate"}, jobs
+    assert elapsed < 5.0, f"dry run took {elapsed:.1f} s"
+    out = proc.stdout
+    train_block = out[out.index("rule train:"):]
+    train_block = train_block[: train_block.index("\n\n")] if "\n\n" in train_block else train_block
+    nodes = {"mpt-1b": 1, "mpt-70b": 8}[model]
+    assert f"nodes={nodes}" in train_block and "gpus_per_node=8" in train_block and "runtime=1440" in train_block
+
+
+def test_default_target_plans_tiny_pipeline(workdir):
+    jobs = planned_jobs(snakemake(workdir, "-n"))
+    assert jobs == {r: 1 for r in ALL_RULES} | {"all": 1}, jobs
+
+
+def test_dataset_shared_between_models(workdir):
+    """Two models on the same corpus/tokenizer/concat length share one data preparation."""
+    jobs = planned_jobs(snakemake(workdir, "-n", "results/mpt-125m/train.json", "results/mpt-350m/train.json"))
+    assert jobs["mds"] == 1 and jobs["corpus"] == 1 and jobs["train"] == 2, jobs

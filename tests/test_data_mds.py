@@ -1,0 +1,353 @@
+"""MDS conversion: exact samples, edge cases, restart after a killed unit, merge counts, verification."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from llmpipe.data.corpus import builtin_documents, prepare_corpus
+from llmpipe.data.errors import DataError
+from llmpipe.data.mds import convert_dataset, resolve_workers, verify_dataset
+from llmpipe.data.tokenizer import prepare_tokenizer
+from tests.test_data_corpus import write_c4
+
+EOS = "<|endoftext|>"
+C = 32  # concat_tokens in these tests
+DEBUG = {"dispatch": {"executor": "debug", "poll_s": 0.05},
+         "data_prep": {"compression": "zstd", "size_limit": 1 << 16, "workers": 0}}
+
+
+def cfg(tmp, **dp) -> dict:
+    c = json.loads(json.dumps(DEBUG))
+    c["dispatch"]["state_dir"] = str(tmp / "state")
+    c["data_prep"].update(dp)
+    return c
+
+
+@pytest.fixture(scope="module")
+def tok(tmp_path_factory):
+    """A small byte-level BPE (vocab 512) trained on real prose; returns (folder, AutoTokenizer)."""
+    from transformers import AutoTokenizer
+
+    root = tmp_path_factory.mktemp("mdstok")
+    texts = [d["text"] for d in builtin_documents(max_chars=200_000)]
+    write_c4(root / "m", "train", 0, texts)
+    write_c4(root / "m", "validation", 0, texts[:3])
+    prepare_corpus({"source": "local", "local_dir": str(root / "m"), "train_files": 1, "val_files": 1},
+                   str(root / "c"))
+    prepare_tokenizer({"source": "train", "vocab_size": 512, "eos_text": EOS}, str(root / "tok"),
+                      str(root / "c" / "manifest.json"))
+    t = AutoTokenizer.from_pretrained(str(root / "tok"))
+    t.model_max_length = int(1e30)
+    return str(root / "tok"), t
+
+
+def ids(t, text: str) -> list[int]:
+    return t(text)["input_ids"]  # exactly how llm-foundry's ConcatTokensDataset tokenizes a document
+
+
+def boundary_doc(t) -> str:
+    """A document whose tokens + EOS fill exactly 2 samples."""
+    words = "the module returns a value when the function is called with its arguments".split()
+    for n in range(1, 400):
+        text = " ".join(words[i % len(words)] for i in range(n)).capitalize() + "."
+        if len(ids(t, text)) + 1 == 2 * C:
+            return text
+    raise AssertionError("no boundary document found")
+
+
+@pytest.fixture(scope="module")
+def corpus(tok, tmp_path_factory):
+    """Two train files and one val file with edge cases; returns (manifest path, {split: [[texts per file]]})."""
+    _, t = tok
+    root = tmp_path_factory.mktemp("mdscorpus")
+    prose = [d["text"] for d in builtin_documents(max_chars=60_000)]
+    long_doc = " ".join(prose[:6])  # many samples long
+    assert len(ids(t, long_doc)) > 20 * C
+    files = {
+        "train": [
+            [boundary_doc(t), "First after the boundary: a short sentence.", "", "   \n ", prose[6],
+             "Ünïcödé façade naïve café — 日本語のテキスト, emoji 🙂🚀 and Ελληνικά.", long_doc, prose[7]],
+            [prose[8], prose[9], "", prose[10], "Tiny."],
+        ],
+        "validation": [[prose[11], prose[12], prose[13], "Ünïcödé in validation: ½ ∑ ∞."]],
+    }
+    for split, per_file in files.items():
+        for i, texts in enumerate(per_file):
+            write_c4(root / "mirror", split, i, texts)
+    prepare_corpus({"source": "local", "local_dir": str(root / "mirror"), "train_files": 2, "val_files": 1},
+                   str(root / "corpus"))
+    return str(root / "corpus" / "manifest.json"), files
+
+
+def reference(t, texts: list[str]) -> tuple[np.ndarray, int]:
+    """Samples one unit must hold: non-blank documents + EOS, cut into C-token rows; and the dropped tail."""
+    eos = t(EOS, add_special_tokens=False)["input_ids"]
+    flat = [x for text in texts if text.strip() for x in ids(t, text) + eos]
+    n = len(flat) // C
+    return np.array(flat[: n * C], dtype=np.int32).reshape(n, C), len(flat) - n * C
+
+
+def read_split(out: str, split: str) -> np.ndarray:
+    """All samples of a split, read with streaming's StreamingDataset (what llm-foundry's dataloader uses)."""
+    from streaming import StreamingDataset
+    from streaming.base.util import clean_stale_shared_memory
+
+    clean_stale_shared_memory()
+    ds = StreamingDataset(local=out, split=split, shuffle=False, batch_size=1)
+    try:
+        rows = [ds[i]["tokens"] for i in range(len(ds))]
+    finally:
+        del ds
+        clean_stale_shared_memory()
+    for r in rows:
+        assert isinstance(r, np.ndarray) and r.dtype == np.int32 and r.shape == (C,)
+    return np.stack(rows) if rows else np.zeros((0, C), np.int32)
+
+
+@pytest.fixture(scope="module")
+def converted(tok, corpus, tmp_path_factory):
+    tok_dir, _ = tok
+    man, _ = corpus
+    root = tmp_path_factory.mktemp("mdsout")
+    out = root / "ds"
+    m = convert_dataset(man, tok_dir, C, EOS, str(out), config=cfg(root), log_dir=str(root / "logs"),
+                        log_file=str(root / "rule.log"))
+    return out, m, root
+
+
+def test_samples_are_exact_and_edge_cases(tok, corpus, converted):
+    _, t = tok
+    _, files = corpus
+    out, m, root = converted
+    eos_id = t.eos_token_id
+    for split, msplit in (("train", "train"), ("validation", "val")):
+        expected, dropped, docs, empty = [], 0, 0, 0
+        for texts in files[split]:
+            rows, tail = reference(t, texts)
+            expected.append(rows)
+            dropped += tail
+            docs += len(texts)
+            empty += sum(1 for x in texts if not x.strip())
+        got = read_split(str(out), msplit)
+        np.testing.assert_array_equal(got, np.concatenate(expected))
+        sm = m["splits"][msplit]
+        assert sm["samples"] == len(got) and sm["tokens"] == len(got) * C
+        assert sm["dropped_tokens"] == dropped and sm["documents"] == docs and sm["empty_documents"] == empty
+        assert [u["samples"] for u in sm["units"]] == [len(e) for e in expected]
+    train = read_split(str(out), "train")
+    # the boundary document fills samples 0 and 1 exactly: sample 1 ends with EOS, sample 2 starts the next doc
+    assert train[1, -1] == eos_id and eos_id not in train[0]
+    nxt = ids(t, files["train"][0][1])
+    assert list(train[2, : len(nxt)]) == nxt
+    # the long document spans many samples with no EOS inside them
+    assert sum(1 for r in train if eos_id not in r) >= 19
+    # non-ASCII text survives the round trip
+    text = t.decode(train.reshape(-1).tolist())
+    assert "日本語のテキスト, emoji 🙂🚀 and Ελληνικά." in text
+    # the per-unit lines went to the rule's log
+    log = open(root / "rule.log").read()
+    assert "unit train/unit-00000 done" in log and "unit val/unit-00000 done" in log
+
+
+def test_same_samples_as_llm_foundry(tok, corpus, converted):
+    """A unit holds what llm-foundry's ConcatTokensDataset yields for that file (blank documents aside)."""
+    from llmfoundry.data import ConcatTokensDataset
+
+    _, t = tok
+    _, files = corpus
+    out, _, _ = converted
+    ours = read_split(str(out / "train"), "unit-00000")
+    docs = [{"text": x} for x in files["train"][0] if x.strip()]
+    theirs = [s["tokens"] for s in ConcatTokensDataset(hf_dataset=docs, tokenizer=t, max_length=C, bos_text="",
+                                                       eos_text=EOS, no_wrap=False)]
+    np.testing.assert_array_equal(ours, np.stack(theirs))
+
+
+def test_merge_counts_and_verify(tok, converted, tmp_path):
+    tok_dir, t = tok
+    out, m, _ = converted
+    for split in ("train", "val"):
+        index = json.load(open(out / split / "index.json"))
+        units = [json.load(open(out / split / u["name"] / "index.json")) for u in m["splits"][split]["units"]]
+        assert sum(s["samples"] for s in index["shards"]) == sum(
+            s["samples"] for u in units for s in u["shards"]) == m["splits"][split]["samples"]
+        assert all(s["zip_data"]["basename"].startswith("unit-") for s in index["shards"])
+    rep = verify_dataset(str(out), tok_dir, C, 512, str(tmp_path / "verify.json"))
+    assert rep["ok"] and json.load(open(tmp_path / "verify.json")) == rep
+    assert rep["splits"]["train"]["samples"] == m["splits"]["train"]["samples"]
+    assert rep["splits"]["train"]["max_id"] < 512 and rep["splits"]["val"]["units"] == 1
+    ex = rep["splits"]["train"]["examples"]
+    assert len(ex) == 3 and all(e["found_in_source"] for e in ex)
+
+
+def _copy(out, dst):
+    shutil.copytree(out, dst)
+    return dst
+
+
+def test_verify_catches_corruption(tok, converted, tmp_path):
+    tok_dir, _ = tok
+    out, m, _ = converted
+    # a damaged shard
+    bad = _copy(out, tmp_path / "bad1")
+    shard = bad / "train" / "unit-00000" / "shard.00000.mds.zstd"
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2: len(data) // 2 + 16] = b"\x00" * 16
+    shard.write_bytes(bytes(data))
+    for raw in (bad / "train" / "unit-00000").glob("shard.*.mds"):
+        raw.unlink()  # the decompressed copies streaming leaves next to the zstd files
+    with pytest.raises(DataError, match="shard"):
+        verify_dataset(str(bad), tok_dir, C, 512, str(tmp_path / "v1.json"))
+    assert not (tmp_path / "v1.json").exists()
+    # ids outside the model's vocabulary
+    with pytest.raises(DataError, match="vocab_size=100"):
+        verify_dataset(str(out), tok_dir, C, 100, str(tmp_path / "v2.json"))
+    # a merged index that does not match its units
+    bad = _copy(out, tmp_path / "bad3")
+    idx = json.load(open(bad / "val" / "index.json"))
+    idx["shards"] = idx["shards"][:0]
+    json.dump(idx, open(bad / "val" / "index.json", "w"))
+    with pytest.raises(DataError, match="index.json lists 0 samples"):
+        verify_dataset(str(bad), tok_dir, C, 512, str(tmp_path / "v3.json"))
+    # a unit without its completion marker
+    bad = _copy(out, tmp_path / "bad4")
+    os.unlink(bad / "train" / "unit-00001" / "unit.json")
+    with pytest.raises(DataError, match="missing or incomplete"):
+        verify_dataset(str(bad), tok_dir, C, 512, str(tmp_path / "v4.json"))
+    # wrong concat length
+    with pytest.raises(DataError, match="concat_tokens=32"):
+        verify_dataset(str(out), tok_dir, 64, 512, str(tmp_path / "v5.json"))
+
+
+def test_rerun_converts_only_incomplete_units(tok, corpus, converted, tmp_path):
+    tok_dir, _ = tok
+    man, _ = corpus
+    src, m, _ = converted
+    out = _copy(src, tmp_path / "ds")
+
+    def marker_mtimes():
+        return {f"{s}/{u['name']}": os.stat(out / s / u["name"] / "unit.json").st_mtime_ns
+                for s in ("train", "val") for u in m["splits"][s]["units"]}
+
+    before = marker_mtimes()
+    # a unit killed before its marker was written, and the tmp folder of another killed attempt
+    os.unlink(out / "train" / "unit-00001" / "unit.json")
+    os.makedirs(out / "train" / ".tmp-unit-00000-4242-deadbeef")
+    (out / "train" / ".tmp-unit-00000-4242-deadbeef" / "shard.00000.mds").write_bytes(b"partial")
+    m2 = convert_dataset(man, tok_dir, C, EOS, str(out), config=cfg(tmp_path), log_dir=str(tmp_path / "logs"))
+    assert m2["converted_units"] == ["train/unit-00001"]
+    assert sorted(m2["reused_units"]) == ["train/unit-00000", "val/unit-00000"]
+    after = marker_mtimes()
+    assert after["train/unit-00000"] == before["train/unit-00000"]
+    assert after["val/unit-00000"] == before["val/unit-00000"]
+    assert after["train/unit-00001"] != before["train/unit-00001"]
+    assert not any(n.startswith(".tmp-") for n in os.listdir(out / "train"))
+    assert {s: v["samples"] for s, v in m2["splits"].items()} == {s: v["samples"] for s, v in m["splits"].items()}
+    # a third run has nothing to do
+    m3 = convert_dataset(man, tok_dir, C, EOS, str(out), config=cfg(tmp_path), log_dir=str(tmp_path / "logs"))
+    assert m3["converted_units"] == [] and marker_mtimes()["train/unit-00001"] == after["train/unit-00001"]
+    # changing the settings (here: concat length) redoes every unit
+    m4 = convert_dataset(man, tok_dir, C // 2, EOS, str(out), config=cfg(tmp_path), log_dir=str(tmp_path / "logs"))
+    assert len(m4["converted_units"]) == 3 and m4["splits"]["train"]["tokens"] >= m["splits"]["train"]["tokens"]
+
+
+def test_sigkill_during_a_unit_leaves_nothing_complete(tok, corpus, tmp_path):
+    tok_dir, _ = tok
+    man, _ = corpus
+    out = tmp_path / "ds"
+    code = f"""
+import os, signal, streaming, json
+def die(self):  # SIGKILL in the middle of finishing the first unit: shards written, no index yet
+    self.flush_shard()
+    os.kill(os.getpid(), signal.SIGKILL)
+streaming.MDSWriter.finish = die
+from llmpipe.data.mds import convert_dataset
+convert_dataset({man!r}, {tok_dir!r}, {C}, {EOS!r}, {str(out)!r}, config=json.loads({json.dumps(json.dumps(cfg(tmp_path)))}),
+                log_dir={str(tmp_path / 'logs')!r})
+"""
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert r.returncode == -9, r.stderr[-2000:]
+    assert not (out / "manifest.json").exists()
+    names = os.listdir(out / "train")
+    assert not any(n.startswith("unit-") for n in names)  # nothing looks complete
+    assert any(n.startswith(".tmp-unit-") for n in names)  # the killed unit's partial folder
+    m = convert_dataset(man, tok_dir, C, EOS, str(out), config=cfg(tmp_path), log_dir=str(tmp_path / "logs"))
+    assert len(m["converted_units"]) == 3
+    assert not any(n.startswith(".tmp-") for n in os.listdir(out / "train"))
+    assert verify_dataset(str(out), tok_dir, C, 512, str(tmp_path / "v.json"))["ok"]
+
+
+def test_local_processes_give_the_same_dataset(tok, corpus, converted, tmp_path):
+    tok_dir, _ = tok
+    man, _ = corpus
+    src, _, _ = converted
+    c = cfg(tmp_path, workers=2)
+    c["dispatch"]["executor"] = "local"
+    m = convert_dataset(man, tok_dir, C, EOS, str(tmp_path / "ds"), config=c, log_dir=str(tmp_path / "logs"))
+    assert len(m["converted_units"]) == 3
+    np.testing.assert_array_equal(read_split(str(tmp_path / "ds"), "train"), read_split(str(src), "train"))
+    # the units ran in other processes than this one
+    pids = {json.load(open(tmp_path / "ds" / "train" / f"unit-0000{i}" / "unit.json"))["pid"] for i in range(2)}
+    assert os.getpid() not in pids
+
+
+def test_bad_input_files_are_named(tok, corpus, tmp_path, monkeypatch):
+    import pdb
+
+    monkeypatch.setattr(pdb, "post_mortem", lambda *a, **k: None)  # submitit's DebugExecutor opens pdb on errors
+    tok_dir, _ = tok
+    man, _ = corpus
+    m = json.load(open(man))
+    # not gzip: caught before anything is dispatched
+    p = tmp_path / "c4-train.00000-of-01024.json.gz"
+    p.write_text('{"text": "plain json, not gzip"}\n')
+    m["splits"]["train"][0] = {"name": p.name, "path": str(p), "bytes": p.stat().st_size, "documents": 1}
+    json.dump(m, open(tmp_path / "m1.json", "w"))
+    with pytest.raises(DataError, match="not a gzip file") as e:
+        convert_dataset(str(tmp_path / "m1.json"), tok_dir, C, EOS, str(tmp_path / "o1"), config=cfg(tmp_path),
+                        log_dir=str(tmp_path / "logs"))
+    assert str(p) in str(e.value)
+    # truncated: found by the unit that reads it
+    good = m["splits"]["validation"][0]["path"]
+    data = open(m["splits"]["train"][1]["path"], "rb").read()
+    p2 = tmp_path / "c4-train.00001-of-01024.json.gz"
+    p2.write_bytes(data[: len(data) * 2 // 3])
+    m = json.load(open(man))
+    m["splits"]["train"][1] = {"name": p2.name, "path": str(p2), "bytes": p2.stat().st_size, "documents": 1}
+    json.dump(m, open(tmp_path / "m2.json", "w"))
+    with pytest.raises(Exception, match="truncated") as e:
+        convert_dataset(str(tmp_path / "m2.json"), tok_dir, C, EOS, str(tmp_path / "o2"), config=cfg(tmp_path),
+                        log_dir=str(tmp_path / "logs"))
+    assert str(p2) in str(e.value) and good
+    assert not (tmp_path / "o2" / "manifest.json").exists()
+    assert not os.path.exists(tmp_path / "o2" / "train" / "unit-00001")
+
+
+def test_too_little_text_for_concat(tok, corpus, tmp_path):
+    tok_dir, _ = tok
+    man, _ = corpus
+    with pytest.raises(DataError, match="0 samples of concat_tokens=100000"):
+        convert_dataset(man, tok_dir, 100_000, EOS, str(tmp_path / "o"), config=cfg(tmp_path),
+                        log_dir=str(tmp_path / "logs"))
+
+
+def test_eos_text_must_tokenize(tok, corpus, tmp_path):
+    tok_dir, _ = tok
+    man, _ = corpus
+    with pytest.raises(DataError, match="eos_text"):
+        convert_dataset(man, tok_dir, C, "", str(tmp_path / "o"), config=cfg(tmp_path), log_dir=str(tmp_path))
+
+
+def test_resolve_workers():
+    assert resolve_workers({"data_prep": {"workers": 3}}, 10) == 3
+    assert resolve_workers({"data_prep": {"workers": 30}}, 10) == 10
+    assert resolve_workers({"data_prep": {"workers": 0}}, 1000) == len(os.sched_getaffinity(0))
+    assert resolve_workers({}, 1) == 1
+    assert resolve_workers({}, 0) == 0

@@ -1,0 +1,106 @@
+"""The embedded default end to end on CPU, then what a rerun plans after each kind of config change."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+
+import pytest
+import yaml
+
+from tests.conftest import REPO, copy_run, no_symlink_env, planned_jobs, snakemake
+
+pytestmark = pytest.mark.slow
+
+AFTER_TRAIN = {"train": 1, "convert": 1, "generate": 1, "eval": 1, "all": 1}
+
+
+def load(wd, rel):
+    with open(wd / "results" / rel) as fh:
+        return json.load(fh)
+
+
+def test_tiny_pipeline_trains_and_evaluates(tiny_run):
+    train = load(tiny_run, "mpt-tiny/train.json")
+    cfg = yaml.safe_load((REPO / "config/config.yaml").read_text())
+    tiny = cfg["models"]["mpt-tiny"]
+    assert train["steps"] == tiny["train"]["max_duration_batches"]
+    assert train["tokens"] == train["steps"] * tiny["train"]["global_batch_size"] * tiny["data"]["concat_tokens"]
+    assert train["final_train_loss"] <= train["first_train_loss"] - 1.0, train
+    assert train["tokens_per_s"] > 0 and train["mfu"] is None and train["devices"] == 1
+    assert train["checkpoint_size_bytes"] == os.path.getsize(tiny_run / train["final_checkpoint"])
+    # checkpoints were saved with symlinks refused, and only `checkpoints_to_keep` remain
+    ckpts = sorted(p for p in os.listdir(tiny_run / "results/mpt-tiny/checkpoints") if p.endswith(".pt"))
+    assert len(ckpts) == cfg["model_defaults"]["train"]["checkpoints_to_keep"], ckpts
+    assert not any(os.path.islink(tiny_run / "results/mpt-tiny/checkpoints" / p) for p in os.listdir(
+        tiny_run / "results/mpt-tiny/checkpoints"))
+
+    ev = load(tiny_run, "mpt-tiny/eval.json")
+    vocab = cfg["tokenizers"]["bpe-builtin-docs"]["vocab_size"]
+    assert 0 < ev["val"]["loss"] < math.log(vocab), ev["val"]
+    assert math.isclose(ev["val"]["perplexity"], math.exp(ev["val"]["loss"]), rel_tol=1e-3)
+    assert 0 < ev["val"]["token_accuracy"] < 1
+    assert "cloze_heldout" in ev["icl"] and 0 <= ev["icl"]["cloze_heldout"]["0-shot"] <= 1
+
+    gen = load(tiny_run, "mpt-tiny/generate.json")
+    assert [o["prompt"] for o in gen["outputs"]] == cfg["generate"]["prompts"]
+    assert all(o["new_tokens"] > 0 and o["completion"] for o in gen["outputs"])
+
+    hf = load(tiny_run, "mpt-tiny/hf/manifest.json")
+    assert hf["dtype"] == "bfloat16" and hf["attn_impl"] == "torch"
+    assert hf["bytes"] < train["checkpoint_size_bytes"]  # optimizer state dropped, bf16 weights
+
+
+@pytest.mark.parametrize("change,expected", [
+    ([], {}),
+    (["eval={'val_batches': 3}"], {"eval": 1, "all": 1}),
+    (["generate={'prompts': ['Once upon a time']}"], {"generate": 1, "all": 1}),
+    (["models={'mpt-tiny': {'arch': {'d_model': 192}}}"], AFTER_TRAIN),
+    (["models={'mpt-tiny': {'train': {'microbatch_size': 8, 'attn_impl': 'sdpa', 'num_workers': 2, "
+      "'checkpoints_to_keep': 1, 'save_interval_batches': 30}, 'resources': {'cpus_per_task': 1}}}"], {}),
+    (["tokenizers={'bpe-builtin-docs': {'vocab_size': 2048}}"],
+     {"tokenizer": 1, "mds": 1, "verify_mds": 1} | AFTER_TRAIN),
+    (["models={'mpt-tiny': {'data': {'concat_tokens': 64}}}"], {"mds": 1, "verify_mds": 1} | AFTER_TRAIN),
+], ids=["nothing", "eval-only", "prompts", "width", "speed-only", "tokenizer", "concat"])
+def test_rerun_scope(tiny_run, tmp_path, change, expected):
+    wd = copy_run(tiny_run, tmp_path / "wd")
+    args = ["--config", *change] if change else []
+    assert planned_jobs(snakemake(wd, "-n", *args)) == expected
+
+
+def test_reformatted_config_reruns_nothing(tiny_run, tmp_path):
+    wd = copy_run(tiny_run, tmp_path / "wd")
+    cfg = yaml.safe_load((REPO / "config/config.yaml").read_text())
+    reordered = dict(reversed(list(cfg.items())))  # new key order, no comments, other layout
+    (tmp_path / "reformatted.yaml").write_text(yaml.safe_dump(reordered, default_flow_style=True, width=60))
+    assert planned_jobs(snakemake(wd, "-n", "--configfile", str(tmp_path / "reformatted.yaml"))) == {}
+
+
+def test_failed_step_leaves_nothing_complete_and_rerun_fixes_only_it(tiny_run, tmp_path):
+    wd = copy_run(tiny_run, tmp_path / "wd")
+    (wd / "results/mpt-tiny/generate.json").unlink()
+    bad = snakemake(wd, "--cores", "2", "--config", "generate={'prompts': []}", check=False)
+    assert bad.returncode != 0
+    assert "generate.prompts is empty" in bad.stdout + bad.stderr
+    assert not (wd / "results/mpt-tiny/generate.json").exists()
+    assert planned_jobs(snakemake(wd, "-n")) == {"generate": 1, "all": 1}
+
+
+def test_resume_from_newest_complete_checkpoint_without_symlinks(tiny_run, tmp_path):
+    """Lose the final checkpoint and train.json: the rerun resumes from the newest complete one (not from a
+    half-written newer file) and ends at exactly the configured step count."""
+    wd = copy_run(tiny_run, tmp_path / "wd")
+    ck = wd / "results/mpt-tiny/checkpoints"
+    train0 = load(wd, "mpt-tiny/train.json")
+    final = str(wd / train0["final_checkpoint"])
+    os.remove(final)
+    os.remove(final + ".complete")
+    (wd / "results/mpt-tiny/train.json").unlink()
+    (ck / "ep0-ba100-rank0.pt").write_bytes(b"half-written")  # no .complete marker: must be ignored
+    snakemake(wd, "--cores", "2", "results/mpt-tiny/train.json", env=no_symlink_env(wd))
+    train1 = load(wd, "mpt-tiny/train.json")
+    assert train1["resumed_from"].endswith("ep0-ba80-rank0.pt"), train1["resumed_from"]
+    assert train1["steps"] == train0["steps"] and train1["batches_this_job"] == train0["steps"] - 80
+    assert not (ck / "ep0-ba100-rank0.pt").exists()

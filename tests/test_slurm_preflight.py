@@ -1,0 +1,99 @@
+"""Preflight against the real Slurm test cluster: a request that could never run fails at once, naming the fix.
+
+The cluster (tests/slurm_cluster): partition debug (n1, n2; default; MaxTime 24 h) and small (n1; MaxTime 5 min);
+each node has 16 CPUs, 32000 MB and 4 GPUs.
+"""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from llmpipe import slurm
+from llmpipe.config import ConfigError
+
+pytestmark = [pytest.mark.slurm, pytest.mark.timeout(120)]
+
+
+def res(**over):
+    r = {"nodes": 1, "gpus_per_node": 0, "tasks_per_node": 1, "cpus_per_task": 1, "mem_gb": 0, "time_min": 10}
+    r.update(over)
+    return r
+
+
+def cfg(**site):
+    return {"dispatch": {"executor": "slurm"}, "slurm": site}
+
+
+@pytest.fixture(autouse=True)
+def _fresh_answers(slurm_cluster):
+    slurm.clear_cache()
+    yield
+    slurm.clear_cache()
+
+
+def test_fitting_request_passes_and_reports_the_partition(slurm_cluster):
+    got = slurm.preflight(cfg(), res(nodes=2, gpus_per_node=4, tasks_per_node=4, cpus_per_task=4, mem_gb=31,
+                                     time_min=1440))
+    assert got == {"partition": "debug", "max_time_min": 1440, "total_nodes": 2, "fitting_nodes": 2}
+    got = slurm.preflight(cfg(partition="small"), res(time_min=5))
+    assert got["partition"] == "small" and got["max_time_min"] == 5 and got["total_nodes"] == 1
+
+
+def test_missing_partition(slurm_cluster):
+    with pytest.raises(ConfigError) as e:
+        slurm.preflight(cfg(partition="gpu-a100"), res())
+    msg = str(e.value)
+    assert "slurm.partition" in msg and "'gpu-a100'" in msg
+    assert "debug" in msg and "small" in msg  # lists what the cluster has
+
+
+def test_more_nodes_than_the_partition_has(slurm_cluster):
+    with pytest.raises(ConfigError, match=r"models\.big\.resources\.nodes is 3.*'debug' has only 2 node"):
+        slurm.preflight(cfg(), res(nodes=3), where="models.big.resources")
+    with pytest.raises(ConfigError, match=r"nodes is 2.*'small' has only 1 node.*at most 1"):
+        slurm.preflight(cfg(partition="small"), res(nodes=2, time_min=5))
+
+
+def test_more_gpus_per_node_than_the_nodes_have(slurm_cluster):
+    with pytest.raises(ConfigError, match=r"gpus_per_node is 8.*at most 4 GPU"):
+        slurm.preflight(cfg(), res(gpus_per_node=8, tasks_per_node=8))
+    # a GPU type no node has
+    with pytest.raises(ConfigError, match=r"gpus_per_node is 1.*at most 0 gpu:h100"):
+        slurm.preflight(cfg(gpu_type="h100"), res(gpus_per_node=1))
+
+
+def test_time_limit_longer_than_the_partition_allows(slurm_cluster):
+    with pytest.raises(ConfigError, match=r"time_min is 1441 minutes.*'debug' allows at most 1440 minutes"):
+        slurm.preflight(cfg(), res(time_min=1441))
+    with pytest.raises(ConfigError, match=r"time_min is 10 minutes.*'small' allows at most 5 minutes"):
+        slurm.preflight(cfg(partition="small"), res(time_min=10))
+
+
+def test_more_cpus_or_memory_than_a_node_has(slurm_cluster):
+    with pytest.raises(ConfigError, match=r"32 CPUs.*most CPUs on a node: 16"):
+        slurm.preflight(cfg(), res(tasks_per_node=2, cpus_per_task=16))
+    with pytest.raises(ConfigError, match=r"and 40 GB each.*only 0 node"):
+        slurm.preflight(cfg(), res(mem_gb=40))
+
+
+def test_preflight_can_be_switched_off(slurm_cluster):
+    assert slurm.preflight(cfg(partition="nope", preflight=False), res(nodes=99)) == {}
+
+
+def test_slurm_commands_missing_from_path(slurm_cluster, monkeypatch, tmp_path):
+    monkeypatch.setenv("PATH", str(tmp_path))  # an empty folder: no sbatch, sinfo, scontrol
+    with pytest.raises(ConfigError, match=r"`sbatch` is not on PATH.*Fix:"):
+        slurm.preflight(cfg(), res())
+
+
+def test_what_preflight_rejects_really_would_wait_forever(slurm_cluster):
+    """The reason preflight exists: sbatch accepts a too-long job, which then pends forever."""
+    out = slurm_cluster.run("sbatch", "--parsable", "--partition=small", "--time=10", "--wrap=true")
+    job_id = out.strip().split(";")[0]
+    try:
+        reason = slurm_cluster.run("squeue", "--noheader", "--jobs", job_id, "--format", "%T %r").strip()
+        assert re.fullmatch(r"PENDING Partition(TimeLimit|Config)", reason), reason  # never eligible
+    finally:
+        slurm_cluster.run("scancel", job_id)
