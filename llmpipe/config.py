@@ -51,6 +51,8 @@ SPEED_ONLY_TRAIN_KEYS = frozenset({
     "log_interval_batches",
     "eval_interval_batches",
     "eval_subset_batches",
+    "fused_optimizer",
+    "train_metrics",
 })
 
 #: Names that cannot be run names because they are folders of their own under results/.

@@ -49,8 +49,10 @@ def load_composer_weights(ckpt_path: str) -> dict:
 
 def build_hf_model(config: dict, run: str, ckpt_path: str):
     """Instantiate llm-foundry's ``MPTForCausalLM`` for a run and load the checkpoint's weights (fp32)."""
-    import llmpipe.attention  # noqa: F401 - the training config may name attn_impl sdpa
     from llmfoundry.models.mpt import MPTConfig, MPTForCausalLM
+
+    from llmpipe.train import register_extensions
+    register_extensions()  # the training config may name our SDPA attention class
 
     kwargs = mpt_config_dict(config, run)
     mpt_cfg = MPTConfig(**kwargs)
@@ -88,6 +90,8 @@ def convert_checkpoint(config: dict, run: str, ckpt_path: str, tokenizer_dir: st
         raise ValueError(f"convert.dtype is {dtype!r}; it must be one of {', '.join(dtypes)}.")
     t0 = time.time()
     model = build_hf_model(config, run, ckpt_path)
+    from llmpipe.attention import stock_attn_config
+    model.config.attn_config = stock_attn_config(model.config.attn_config)  # sdpa_* class -> stock class
     if model.config.attn_config.get("attn_impl") not in STOCK_ATTN_IMPLS:
         model.config.attn_config["attn_impl"] = "torch"
     model.config.init_device = "cpu"
@@ -112,6 +116,7 @@ def convert_checkpoint(config: dict, run: str, ckpt_path: str, tokenizer_dir: st
         "source_checkpoint_bytes": os.path.getsize(ckpt_path),
         "dtype": dtype,
         "attn_impl": export.config.attn_config["attn_impl"],
+        "attn_type": export.config.attn_config.get("attn_type", "multihead_attention"),
         "n_params": int(sum(p.numel() for p in model.parameters())),
         "bytes": int(sum(os.path.getsize(os.path.join(out_dir, f)) for f in os.listdir(out_dir))),
         "seconds": None,

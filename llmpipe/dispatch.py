@@ -196,13 +196,30 @@ def _slurm_really_ended(job) -> bool:
     return True
 
 
+def _slurm_where(job) -> tuple[str, str]:
+    """(state, nodes) of a Slurm job from the controller (squeue; sacct once it is gone); ("", "") when unknown.
+
+    sacct lags: for a few seconds it can show a running job as PENDING on its batch node only.
+    """
+    from llmpipe import slurm
+
+    try:
+        info = slurm.job_info(job.job_id)
+    except RuntimeError:
+        info = None
+    if not info:
+        return "", ""
+    nodes = info.get("NodeList") or ""
+    return (info.get("State") or "").split(" ")[0], "" if nodes in ("None assigned", "(null)") else nodes
+
+
 def _wait(job, log_file: str | None, poll_s: float, what: str, slurm_poll_s: float = 30.0) -> list:
     """Block until ``job`` ends; return the results of all its tasks. Raise StepFailed with state and log.
 
     Slurm jobs: sacct is asked at least every ``slurm_poll_s`` seconds (submitit's own watcher backs off to 10
     minutes on long jobs), and each state change is logged with the job's nodes.
     """
-    last_state = None
+    last_state = last_shown = None
     last_force = time.time()
     slurm = _is_slurm(job)
     told_nodes = False
@@ -213,33 +230,42 @@ def _wait(job, log_file: str | None, poll_s: float, what: str, slurm_poll_s: flo
         if job.done(force_check=force) and (not slurm or _slurm_really_ended(job)):
             break
         state = job.state
-        if state != last_state:
-            where = ""
-            if slurm:
-                nodes = job.watcher.get_info(job.job_id, mode="cache").get("NodeList", "")
-                if nodes and nodes not in ("None assigned", "(null)"):
-                    where = f" on {nodes}"
-                    told_nodes = told_nodes or state == "RUNNING"
-            _say(f"{what}: job {job.job_id} is {state}{where}", log_file)
+        if state != last_state and not (slurm and state == "UNKNOWN"):  # UNKNOWN: sacct has not seen it yet
             last_state = state
+            nodes = ""
+            if slurm:
+                live, nodes = _slurm_where(job)
+                state = live or state
+            if state != last_shown:
+                _say(f"{what}: job {job.job_id} is {state}{f' on {nodes}' if nodes else ''}", log_file)
+                told_nodes = told_nodes or (state == "RUNNING" and bool(nodes))
+                last_shown = state
         time.sleep(poll_s)
+    nodes = ""
     if slurm:
+        live, nodes = _slurm_where(job)
+        acct_state = _slurm_state(job, force=True)
+        acct_nodes = job.watcher.get_info(job.job_id, mode="cache").get("NodeList", "")
+        if acct_state in _SLURM_TERMINAL and acct_nodes and acct_nodes != "None assigned":
+            nodes = acct_nodes  # settled accounting has the whole allocation; a completing job's squeue entry may not
+        state = live or acct_state
+        if not told_nodes and nodes:
+            _say(f"{what}: job {job.job_id} ran on {nodes} ({state})", log_file)
         # a job that died without writing its result pickles (cancelled, timed out, node failure) never will:
         # do not let submitit wait 15 s per task for them
-        state = _slurm_state(job, force=True)
-        nodes = job.watcher.get_info(job.job_id, mode="cache").get("NodeList", "")
-        if not told_nodes and nodes and nodes not in ("None assigned", "(null)"):
-            _say(f"{what}: job {job.job_id} ran on {nodes} ({state})", log_file)
         if state in _SLURM_TERMINAL and state != "COMPLETED":
             for sub in [job, *getattr(job, "_sub_jobs", [])]:
                 sub._results_timeout_s = 3
     try:
         return job.results()
     except Exception as exc:  # noqa: BLE001 - re-raised with context
-        state = _final_slurm_state(job) if slurm else getattr(job, "state", "UNKNOWN")
-        nodes = job.watcher.get_info(job.job_id, mode="cache").get("NodeList", "") if slurm else ""
-        raise StepFailed(f"{what}: job {job.job_id} ended in state {state}"
-                         f"{f' on {nodes}' if nodes and nodes != 'None assigned' else ''}: {_cause(job, exc)}\n"
+        if slurm:
+            live, nodes = _slurm_where(job)
+            state = live if live in _SLURM_TERMINAL else _final_slurm_state(job)
+        else:
+            state = getattr(job, "state", "UNKNOWN")
+        raise StepFailed(f"{what}: job {job.job_id} ended in state {state}{f' on {nodes}' if nodes else ''}: "
+                         f"{_cause(job, exc)}\n"
                          f"log: {job.paths.stderr}\n{_log_tail(job)}") from exc
 
 

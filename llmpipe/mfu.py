@@ -137,8 +137,8 @@ def mpt_param_count(arch: Mapping) -> dict[str, int]:
     Args:
         arch: ``d_model``, ``n_layers``, ``n_heads``, ``vocab_size``, ``max_seq_len``; optional
             ``expansion_ratio`` (4), ``no_bias`` (False), ``learned_pos_emb`` (True; off with
-            ``attn_config.alibi`` or ``rope``, as MPTConfig does),
-            ``tie_word_embeddings`` (True), ``kv_n_heads`` or ``n_kv_heads`` (= ``n_heads``; or ``attn_config.kv_n_heads`` with
+            ``attn_config.alibi`` or ``rope``, as MPTConfig does), ``tie_word_embeddings`` (True),
+            ``kv_n_heads`` or ``n_kv_heads`` (= ``n_heads``; or ``attn_config.kv_n_heads`` with
             ``attn_type: grouped_query_attention``). Defaults are MPTConfig's. The FFN is MPT's ``mptmlp``
             (hidden ``int(expansion_ratio * d_model)``), norms have a bias unless ``no_bias``.
 

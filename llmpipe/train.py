@@ -67,12 +67,15 @@ def foundry_train_config(config: dict, run: str, *, data_dir: str | None, save_f
         "vocab_size": int(arch["vocab_size"]),
         "no_bias": bool(arch.get("no_bias", True)),
         "norm_type": arch.get("norm_type", "low_precision_layernorm"),
-        "attn_config": {"attn_impl": train.get("attn_impl", "torch"), **(arch.get("attn_config") or {})},
+        "attn_config": dict(arch.get("attn_config") or {}),
         "loss_fn": train.get("loss_fn", "torch_crossentropy"),
+        "use_train_metrics": bool(train.get("train_metrics", True)),
     }
     if "n_kv_heads" in arch:
         model["attn_config"]["attn_type"] = "grouped_query_attention"
         model["attn_config"]["kv_n_heads"] = int(arch["n_kv_heads"])
+    # our SDPA attention is an llm-foundry attention class selected through attn_type (see llmpipe.attention)
+    model["attn_config"] = _attn_config(model["attn_config"], train.get("attn_impl", "torch"))
     tok_name = tokenizer_dir or config["tokenizers"][data["tokenizer"]].get("name")
 
     def loader(split: str, shuffle: bool, drop_last: bool) -> dict:
@@ -85,6 +88,8 @@ def foundry_train_config(config: dict, run: str, *, data_dir: str | None, save_f
             out.update(prefetch_factor=None, persistent_workers=False)
         return out
 
+    if train.get("fused_optimizer") and opt.get("name") == "decoupled_adamw":
+        opt["name"] = "fused_adamw"  # same update, torch's fused kernel (llmpipe.speedups)
     gbs = int(train["global_batch_size"])
     per_device = gbs // world_size
     cfg: dict[str, Any] = {
@@ -110,7 +115,8 @@ def foundry_train_config(config: dict, run: str, *, data_dir: str | None, save_f
         "console_log_interval": f"{int(train.get('log_interval_batches', 10))}ba",
         "python_log_level": "info",
         "dist_timeout": 600,
-        "callbacks": {"llmpipe_run_monitor": {"log_interval": int(train.get("log_interval_batches", 10))}},
+        "callbacks": {"llmpipe_run_monitor": {"log_interval": int(train.get("log_interval_batches", 10))},
+                      "drop_full_attention_mask": {}},
         "loggers": {},
         "autoresume": False,
         "save_overwrite": True,
@@ -130,6 +136,25 @@ def foundry_train_config(config: dict, run: str, *, data_dir: str | None, save_f
         cfg["save_interval"] = f"{int(train['save_interval_batches'])}ba"
         cfg["save_num_checkpoints_to_keep"] = int(train.get("checkpoints_to_keep", 2))
     return cfg
+
+
+def _attn_config(attn_config: dict, attn_impl: str) -> dict:
+    # llmpipe.attention imports torch; keep this module importable on the login node
+    from llmpipe.attention import mpt_attn_config
+    return mpt_attn_config(attn_config, attn_impl)
+
+
+def register_extensions(compile_enabled: bool = False) -> None:
+    """Register everything our train config names in llm-foundry's registries (SDPA attention classes, the
+    ``drop_full_attention_mask`` and ``llmpipe_run_monitor`` callbacks, the ``fused_adamw`` optimizer) and, when
+    torch.compile is on, apply :func:`llmpipe.speedups.dynamo_catalogue_fix`. Idempotent."""
+    import llmpipe.attention as attention
+    from llmpipe import speedups
+    attention.register()
+    speedups.register_fused_adamw()
+    register()
+    if compile_enabled:
+        speedups.dynamo_catalogue_fix()
 
 
 # ------------------------------------------------------------------------------------------- checkpoints
@@ -371,8 +396,7 @@ class TrainTask:
     def __call__(self) -> dict | None:
         dist_env = export_dist_env()
         os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-        import llmpipe.attention  # noqa: F401 - registers attn_impl: sdpa
-        register()
+        register_extensions(bool(run_config(self.config, self.run)["train"].get("compile")))
         from composer.utils import dist
         from llmfoundry.command_utils import train
         from omegaconf import OmegaConf

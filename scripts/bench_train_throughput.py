@@ -41,13 +41,14 @@ if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
 from llmpipe.mfu import detect_peak_flops, flops_per_token, mfu  # noqa: E402
+from llmpipe.speedups import dynamo_catalogue_fix, register_fused_adamw  # noqa: E402
 
 #: What each variant changes on top of the project's default train config. Keys:
 #:   attn_impl: 'sdpa' | 'torch' (MPT attention; 'sdpa' = llmpipe.attention)
 #:   drop_mask: add/remove the drop_full_attention_mask callback
 #:   optimizer: 'fused_adamw' (torch.optim.AdamW(fused=True), decoupled weight decay) | 'decoupled_adamw'
 #:   compile: True -> compile_config {} (torch.compile through composer) | False -> none
-#:   compile_fix: apply _dynamo_catalogue_fix() first (without it compile fails on Python 3.12)
+#:   compile_fix: apply dynamo_catalogue_fix() first (without it compile fails on Python 3.12)
 #:   sdpa_backend: pin SDPA's backend (flash | cudnn | efficient | math; llmpipe.attention.set_sdpa_backend)
 #:   mb_scale: multiply the model's microbatch
 #:   train_metrics: False -> model.use_train_metrics False (no per-step LanguageCrossEntropy/Perplexity/TokenAccuracy
@@ -81,7 +82,8 @@ VARIANTS: dict[str, dict[str, Any]] = {
 
 CSV_FIELDS = [
     'timestamp', 'model', 'variant', 'status', 'config_source', 'shims', 'attn_impl', 'attn_type', 'sdpa_backend',
-    'drop_mask', 'optimizer', 'compile', 'train_metrics', 'microbatch', 'seq_len', 'steps', 'timed_steps', 'tokens_per_s',
+    'drop_mask', 'optimizer', 'compile', 'train_metrics', 'microbatch', 'seq_len', 'steps', 'timed_steps',
+    'tokens_per_s',
     'step_ms', 'mfu', 'flops_per_token', 'flops_per_token_foundry', 'peak_flops', 'peak_mem_allocated_gb',
     'peak_mem_reserved_gb', 'n_params', 'gpu', 'torch', 'cuda', 'composer', 'llmfoundry', 'python', 'error',
     'command',
@@ -124,51 +126,6 @@ def _register_synthetic_loader() -> None:
     dataloaders.register('llmpipe_synthetic_tokens', func=build)
 
 
-def _register_fused_adamw() -> None:
-    """Register ``fused_adamw`` in llm-foundry's optimizer registry: torch.optim.AdamW(fused=True) with Composer's
-    decoupled weight decay (decay = lr_t / lr_0 * weight_decay, i.e. torch's ``weight_decay = wd / lr_0``)."""
-    import torch
-    from llmfoundry.registry import optimizers
-
-    if 'fused_adamw' in optimizers.get_all():
-        return
-
-    class FusedAdamW(torch.optim.AdamW):
-        """torch.optim.AdamW(fused=True on CUDA) with Composer DecoupledAdamW's weight-decay convention."""
-
-        def __init__(self, params: Any, lr: float = 1e-3, betas: Any = (0.9, 0.95), eps: float = 1e-8,
-                     weight_decay: float = 0.0, **kw: Any) -> None:
-            super().__init__(params, lr=lr, betas=tuple(betas), eps=eps,
-                             weight_decay=(weight_decay / lr) if lr else 0.0, fused=torch.cuda.is_available())
-
-    optimizers.register('fused_adamw', func=FusedAdamW)
-
-
-def _dynamo_catalogue_fix() -> None:
-    """Make composer's ``compile_config`` work with llm-foundry 0.22 on Python 3.12 (idempotent).
-
-    Cause of the ``InternalTorchDynamoError: KeyError: 0`` (see benchmarks/README.md): torch.compile traces
-    ``ComposerMPTCausalLM.forward``/``loss``, which test ``ffn_type in ffns_with_megablocks``; that is a catalogue
-    ``Registry``, whose ``__contains__`` reads the module global ``catalogue.AVAILABLE_ENTRY_POINTS``, a stdlib
-    ``importlib.metadata.EntryPoints``. On Python 3.12 that class is a tuple whose ``__getitem__`` takes an entry-point
-    *name*; dynamo guards it like a tuple, by index (``AVAILABLE_ENTRY_POINTS[0]``), and the guard raises KeyError(0).
-    Fix: give modeling_mpt a frozenset snapshot of that registry's names (the only registry consulted in the
-    traced code; same answer), and make any other catalogue membership test run eagerly (a graph break, not an
-    error).
-    """
-    import catalogue
-    import torch
-    from llmfoundry.layers_registry import ffns_with_megablocks
-    from llmfoundry.models.mpt import modeling_mpt
-
-    if not isinstance(modeling_mpt.ffns_with_megablocks, frozenset):
-        modeling_mpt.ffns_with_megablocks = frozenset(ffns_with_megablocks.get_all())
-    if not getattr(catalogue.Registry.__contains__, '_llmpipe_eager', False):
-        wrapped = torch.compiler.disable(catalogue.Registry.__contains__)
-        wrapped._llmpipe_eager = True
-        catalogue.Registry.__contains__ = wrapped
-
-
 def _dummy_tokenizer_dir(vocab: int) -> str:
     """A tiny local tokenizer (train() requires one; the device has no hub access; the synthetic loader never
     tokenizes text)."""
@@ -209,6 +166,84 @@ def _make_timer() -> Any:
                     self.foundry_flops = float('nan')
 
     return Timer()
+
+
+_KERNEL_CATEGORIES = [
+    # (category, substrings of the kernel name, lower case); first match wins
+    ('attention', ('flash', 'fmha', 'attention', 'sdpa', 'cudnn_generated_fort_native_sdpa')),
+    ('matmul', ('gemm', 'cutlass', 'xmma', 'nvjet', 'cublas', 'wgmma', 'sm90_')),
+    ('optimizer', ('multi_tensor', 'fused_adam', 'adam')),
+    ('loss/softmax', ('softmax', 'nll_loss', 'cross_entropy', 'logsumexp')),
+    ('norm', ('layer_norm', 'layernorm', 'norm_', 'gammabeta')),
+    ('triton (compiled)', ('triton',)),
+    ('copy/cast', ('copy', 'memcpy', 'memset', 'cast', 'to_copy')),
+    ('elementwise/reduce', ('elementwise', 'vectorized', 'reduce', 'unrolled')),
+]
+
+
+def _make_profiler(first: int, n: int, out_dir: str, tag: str) -> Any:
+    """A Composer callback profiling batches ``first`` .. ``first + n - 1`` (0-based) with torch.profiler; on stop it
+    writes ``{tag}-kernels.txt`` (top CUDA kernels) and ``{tag}-categories.txt`` (kernel time by category, and the
+    share of wall time the GPU had a kernel running) into ``out_dir``."""
+    from composer.core import Callback
+
+    class Prof(Callback):
+        def __init__(self) -> None:
+            self.prof = None
+            self.t0 = 0.0
+
+        def batch_start(self, state: Any, logger: Any) -> None:
+            import torch
+            if int(state.timestamp.batch) == first and self.prof is None:
+                acts = [torch.profiler.ProfilerActivity.CPU]
+                if torch.cuda.is_available():
+                    torch.cuda.synchronize()
+                    acts.append(torch.profiler.ProfilerActivity.CUDA)
+                self.prof = torch.profiler.profile(activities=acts)
+                self.prof.__enter__()
+                self.t0 = time.perf_counter()
+
+        def batch_end(self, state: Any, logger: Any) -> None:
+            import torch
+            if self.prof is not None and int(state.timestamp.batch) == first + n:
+                if torch.cuda.is_available():
+                    torch.cuda.synchronize()
+                wall_us = (time.perf_counter() - self.t0) * 1e6
+                self.prof.__exit__(None, None, None)
+                self._write(wall_us)
+                self.prof = None
+
+        def _write(self, wall_us: float) -> None:
+            import torch
+            cuda = torch.cuda.is_available()  # on a CPU (smoke test) the CPU self time of operators stands in
+            # kernels only: leave out the profiler's own GPU ranges (e.g. 'Optimizer.step#FusedAdamW.step', a
+            # user annotation spanning the optimizer step, which would count its kernels twice)
+            events = [e for e in self.prof.events() if (e.device_type.name == 'CUDA') == cuda
+                      and not getattr(e, 'is_user_annotation', False) and '#' not in e.name
+                      and not e.name.startswith('ProfilerStep')]
+            by_name: dict[str, list] = {}
+            for e in events:
+                d = by_name.setdefault(e.name, [0.0, 0])
+                d[0] += e.device_time if cuda else e.self_cpu_time_total
+                d[1] += 1
+            total = sum(v[0] for v in by_name.values())
+            cats: dict[str, float] = {}
+            for name, (t, _) in by_name.items():
+                low = name.lower()
+                cat = next((c for c, subs in _KERNEL_CATEGORIES if any(x in low for x in subs)), 'other')
+                cats[cat] = cats.get(cat, 0.0) + t
+            os.makedirs(out_dir, exist_ok=True)
+            with open(os.path.join(out_dir, f'{tag}-categories.txt'), 'w') as f:
+                f.write(f'{n} steps, wall {wall_us / 1e3:.1f} ms, CUDA kernel time {total / 1e3:.1f} ms '
+                        f'({100 * total / wall_us:.1f}% of wall)\n')
+                for c, t in sorted(cats.items(), key=lambda kv: -kv[1]):
+                    f.write(f'{c:22s} {t / 1e3:10.2f} ms  {100 * t / total:5.1f}%\n')
+            with open(os.path.join(out_dir, f'{tag}-kernels.txt'), 'w') as f:
+                for name, (t, cnt) in sorted(by_name.items(), key=lambda kv: -kv[1][0])[:60]:
+                    f.write(f'{t / 1e3:10.2f} ms {cnt:6d}x  {100 * t / total:5.1f}%  {name[:160]}\n')
+            print(open(os.path.join(out_dir, f'{tag}-categories.txt')).read(), flush=True)
+
+    return Prof()
 
 
 # ------------------------------------------------------------------------------------- config
@@ -336,7 +371,7 @@ def _free_port() -> int:
 
 
 def run_one(config: dict, run: str, vname: str, variant: dict, *, steps: int, skip: int, mb_override: Optional[int],
-            tok_dir: str) -> dict:
+            tok_dir: str, profile_dir: Optional[str] = None) -> dict:
     """Train one (model, variant) for ``steps`` steps; return its CSV row (status 'ok' or the error)."""
     import torch
     from omegaconf import OmegaConf
@@ -353,8 +388,11 @@ def run_one(config: dict, run: str, vname: str, variant: dict, *, steps: int, sk
         row.update(knobs)
         attn.set_sdpa_backend(variant.get('sdpa_backend') or os.environ.get('LLMPIPE_SDPA_BACKEND') or 'auto')
         if variant.get('compile_fix'):
-            _dynamo_catalogue_fix()
+            dynamo_catalogue_fix()
         timer = _make_timer()
+        extra = [timer]
+        if profile_dir:  # profile 3 steps after the timed window's start (timing of those steps is then perturbed)
+            extra.append(_make_profiler(skip + 2, 3, profile_dir, f'{run}-{vname}'))
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats()
@@ -365,7 +403,7 @@ def run_one(config: dict, run: str, vname: str, variant: dict, *, steps: int, sk
         orig_init = composer.Trainer.__init__
 
         def init(self, *a, **k):
-            k['callbacks'] = list(k.get('callbacks') or []) + [timer]
+            k['callbacks'] = list(k.get('callbacks') or []) + extra
             return orig_init(self, *a, **k)
 
         composer.Trainer.__init__ = init
@@ -431,6 +469,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument('--microbatch', default='', help='per-model microbatch overrides: mpt-125m=32,mpt-1b=16')
     ap.add_argument('--out', default=os.path.join(ROOT, 'benchmarks', 'train-throughput.csv'))
     ap.add_argument('--append', action='store_true', help='append to --out instead of overwriting')
+    ap.add_argument('--profile', default='', help='folder: also profile 3 steps with torch.profiler (kernel '
+                    'time by category); those rows are marked profiled and their timing is perturbed')
     args = ap.parse_args(argv)
     if args.steps < 30 or args.skip < 10:
         print('note: the method asks for >= 30 steps with the first 10 excluded', file=sys.stderr)
@@ -446,7 +486,7 @@ def main(argv: Optional[list[str]] = None) -> int:
 
     import llmpipe.attention  # noqa: F401 - registers sdpa + callback
     _register_synthetic_loader()
-    _register_fused_adamw()
+    register_fused_adamw()
 
     config = _load_project_config(args.config)
     mb_over = dict(kv.split('=') for kv in args.microbatch.split(',') if kv)
@@ -469,7 +509,10 @@ def main(argv: Optional[list[str]] = None) -> int:
             for v in variants:
                 t0 = time.time()
                 row = run_one(config, run, v, VARIANTS[v], steps=args.steps, skip=args.skip,
-                              mb_override=int(mb_over[run]) if run in mb_over else None, tok_dir=tok_dir)
+                              mb_override=int(mb_over[run]) if run in mb_over else None, tok_dir=tok_dir,
+                              profile_dir=args.profile or None)
+                if args.profile:
+                    row['variant'] = f'{v}+profiled'
                 row.update(versions)
                 row['command'] = command
                 w.writerow(row)
@@ -477,7 +520,8 @@ def main(argv: Optional[list[str]] = None) -> int:
                 rows.append(row)
                 print(f"[bench] {run:9s} {v:16s} {row.get('status')} mb={row.get('microbatch')} "
                       f"tok/s={row.get('tokens_per_s')} mfu={row.get('mfu')} "
-                      f"mem={row.get('peak_mem_allocated_gb')}GB ({time.time() - t0:.0f}s) {row.get('error', '')[:300]}",
+                      f"mem={row.get('peak_mem_allocated_gb')}GB ({time.time() - t0:.0f}s) "
+                      f"{row.get('error', '')[:300]}",
                       flush=True)
     print('\nmodel      variant          mb   tokens/s    MFU    mem(GB)  status')
     for r in rows:

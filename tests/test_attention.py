@@ -402,3 +402,22 @@ def test_math_sanity_against_explicit_softmax():
     s = s.masked_fill(torch.ones(6, 6, dtype=torch.bool).triu(1), float('-inf'))
     ref = (s.softmax(-1) @ vh).transpose(1, 2).reshape(1, 6, 8)
     torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
+
+
+def test_set_sdpa_backend_flags():
+    b = torch.backends.cuda
+    try:
+        A.set_sdpa_backend('efficient')
+        assert b.mem_efficient_sdp_enabled() and not b.flash_sdp_enabled() and b.math_sdp_enabled()
+        A.set_sdpa_backend('math')
+        assert not b.mem_efficient_sdp_enabled() and not b.flash_sdp_enabled() and b.math_sdp_enabled()
+        # with only the math backend on, results still match the reference
+        q, k, v = _qkv(1, 8, 8, 2, 2, 4, grad=False)
+        torch.testing.assert_close(A.sdpa_attention(q, k, v, n_heads=2, kv_n_heads=2, is_causal=True)[0],
+                                   reference(q, k, v, n_heads=2, kv_n_heads=2, is_causal=True)[0],
+                                   atol=ATOL, rtol=RTOL)
+        with pytest.raises(ValueError):
+            A.set_sdpa_backend('xformers')
+    finally:
+        A.set_sdpa_backend(None)
+    assert b.flash_sdp_enabled() and b.mem_efficient_sdp_enabled() and b.math_sdp_enabled()

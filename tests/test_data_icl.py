@@ -58,7 +58,7 @@ def test_sampling_is_deterministic_and_seeded(corpus, tmp_path):
     a = build_cloze_task(corpus, str(tmp_path / "a.jsonl"), num_items=3, seed=1)
     b = build_cloze_task(corpus, str(tmp_path / "b.jsonl"), num_items=3, seed=1)
     assert open(tmp_path / "a.jsonl", "rb").read() == open(tmp_path / "b.jsonl", "rb").read()
-    assert a["items"] == 3
+    assert a["items"] == b["items"] == 3
     seen = {tuple(it["continuation"] for it in read(tmp_path / "a.jsonl"))}
     for seed in range(2, 12):
         build_cloze_task(corpus, str(tmp_path / "c.jsonl"), num_items=3, seed=seed)

@@ -6,7 +6,12 @@ each node has 16 CPUs, 32000 MB and 4 GPUs.
 
 from __future__ import annotations
 
+import json
+import os
 import re
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -97,3 +102,59 @@ def test_what_preflight_rejects_really_would_wait_forever(slurm_cluster):
         assert re.fullmatch(r"PENDING Partition(TimeLimit|Config)", reason), reason  # never eligible
     finally:
         slurm_cluster.run("scancel", job_id)
+
+
+# ---------------------------------------------------------------------------------------------- the slurm profile
+# (no cluster needed: a one-rule Snakefile that loads config/config.yaml like ours and prints what it got)
+
+REPO = Path(__file__).resolve().parents[1]
+PROBE = """
+import json
+configfile: {config!r}
+print("CONFIG=" + json.dumps({{"dispatch": config["dispatch"], "has_slurm": "slurm" in config,
+                               "partition": (config.get("slurm") or {{}}).get("partition", "-"),
+                               "results_dir": config["results_dir"]}}))
+rule all:
+    output: "x"
+    shell: "touch {{output}}"
+"""
+
+
+def probe_config(tmp_path: Path, *args: str, env: dict | None = None) -> dict:
+    snakefile = tmp_path / "Snakefile"
+    snakefile.write_text(PROBE.format(config=str(REPO / "config" / "config.yaml")))
+    p = subprocess.run([sys.executable, "-m", "snakemake", "-s", str(snakefile), "-d", str(tmp_path), "-n",
+                        "--workflow-profile", str(REPO / "profiles" / "default"), *args],
+                       cwd=tmp_path, capture_output=True, text=True, timeout=120, env={**os.environ, **(env or {})})
+    assert p.returncode == 0, p.stdout + p.stderr
+    line = next(x for x in (p.stdout + p.stderr).splitlines() if x.startswith("CONFIG="))
+    return json.loads(line[len("CONFIG="):])
+
+
+def test_slurm_profile_switches_dispatch_to_slurm(tmp_path):
+    got = probe_config(tmp_path, "--profile", str(REPO / "profiles" / "slurm"))
+    # merged on top of config/config.yaml: the other dispatch keys survive, the site file's slurm section is there
+    assert got["dispatch"]["executor"] == "slurm" and got["dispatch"]["state_dir"] == ".llmpipe/jobs", got
+    assert got["has_slurm"] and got["partition"] is None
+    assert probe_config(tmp_path)["dispatch"]["executor"] == "local"  # no profile: local
+
+
+def test_slurm_profile_by_name_from_the_user_config_folder(tmp_path):
+    """The README's set-up: a link to profiles/slurm in the Snakemake config folder makes `--profile slurm` work."""
+    xdg = tmp_path / "xdg"
+    (xdg / "snakemake").mkdir(parents=True)
+    (xdg / "snakemake" / "slurm").symlink_to(REPO / "profiles" / "slurm")
+    got = probe_config(tmp_path, "--profile", "slurm", env={"XDG_CONFIG_HOME": str(xdg)})
+    assert got["dispatch"]["executor"] == "slurm" and got["has_slurm"], got
+
+
+def test_slurm_profile_survives_a_users_config_and_configfile(tmp_path):
+    site = tmp_path / "my-site.yaml"
+    site.write_text("slurm: {partition: gpu}\n")
+    prof = str(REPO / "profiles" / "slurm")
+    got = probe_config(tmp_path, "--profile", prof, "--configfile", str(site))
+    assert got["dispatch"]["executor"] == "slurm" and got["partition"] == "gpu", got
+    got = probe_config(tmp_path, "--profile", prof, "--config", "results_dir=/scratch/r")
+    assert got["dispatch"]["executor"] == "slurm" and got["results_dir"] == "/scratch/r" and got["has_slurm"], got
+    got = probe_config(tmp_path, "--profile", prof, "--configfile", str(REPO / "config" / "slurm-site.yaml"), str(site))
+    assert got["dispatch"]["executor"] == "slurm" and got["partition"] == "gpu", got

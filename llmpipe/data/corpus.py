@@ -10,9 +10,11 @@ A prepared corpus is a folder ``{out_dir}`` with
 
 Sources (``corpus_cfg['source']``):
 
-* ``builtin`` – real English prose built offline from the documentation that ships with Python (the
-  ``pydoc_data.topics`` reference text and the docstrings of the standard library, read with :mod:`ast`, never
-  imported). Deterministic for a given Python version, about 2–4 MB of text; the validation documents are a
+* ``builtin`` – real English prose built offline from the documentation that ships with Python: the
+  ``pydoc_data.topics`` reference text, the docstrings of the pure-Python standard library (read with :mod:`ast`,
+  never imported) and of its compiled modules. Code, grammar rules and tables are filtered out; paragraphs are
+  deduplicated and grouped into ~2.5 kB documents. Deterministic for a given Python version: about 1.5 MB of text
+  on CPython 3.11 (~1,000 documents, ~370 k tokens with a 4k BPE), capped at 4 MB; the validation documents are a
   disjoint, hash-selected ~10 % of the documents.
 * ``hub`` – ``huggingface_hub.hf_hub_download`` of the first ``train_files`` / ``val_files`` files of
   ``repo_id`` (``allenai/c4``) at ``revision``, with ``download_retries`` attempts per file; partial downloads
@@ -579,7 +581,6 @@ def _prepare_builtin(corpus_cfg: dict, out_dir: str) -> dict:
     if not docs:
         raise DataError(f"{_where(corpus_cfg)}: the builtin corpus is empty: no prose was found in this Python's "
                         f"documentation ({sys.executable}). Fix: use source: hub or local.")
-    subset = corpus_cfg.get("subset", "en")
     wanted = _wanted(corpus_cfg)
     split_docs = {"train": [d for d in docs if not _is_val(d["key"])],
                   "validation": [d for d in docs if _is_val(d["key"])]}

@@ -21,7 +21,7 @@ whitespace are skipped (they would only add a lone EOS).
 **Units.** One unit = one input ``.json.gz`` file; concatenation runs across documents *within* a unit. At the end of
 a unit the leftover (< ``concat_tokens`` ids, the tail of its last document(s)) is **dropped**; it is counted in
 ``dropped_tokens``. So a sample never spans two input files, and the output does not depend on how units are
-grouped onto workers: with C4's ~356k documents per file the loss is < 2048 tokens per 170 M (0.001 %). For the
+grouped onto workers: a C4 train file has ~152 M tokens, so the loss is < 2048 tokens per file (0.001 %). For the
 same input file, a unit's samples are identical to what llm-foundry's ``ConcatTokensDataset`` (``no_wrap=False``)
 yields for that file alone, except for the skipped empty documents.
 

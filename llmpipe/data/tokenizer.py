@@ -9,7 +9,8 @@ Every source ends the same way: a Hugging Face tokenizer folder ``{out_dir}`` wr
 
 A trained tokenizer is GPT-2 style: byte-level pre-tokenization (no prefix space), BPE merges learned on the
 corpus' train split (documents in manifest order, so training is deterministic), ``eos_text`` as its only
-special token, used as EOS, BOS and UNK (like ``EleutherAI/gpt-neox-20b``); no padding token is set.
+special token, used as EOS, BOS and UNK (like ``EleutherAI/gpt-neox-20b``); no padding token is set. Training
+uses the tokenizers library's thread pool (``TOKENIZERS_PARALLELISM``); the result is the same with or without it.
 """
 
 from __future__ import annotations
@@ -120,7 +121,6 @@ def prepare_tokenizer(tok_cfg: dict, out_dir: str, corpus_manifest: str | None =
     where = _where(tok_cfg)
     src = tok_cfg.get("source")
     eos_text = tok_cfg.get("eos_text") or None
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
     extra: dict = {}

@@ -56,19 +56,19 @@ class SlurmCluster:
             raise AssertionError(f"{' '.join(cmd)} failed ({p.returncode}): {p.stderr.strip()}")
         return p.stdout
 
-    def jobs_named(self, name: str, settle_s: float = 20) -> list[dict[str, str]]:
+    def jobs_named(self, name: str, expect: int = 1, settle_s: float = 20) -> list[dict[str, str]]:
         """Every run of every job with this name that accounting knows (a requeued job has one row per run, all
         with the same JobID; the earlier ones REQUEUED): JobID, State, NodeList, AllocTRES.
 
-        Accounting lags the controller by a moment: waits up to ``settle_s`` for at least one row and for every
-        row to be in a final state."""
+        Accounting lags the controller by a moment: waits up to ``settle_s`` seconds for at least ``expect`` rows
+        and for every row to be in a final state."""
         keys = ["JobID", "State", "NodeList", "AllocTRES"]
         deadline = time.time() + settle_s
         while True:
             out = self.run("sacct", "--noheader", "--parsable2", "--allocations", "--duplicates", "--name", name,
                            "--starttime", "now-1days", "--format", ",".join(keys))
             rows = [dict(zip(keys, line.split("|"))) for line in out.splitlines() if line.strip()]
-            settled = rows and all(r["State"].split()[0] in FINAL_STATES for r in rows)
+            settled = len(rows) >= expect and all(r["State"].split()[0] in FINAL_STATES for r in rows)
             if settled or time.time() > deadline:
                 return rows
             time.sleep(0.5)

@@ -13,13 +13,13 @@ if [[ $(id -u) != 0 ]]; then
   exit 1
 fi
 export DEBIAN_FRONTEND=noninteractive
-apt-get update -qq
+apt-get update -qq || { sleep 5; apt-get update -qq; }
 # --no-install-recommends keeps it small; policy-rc.d stops Debian's maintainer scripts from starting the
 # system-wide daemons (there is no systemd here, and the harness runs its own instances).
 created_policy=0
 if [[ ! -e /usr/sbin/policy-rc.d ]]; then
   printf '#!/bin/sh\nexit 101\n' > /usr/sbin/policy-rc.d; chmod 755 /usr/sbin/policy-rc.d; created_policy=1
 fi
-trap '[[ $created_policy == 1 ]] && rm -f /usr/sbin/policy-rc.d' EXIT
+trap 'if [[ $created_policy == 1 ]]; then rm -f /usr/sbin/policy-rc.d; fi' EXIT
 apt-get install -y -qq --no-install-recommends "${PKGS[@]}" >/dev/null
 echo "slurm test cluster packages: installed $(dpkg-query -W -f='${Version}' slurmctld) ($(date +%T))"
