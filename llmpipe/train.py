@@ -22,6 +22,7 @@ import os
 import re
 import shutil
 import signal
+import tempfile
 import time
 from typing import Any
 
@@ -386,8 +387,11 @@ class TrainTask:
     """
 
     def __init__(self, config: dict, run: str, data_dir: str, tokenizer_dir: str, run_dir: str, identity: str):
-        self.config, self.run, self.data_dir = config, run, data_dir
-        self.tokenizer_dir, self.run_dir, self.identity = tokenizer_dir, run_dir, identity
+        # absolute paths: every task runs in a node-private scratch folder (see __call__)
+        self.submit_dir = os.getcwd()
+        self.config, self.run, self.data_dir = config, run, os.path.abspath(data_dir)
+        self.tokenizer_dir, self.run_dir = os.path.abspath(tokenizer_dir), os.path.abspath(run_dir)
+        self.identity = identity
 
     def checkpoint(self, *args: Any, **kwargs: Any):
         import submitit
@@ -412,6 +416,20 @@ class TrainTask:
         # every rank waits until rank 0 cleaned the folder: a shared file is simplest before dist is up
         _wait_for_file(os.path.join(save_folder, "identity.json"), self.identity)
         resume = newest_checkpoint(save_folder)
+        max_batches = int(run_config(self.config, self.run)["train"]["max_duration_batches"])
+        done = _finished_result(save_folder, resume, max_batches)
+        if done is not None:
+            # training already reached its last step (the job ended after the final checkpoint but before Snakemake
+            # recorded train.json): nothing to redo. Delete results/{run}/checkpoints to retrain from scratch.
+            print(f"llmpipe: rank {rank}: training already complete at {resume}; reusing its result", flush=True)
+            return done if rank == 0 else None
+        if resume is not None and _CKPT_RE.search(resume) and int(_CKPT_RE.search(resume).group(2)) >= max_batches:
+            print(f"llmpipe: rank {rank}: {resume} is the final step but its result record is missing; "
+                  f"training again from scratch", flush=True)
+            if rank == 0:
+                prepare_save_folder(save_folder, "")  # clears every checkpoint of this folder
+                prepare_save_folder(save_folder, self.identity)
+            resume = None
         if rank == 0 and resume is None:
             log_path = os.path.join(self.run_dir, "train_log.jsonl")
             if os.path.exists(log_path):
@@ -423,14 +441,54 @@ class TrainTask:
               f"(node rank {dist_env.get('node_rank', 0)}, master {dist_env.get('master_addr', 'local')}); "
               f"run {self.run}, expected devices {world_size(res)}", flush=True)
         t0 = time.time()
-        trainer = train(OmegaConf.create(cfg))
-        wall = time.time() - t0
-        monitor = next(cb for cb in trainer.state.callbacks if type(cb).__name__ == "RunMonitor")
-        result = summarize(self.config, self.run, trainer, monitor, wall, ws, save_folder, resume)
-        trainer.close()
+        # llm-foundry writes signal files named after rank 0 into the working folder; with a shared working folder
+        # the local-rank-0 task of every node would remove the same file. Run each task in a private scratch folder.
+        cwd = os.getcwd()
+        scratch = tempfile.mkdtemp(prefix=f"llmpipe-{self.run}-rank{rank}-")
+        os.chdir(scratch)
+        try:
+            trainer = train(OmegaConf.create(cfg))
+            wall = time.time() - t0
+            monitor = next(cb for cb in trainer.state.callbacks if type(cb).__name__ == "RunMonitor")
+            result = summarize(self.config, self.run, trainer, monitor, wall, ws, save_folder, resume)
+            trainer.close()
+        finally:
+            os.chdir(cwd)
+            shutil.rmtree(scratch, ignore_errors=True)
+        for key in ("final_checkpoint", "resumed_from", "train_log"):
+            if result.get(key):  # relative to the workflow's folder (when inside it), like the paths Snakemake sees
+                path = os.path.abspath(result[key])
+                if path.startswith(self.submit_dir.rstrip(os.sep) + os.sep):
+                    result[key] = os.path.relpath(path, self.submit_dir)
+        if rank == 0:
+            _write_result_record(save_folder, result)
         if rank == 0:
             return result
         return None
+
+
+def _write_result_record(save_folder: str, result: dict) -> None:
+    tmp = os.path.join(save_folder, "result.json.tmp")
+    with open(tmp, "w") as fh:
+        json.dump(result, fh, indent=1)
+    os.replace(tmp, os.path.join(save_folder, "result.json"))
+
+
+def _finished_result(save_folder: str, newest: str | None, max_batches: int) -> dict | None:
+    """The saved train.json record when the newest complete checkpoint is the final step and was recorded."""
+    if newest is None:
+        return None
+    m = _CKPT_RE.search(newest)
+    if not m or int(m.group(2)) < max_batches:
+        return None
+    try:
+        with open(os.path.join(save_folder, "result.json")) as fh:
+            rec = json.load(fh)
+    except (OSError, ValueError):
+        return None
+    if os.path.basename(rec.get("final_checkpoint") or "") != os.path.basename(newest):
+        return None
+    return rec
 
 
 def _wait_for_file(path: str, content: str, timeout_s: float = 600) -> None:

@@ -40,11 +40,27 @@ def icl_task_files(wildcards):
     return [f"{RESULTS}/data/{corpus}/icl/{t['label']}.jsonl" for t in config["eval"]["icl_tasks"]]
 
 
+_PREFLIGHT_DONE = set()
+
+
+def preflight(step, run=None):
+    """On the Slurm profile, check the step's request against the cluster while the DAG is built (dry run too),
+    so a request that can never run fails now instead of waiting in the queue forever."""
+    if config["dispatch"]["executor"] != "slurm" or (step, run) in _PREFLIGHT_DONE:
+        return
+    from llmpipe import slurm
+
+    where = f"models.{run}.resources" if step == "train" else ("data_resources" if step == "data" else f"{step}.resources")
+    slurm.preflight(config, cfg.step_resources(config, step, run), where=where)
+    _PREFLIGHT_DONE.add((step, run))
+
+
 def res(step, key, default=0):
     """A resource of a step for Snakemake's `resources:` (shown by the dry run; never rerun triggers)."""
 
     def get(wildcards):
         run = getattr(wildcards, "run", None)
+        preflight(step, run)
         return int(cfg.step_resources(config, step, run).get(key, default) or 0)
 
     return get

@@ -104,3 +104,15 @@ def test_resume_from_newest_complete_checkpoint_without_symlinks(tiny_run, tmp_p
     assert train1["resumed_from"].endswith("ep0-ba80-rank0.pt"), train1["resumed_from"]
     assert train1["steps"] == train0["steps"] and train1["batches_this_job"] == train0["steps"] - 80
     assert not (ck / "ep0-ba100-rank0.pt").exists()
+
+
+def test_lost_train_json_reuses_finished_training(tiny_run, tmp_path):
+    """The job ended after the final checkpoint but train.json was lost: the rerun trains nothing again."""
+    wd = copy_run(tiny_run, tmp_path / "wd")
+    train0 = load(wd, "mpt-tiny/train.json")
+    (wd / "results/mpt-tiny/train.json").unlink()
+    proc = snakemake(wd, "--cores", "2", "results/mpt-tiny/train.json")
+    train1 = load(wd, "mpt-tiny/train.json")
+    assert train1 == train0
+    logs = (wd / "results/logs/train/mpt-tiny.submitit").rglob("*_0_log.out")
+    assert any("training already complete" in p.read_text() for p in logs), proc.stdout[-2000:]
