@@ -42,8 +42,9 @@ def evaluate(config: dict, run: str, model_dir: str, data_dir: str, icl_files: d
     on_gpu = torch.cuda.is_available()
     tasks = []
     for t in ecfg.get("icl_tasks", []):
+        kind = {"cloze": "language_modeling", "cloze_choice": "multiple_choice"}[t.get("kind", "cloze")]
         tasks.append({"label": t["label"], "dataset_uri": os.path.abspath(icl_files[t["label"]]),
-                      "num_fewshot": list(t.get("num_fewshot", [0])), "icl_task_type": "language_modeling",
+                      "num_fewshot": list(t.get("num_fewshot", [0])), "icl_task_type": kind,
                       "continuation_delimiter": "", "example_delimiter": "\n"})
     items = max([int(t.get("num_items", 200)) for t in ecfg.get("icl_tasks", [])] or [0])
     cfg = {

@@ -123,10 +123,14 @@ def verify_mds(smk) -> None:
 @_logged
 def icl_task(smk) -> None:
     """Rule ``icl_task``: build an in-context-learning task from held-out (validation) text."""
-    from llmpipe.data.icl import build_cloze_task
+    from llmpipe.data.icl import build_cloze_choice_task, build_cloze_task
     _start_log(smk)
     task = next(t for t in smk.config["eval"]["icl_tasks"] if t["label"] == smk.wildcards.label)
-    build_cloze_task(smk.input[0], smk.output[0], int(task.get("num_items", 200)), int(task.get("seed", 17)))
+    kind = task.get("kind", "cloze")
+    builders = {"cloze": build_cloze_task, "cloze_choice": build_cloze_choice_task}
+    if kind not in builders:
+        raise ValueError(f"eval.icl_tasks[{task['label']}].kind is {kind!r}; it must be one of {sorted(builders)}.")
+    builders[kind](smk.input[0], smk.output[0], int(task.get("num_items", 200)), int(task.get("seed", 17)))
 
 
 @_logged
@@ -161,7 +165,7 @@ def convert(smk) -> None:
     run = smk.wildcards.run
     train_result = read_json(smk.input.train)
     out_dir = os.path.dirname(smk.output[0])
-    dispatch.run_step(convert_checkpoint, smk.config, run, train_result["final_checkpoint"],
+    dispatch.run_step(convert_checkpoint, smk.config, run, os.path.abspath(train_result["final_checkpoint"]),
                       os.path.dirname(smk.input.tokenizer), out_dir, smk.config["convert"]["dtype"],
                       step=f"convert {run}", resources=step_resources(smk.config, "convert", run),
                       config=smk.config, log_dir=_log_dir(smk, "convert", run), key=_key(smk, "convert"),

@@ -93,3 +93,36 @@ def build_cloze_task(corpus_manifest: str, out_path: str, num_items: int, seed: 
     atomic_write_bytes(out_path, data)
     return {"path": os.path.abspath(out_path), "items": n, "candidates": len(cands), "seed": int(seed),
             "source_files": files, "examples": items[:3]}
+
+
+def build_cloze_choice_task(corpus_manifest: str, out_path: str, num_items: int, seed: int,
+                            num_choices: int = 4) -> dict:
+    """Write a multiple-choice cloze task (llm-foundry ``multiple_choice`` format) cut from held-out text.
+
+    The same items as :func:`build_cloze_task`, but the model ranks ``num_choices`` candidate last words instead of
+    generating the word exactly: ``{"query": context, "choices": [" word", ...], "gold": index}``. Distractors are
+    other items' answers drawn with ``random.Random(seed)``; chance accuracy is ``1 / num_choices``. A small model
+    that learned anything about the domain beats chance here long before it can produce the exact word.
+
+    Raises:
+        DataError: as :func:`build_cloze_task`, or fewer distinct answers than ``num_choices``.
+    """
+    tmp = out_path + ".lm.tmp"
+    info = build_cloze_task(corpus_manifest, tmp, num_items, seed)
+    with open(tmp, encoding="utf-8") as fh:
+        items = [json.loads(line) for line in fh]
+    os.remove(tmp)
+    answers = sorted({it["continuation"] for it in items})
+    if len(answers) < num_choices:
+        raise DataError(f"only {len(answers)} distinct answers in the held-out items of {corpus_manifest}; a "
+                        f"{num_choices}-way cloze task needs more. Fix: raise num_items or lower num_choices.")
+    rng = random.Random(int(seed) + 1)
+    out = []
+    for it in items:
+        distract = rng.sample([a for a in answers if a != it["continuation"]], num_choices - 1)
+        gold = rng.randrange(num_choices)
+        choices = distract[:gold] + [it["continuation"]] + distract[gold:]
+        out.append({"query": it["context"], "choices": choices, "gold": gold})
+    data = "".join(json.dumps(it, ensure_ascii=False) + "\n" for it in out).encode("utf-8")
+    atomic_write_bytes(out_path, data)
+    return {**info, "path": os.path.abspath(out_path), "num_choices": num_choices, "examples": out[:3]}
