@@ -21,8 +21,10 @@ pytest_plugins = ["tests.slurm_cluster.fixture"] if (REPO / "tests/slurm_cluster
 def snakemake(workdir: Path, *args: str, check: bool = True, timeout: float = 1800, env: dict | None = None):
     """Run snakemake on this repository's Snakefile in ``workdir``; return the CompletedProcess."""
     cmd = SNAKEMAKE + ["-s", str(REPO / "Snakefile"), "-d", str(workdir), *args]
-    proc = subprocess.run(cmd, cwd=workdir, capture_output=True, text=True, timeout=timeout,
-                          env={**os.environ, **(env or {})})
+    full_env = {**os.environ, **(env or {})}
+    # this checkout's package first, whatever else is installed (jobs import llmpipe by name)
+    full_env["PYTHONPATH"] = os.pathsep.join(p for p in [full_env.get("PYTHONPATH", ""), str(REPO)] if p)
+    proc = subprocess.run(cmd, cwd=workdir, capture_output=True, text=True, timeout=timeout, env=full_env)
     if check and proc.returncode != 0:
         raise AssertionError(f"snakemake {' '.join(args)} failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n"
                              f"{proc.stderr[-6000:]}")
