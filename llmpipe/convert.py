@@ -10,12 +10,11 @@ Attention implementations that exist only in our package (``sdpa``) are mapped b
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import time
 
-from llmpipe.config import run_config
+from llmpipe.atomic import atomic_write_json
 
 #: attention implementations that the exported code knows; anything else is mapped to ``torch``.
 STOCK_ATTN_IMPLS = ("torch", "flash")
@@ -48,7 +47,14 @@ def load_composer_weights(ckpt_path: str) -> dict:
 
 
 def build_hf_model(config: dict, run: str, ckpt_path: str):
-    """Instantiate llm-foundry's ``MPTForCausalLM`` for a run and load the checkpoint's weights (fp32)."""
+    """Instantiate llm-foundry's ``MPTForCausalLM`` for a run and load the checkpoint's weights (fp32).
+
+    A finetune's checkpoint holds an HF-wrapped model (``hf_causal_lm``): its config comes from the checkpoint
+    and LoRA adapters are merged (:func:`llmpipe.finetune.build_finetuned_mpt`)."""
+    from llmpipe.config import is_finetune
+    if is_finetune(config, run):
+        from llmpipe.finetune import build_finetuned_mpt
+        return build_finetuned_mpt(ckpt_path)
     from llmfoundry.models.mpt import MPTConfig, MPTForCausalLM
 
     from llmpipe.train import register_extensions
@@ -125,10 +131,7 @@ def convert_checkpoint(config: dict, run: str, ckpt_path: str, tokenizer_dir: st
         manifest["verify_max_abs_logit_diff"] = verify_export(out_dir, build_hf_model(config, run, ckpt_path),
                                                               dtype)
     manifest["seconds"] = round(time.time() - t0, 2)
-    tmp_manifest = os.path.join(out_dir, "manifest.json.tmp")
-    with open(tmp_manifest, "w") as fh:
-        json.dump(manifest, fh, indent=2)
-    os.replace(tmp_manifest, os.path.join(out_dir, "manifest.json"))  # last: the folder is complete now
+    atomic_write_json(os.path.join(out_dir, "manifest.json"), manifest)  # last: the folder is complete now
     return manifest
 
 

@@ -16,19 +16,21 @@ import time
 from llmpipe.config import run_config
 
 
-def evaluate(config: dict, run: str, model_dir: str, data_dir: str, icl_files: dict[str, str]) -> dict:
+def evaluate(config: dict, run: str, model_dir: str, data_dir: str | None, icl_files: dict[str, str],
+             eval_loader: dict | None = None) -> dict:
     """Evaluate the Hugging Face model in ``model_dir``; return the eval.json record.
 
     Args:
         data_dir: the MDS dataset folder (its ``val`` split is used).
         icl_files: ICL task label -> jsonl path.
+        eval_loader: an llm-foundry loader config for the held-out metrics instead of ``data_dir``'s val split
+            (a finetune's held-out instructions, see :func:`llmpipe.finetune.evaluate_finetune`).
 
     Returns:
         ``{"val": {"loss", "perplexity", "token_accuracy"}, "icl": {label: {"<k>-shot": accuracy}},
         "metrics": every metric llm-foundry computed, "seconds", ...}``. Loss in nats per token.
     """
     import torch
-    from composer.utils import dist  # noqa: F401
     from llmfoundry.command_utils import evaluate as foundry_evaluate
     from omegaconf import OmegaConf
 
@@ -63,7 +65,8 @@ def evaluate(config: dict, run: str, model_dir: str, data_dir: str, icl_files: d
         }],
         "icl_tasks": tasks,
         "icl_subset_num_batches": math.ceil(items / bs) + 1 if items else None,
-        "eval_loader": {"name": "text",
+        "eval_loader": eval_loader if eval_loader is not None else {
+                        "name": "text",
                         "dataset": {"local": os.path.abspath(data_dir), "split": "val", "shuffle": False,
                                     "max_seq_len": seq},
                         "drop_last": False, "num_workers": 0, "prefetch_factor": None,

@@ -15,17 +15,8 @@ import traceback
 from typing import Any
 
 from llmpipe import dispatch
+from llmpipe.atomic import atomic_write_json as write_json
 from llmpipe.config import run_config, step_resources
-
-
-def write_json(path: str, obj: Any) -> None:
-    """Write ``obj`` as JSON to ``path`` atomically (temporary file in the same folder, then rename)."""
-    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    tmp = f"{path}.tmp.{os.getpid()}"
-    with open(tmp, "w") as fh:
-        json.dump(obj, fh, indent=2, default=str)
-        fh.write("\n")
-    os.replace(tmp, path)
 
 
 def read_json(path: str) -> Any:

@@ -401,7 +401,6 @@ class TrainTask:
         dist_env = export_dist_env()
         os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
         register_extensions(bool(run_config(self.config, self.run)["train"].get("compile")))
-        from composer.utils import dist
         from llmfoundry.command_utils import train
         from omegaconf import OmegaConf
 
@@ -468,10 +467,8 @@ class TrainTask:
 
 
 def _write_result_record(save_folder: str, result: dict) -> None:
-    tmp = os.path.join(save_folder, "result.json.tmp")
-    with open(tmp, "w") as fh:
-        json.dump(result, fh, indent=1)
-    os.replace(tmp, os.path.join(save_folder, "result.json"))
+    from llmpipe.atomic import atomic_write_json
+    atomic_write_json(os.path.join(save_folder, "result.json"), result)
 
 
 def _finished_result(save_folder: str, newest: str | None, max_batches: int) -> dict | None:

@@ -43,6 +43,7 @@ def test_tiny_pipeline_trains_and_evaluates(tiny_run):
     assert math.isclose(ev["val"]["perplexity"], math.exp(ev["val"]["loss"]), rel_tol=1e-3)
     assert 0 < ev["val"]["token_accuracy"] < 1
     assert "cloze_heldout" in ev["icl"] and 0 <= ev["icl"]["cloze_heldout"]["0-shot"] <= 1
+    assert 0 < ev["icl"]["cloze_choice_heldout"]["0-shot"] <= 1  # 4-way choice: some items right
 
     gen = load(tiny_run, "mpt-tiny/generate.json")
     assert [o["prompt"] for o in gen["outputs"]] == cfg["generate"]["prompts"]

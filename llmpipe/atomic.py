@@ -1,0 +1,51 @@
+"""Atomic file writes: a reader (or Snakemake) sees the old file, no file, or the whole new one, never a part."""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from typing import Any
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def atomic_write_json(path: str, obj: Any) -> None:
+    """Write ``obj`` as indented JSON to ``path`` atomically (temporary file in the same folder + os.replace).
+
+    A reader (or Snakemake) never sees a half-written file: either the old file, no file, or the new one.
+    """
+    text = json.dumps(obj, indent=1, ensure_ascii=False, default=str) + "\n"
+    atomic_write_bytes(path, text.encode("utf-8"))
+
+
+def atomic_write_bytes(path: str, data: bytes) -> None:
+    """Write ``data`` to ``path`` atomically (temporary file in the same folder + os.replace)."""
+    d = os.path.dirname(os.path.abspath(path))
+    os.makedirs(d, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix="." + os.path.basename(path) + ".", suffix=".tmp", dir=d)
+    try:
+        with os.fdopen(fd, "wb") as fh:
+            fh.write(data)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.chmod(tmp, 0o666 & ~_umask())
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except FileNotFoundError:
+            pass
+        raise
+
+
+def remove_if_exists(path: str) -> None:
+    """Delete a file if it is there (used to drop a stale manifest before a step rewrites its outputs)."""
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
