@@ -39,8 +39,10 @@ def test_dry_run_plans_whole_chain_fast_without_torch(workdir, no_torch, model):
 
 
 def test_default_target_plans_tiny_pipeline(workdir):
+    import yaml
+    n_icl = len(yaml.safe_load((REPO / "config/config.yaml").read_text())["eval"]["icl_tasks"])
     jobs = planned_jobs(snakemake(workdir, "-n"))
-    assert jobs == {r: 1 for r in ALL_RULES} | {"all": 1}, jobs
+    assert jobs == {r: 1 for r in ALL_RULES} | {"all": 1, "icl_task": n_icl}, jobs
 
 
 def test_dataset_shared_between_models(workdir):
