@@ -27,3 +27,9 @@ rule all:
         f"{RESULTS}/mpt-tiny/train.json",
         f"{RESULTS}/mpt-tiny/generate.json",
         f"{RESULTS}/mpt-tiny/eval.json",
+
+
+include: "rules/bench.smk"
+include: "rules/scaling.smk"
+include: "rules/report.smk"
+include: "rules/finetune.smk"

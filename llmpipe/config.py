@@ -36,6 +36,9 @@ STEP_VERSIONS = {
     "convert": 1,
     "generate": 1,
     "eval": 1,
+    "instructions": 1,
+    "finetune": 1,
+    "finetune_eval": 1,
 }
 
 #: Keys under a model's ``train:`` that only change speed or placement; they are never part of identity.
@@ -94,17 +97,20 @@ def known_runs(config: dict) -> list[str]:
 def run_config(config: dict, run: str) -> dict:
     """The fully merged settings of one run: ``model_defaults`` overlaid with ``models[run]``.
 
-    Returns a dict with keys ``data``, ``arch``, ``train``, ``resources`` and ``name``.
+    Returns a dict with keys ``data``, ``arch``, ``train``, ``resources`` and ``name``. For a finetune
+    (``finetunes[run]``) see :func:`finetune_run_config`: the same keys (plus ``kind``, ``base``, ``lora``).
 
     Raises:
         ConfigError: ``run`` is not a model in ``models:`` (the message lists the known ones).
     """
+    if is_finetune(config, run):
+        return finetune_run_config(config, run)
     models = config.get("models", {})
     if run not in models:
         raise ConfigError(
-            f"unknown model or run {run!r}: known ones are {', '.join(sorted(models))}. "
+            f"unknown model or run {run!r}: known ones are {', '.join(known_runs(config))}. "
             f"Fix: use one of those names in the target (results/<run>/eval.json), or add "
-            f"`models: {{{run}: {{arch: ...}}}}` to your config file.")
+            f"`models: {{{run}: {{arch: ...}}}}` (or `finetunes: {{{run}: ...}}`) to your config file.")
     merged = deep_merge(config.get("model_defaults", {}), models[run] or {})
     merged["name"] = run
     return merged
@@ -141,6 +147,8 @@ def validate_run(config: dict, run: str) -> dict:
     if run in RESERVED_RUN_NAMES:
         raise ConfigError(f"{run!r} cannot be a run name: results/{run}/ is used by the workflow itself. "
                           f"Fix: rename the model.")
+    if is_finetune(config, run):
+        return validate_finetune(config, run)
     rc = run_config(config, run)
     where = f"models.{run}"
     data, arch, train = rc["data"], rc["arch"], rc["train"]
@@ -273,6 +281,8 @@ def train_identity(config: dict, run: str) -> str:
 
     Keys in :data:`SPEED_ONLY_TRAIN_KEYS`, the resources and the attention implementation are left out.
     """
+    if is_finetune(config, run):
+        return finetune_identity(config, run)
     rc = run_config(config, run)
     train = {k: v for k, v in rc["train"].items() if k not in SPEED_ONLY_TRAIN_KEYS}
     d = rc["data"]
@@ -303,7 +313,9 @@ def step_resources(config: dict, step: str, run: str | None = None) -> dict:
     """Resources of one step: ``nodes, gpus_per_node, tasks_per_node, cpus_per_task, mem_gb, time_min``.
 
     Training uses ``models.<run>.resources``; other steps use their own section (``convert.resources`` ...)
-    overlaid with ``models.<run>.step_resources.<step>`` when given.
+    overlaid with ``models.<run>.step_resources.<step>`` when given. A finetune's training (step ``train``)
+    uses ``finetunes.<run>.resources`` over ``finetune_defaults.resources``, and its other steps
+    ``finetunes.<run>.step_resources.<step>``.
     """
     if step == "train":
         res = dict(run_config(config, run)["resources"])
@@ -312,7 +324,7 @@ def step_resources(config: dict, step: str, run: str | None = None) -> dict:
     else:
         res = dict(config[step].get("resources", {}))
         if run is not None:
-            over = (config.get("models", {}).get(run, {}) or {}).get("step_resources", {}).get(step)
+            over = (_run_section(config, run).get("step_resources") or {}).get(step)
             res.update(over or {})
     res.setdefault("nodes", 1)
     res.setdefault("gpus_per_node", 0)
@@ -334,3 +346,236 @@ def tokens_per_run(config: dict, run: str) -> int:
 def ln_vocab(vocab_size: int) -> float:
     """ln(V): the loss of a uniform guess over V tokens, in nats."""
     return math.log(vocab_size)
+
+
+# ------------------------------------------------------------------------------------------------ finetuning
+# A finetune (``finetunes.<run>``, over ``finetune_defaults``) starts from a base model, either one of our own
+# runs (``base: {run: mpt-tiny}``: its Hugging Face export results/mpt-tiny/hf) or hub weights
+# (``base: {hub: mosaicml/mpt-7b}``), and trains on an instruction set (``instruction_sets.<name>``: prompt and
+# response columns) with llm-foundry's finetuning dataloader. Its results live in results/<run>/ like a
+# pretraining run's, and run_config() gives it the same keys (data, arch, train, resources), so the shared
+# steps (convert, generate, train.json's summary with MFU) work unchanged.
+
+#: Keys under a finetune's ``data:`` that only change speed (padding trimmed per batch); never identity.
+SPEED_ONLY_FINETUNE_DATA_KEYS = frozenset({"allow_pad_trimming"})
+
+#: Sources of an instruction set: written by the project, read from the hub, or a local folder in the hub's layout.
+INSTRUCTION_SOURCES = ("builtin", "hub", "local")
+
+
+def is_finetune(config: dict, run: str) -> bool:
+    """True when ``run`` is a finetune (a key of ``finetunes:``), False for a pretraining run."""
+    return run in (config.get("finetunes") or {})
+
+
+def _run_section(config: dict, run: str) -> dict:
+    """The run's own config section: ``models[run]``, or ``finetune_defaults`` overlaid with ``finetunes[run]``."""
+    if is_finetune(config, run):
+        return deep_merge(config.get("finetune_defaults") or {}, config["finetunes"][run] or {})
+    return (config.get("models", {}) or {}).get(run, {}) or {}
+
+
+def finetune_run_config(config: dict, run: str) -> dict:
+    """The fully merged settings of one finetune, in the shape of :func:`run_config`.
+
+    ``train`` and ``resources`` are ``model_defaults`` overlaid with ``finetune_defaults`` and ``finetunes[run]``.
+    ``arch`` is the base run's architecture (``base: {run: ...}``) or, for hub weights, ``model_defaults.arch``
+    overlaid with the finetune's ``arch`` (it must describe the hub model: it is used for MFU and checks only;
+    the weights and their config come from the hub). ``data`` holds the finetune's data settings plus, for the
+    shared steps, ``tokenizer`` (default: the base run's), ``corpus`` (the corpus of the ICL tasks: ``icl_corpus``,
+    default the base run's corpus) and ``concat_tokens`` (= ``max_seq_len``, the sequence length used for MFU).
+
+    Raises:
+        ConfigError: the base names an unknown run, or names both or neither of ``run`` and ``hub``.
+    """
+    ft = _run_section(config, run)
+    where = f"finetunes.{run}"
+    md = config.get("model_defaults", {}) or {}
+    base = {k: v for k, v in (ft.get("base") or {}).items() if v is not None}
+    if bool(base.get("run")) == bool(base.get("hub")):
+        raise ConfigError(f"{where}.base must name exactly one of `run` (one of our models, e.g. "
+                          f"{{run: mpt-tiny}}) or `hub` (a hub repo id, e.g. {{hub: mosaicml/mpt-7b}}); got {base}. "
+                          f"Fix: set one of them.")
+    data = dict(ft.get("data") or {})
+    if base.get("run"):
+        models = config.get("models", {}) or {}
+        if base["run"] not in models:
+            raise ConfigError(f"{where}.base.run is {base['run']!r}, which is not a model under `models:` "
+                              f"(known: {', '.join(sorted(models))}). Fix: name a pretraining run, or use "
+                              f"base: {{hub: <repo id>}}.")
+        brc = run_config(config, base["run"])
+        arch = copy.deepcopy(brc["arch"])
+        data["tokenizer"] = data.get("tokenizer") or brc["data"]["tokenizer"]
+        data["icl_corpus"] = data.get("icl_corpus") or brc["data"]["corpus"]
+    else:
+        arch = deep_merge(md.get("arch", {}), ft.get("arch"))
+        data["icl_corpus"] = data.get("icl_corpus") or (md.get("data") or {}).get("corpus")
+    data["corpus"] = data["icl_corpus"]
+    data["concat_tokens"] = int(data.get("max_seq_len") or arch.get("max_seq_len", 2048))
+    return {
+        "name": run,
+        "kind": "finetune",
+        "base": base,
+        "data": data,
+        "arch": arch,
+        "train": deep_merge(md.get("train", {}), ft.get("train")),
+        "resources": deep_merge(md.get("resources", {}), ft.get("resources")),
+        "lora": ft.get("lora") or None,
+        "node_counts": [int(n) for n in (ft.get("node_counts") or [])],
+        "step_resources": ft.get("step_resources") or {},
+    }
+
+
+def validate_instruction_set(config: dict, name: str) -> dict:
+    """Check an instruction set (``instruction_sets.<name>``); return it. Raises ConfigError naming the fix."""
+    sets = config.get("instruction_sets") or {}
+    if name not in sets:
+        raise ConfigError(f"instruction set {name!r} is not defined under `instruction_sets:` (known: "
+                          f"{', '.join(sorted(sets))}). Fix: add it or pick a known one.")
+    s = sets[name] or {}
+    where = f"instruction_sets.{name}"
+    src = s.get("source")
+    if src not in INSTRUCTION_SOURCES:
+        raise ConfigError(f"{where}.source is {src!r}; it must be one of {', '.join(INSTRUCTION_SOURCES)}.")
+    if src == "hub" and not s.get("hf_name"):
+        raise ConfigError(f"{where}.hf_name is not set but source is hub. Fix: a hub dataset id such as "
+                          f"mosaicml/dolly_hhrlhf.")
+    if src == "local":
+        d = s.get("local_dir")
+        if not d or not os.path.isdir(d):
+            raise ConfigError(f"{where}.local_dir ({d!r}) is not a folder but source is local. Fix: point it at a "
+                              f"copy of the dataset in the hub's layout (e.g. data/train-00000-of-00001.parquet), "
+                              f"or use source: hub.")
+    if src in ("hub", "local"):
+        cols = s.get("columns") or {}
+        if not cols.get("prompt") or not cols.get("response"):
+            raise ConfigError(f"{where}.columns must name the dataset's prompt and response columns, e.g. "
+                              f"{{prompt: prompt, response: response}}; got {cols!r}.")
+    return s
+
+
+def validate_finetune(config: dict, run: str) -> dict:
+    """Check one finetune's settings before anything is scheduled; return the merged run config.
+
+    Checks: the name is free, the base (one of our runs, or a hub id), the instruction set, the tokenizer and the
+    ICL corpus exist; ``max_seq_len`` fits the base; the architecture is known (for MFU); the LoRA settings; and
+    that ``global_batch_size`` divides by the number of devices and the microbatch at the configured node count
+    **and at every node count in** ``node_counts`` (a scaling study runs the same finetune at each of them).
+
+    Raises:
+        ConfigError: naming the first wrong setting and how to fix it.
+    """
+    where = f"finetunes.{run}"
+    if run in (config.get("models") or {}):
+        raise ConfigError(f"{run!r} is both a model under `models:` and a finetune under `finetunes:`; "
+                          f"results/{run}/ can hold only one. Fix: rename the finetune.")
+    rc = finetune_run_config(config, run)
+    data, arch, train, res = rc["data"], rc["arch"], rc["train"], rc["resources"]
+    validate_instruction_set(config, data.get("instructions"))
+    tok = data.get("tokenizer")
+    tokenizers = config.get("tokenizers", {})
+    if tok not in tokenizers:
+        raise ConfigError(f"{where}.data.tokenizer is {tok!r}, which is not defined under `tokenizers:` (known: "
+                          f"{', '.join(sorted(tokenizers))}). Fix: name the base model's tokenizer (hub MPT models "
+                          f"use gpt-neox-20b).")
+    validate_tokenizer(config, tok)
+    corpus = data["icl_corpus"]
+    if corpus not in config.get("corpora", {}):
+        raise ConfigError(f"{where}.data.icl_corpus is {corpus!r}, which is not defined under `corpora:`. "
+                          f"Fix: name the corpus the ICL tasks are built from.")
+    validate_corpus(config, corpus)
+    for key in ("d_model", "n_heads", "n_layers", "vocab_size", "max_seq_len"):
+        if key not in arch:
+            raise ConfigError(f"{where}.arch.{key} is missing: for hub weights, arch must describe the hub model "
+                              f"(used for MFU). Fix: copy it from the model's config.json.")
+    seq = int(data["concat_tokens"])
+    if seq > int(arch["max_seq_len"]):
+        raise ConfigError(f"{where}.data.max_seq_len ({seq}) is larger than the base model's max_seq_len "
+                          f"({arch['max_seq_len']}). Fix: lower max_seq_len.")
+    pr = data.get("packing_ratio")
+    if pr is not None and pr != "auto" and (not isinstance(pr, (int, float)) or float(pr) < 1):
+        raise ConfigError(f"{where}.data.packing_ratio is {pr!r}; it must be null, 'auto' or a number >= 1.")
+    rev = rc["base"].get("revision")
+    if rc["base"].get("hub") and rev not in (None, "main"):
+        raise ConfigError(f"{where}.base.revision is {rev!r}, but llm-foundry's hf_causal_lm loads a hub model's main "
+                          f"revision only. Fix: download that revision (huggingface-cli download --revision ...) and "
+                          f"set base.hub to the local folder, or use revision: main.")
+    lora = rc["lora"]
+    if lora is not None:
+        if not isinstance(lora, dict) or int(lora.get("r", 0)) <= 0 or not lora.get("target_modules"):
+            raise ConfigError(f"{where}.lora must be null or {{r: 8, alpha: 16, dropout: 0.05, target_modules: "
+                              f"[Wqkv]}} with r > 0 and at least one target module; got {lora!r}.")
+    if int(train["max_duration_batches"]) <= 0:
+        raise ConfigError(f"{where}.train.max_duration_batches must be positive.")
+    gbs = int(train["global_batch_size"])
+    mb = int(train["microbatch_size"])
+    if mb <= 0:
+        raise ConfigError(f"{where}.train.microbatch_size must be positive, got {mb}.")
+    per_node = world_size(dict(res, nodes=1))
+    counts = sorted({int(res.get("nodes", 1))} | set(rc["node_counts"]))
+    for nodes in counts:
+        ws = nodes * per_node
+        kind = "GPUs" if int(res.get("gpus_per_node", 0) or 0) > 0 else "tasks"
+        if gbs % ws:
+            raise ConfigError(
+                f"{where}.train.global_batch_size ({gbs}) is not divisible by the number of {kind} at {nodes} "
+                f"node(s) ({ws} = {nodes} x {per_node} per node); global_train_batch_size must split evenly over "
+                f"the devices at every node count of this finetune ({', '.join(map(str, counts))}). Fix: make "
+                f"global_batch_size a multiple of {_lcm([n * per_node for n in counts])}, or change "
+                f"{where}.resources.nodes / node_counts.")
+        per_device = gbs // ws
+        if per_device % mb and mb < per_device:
+            raise ConfigError(f"{where}.train.microbatch_size ({mb}) does not divide the per-device batch at "
+                              f"{nodes} node(s) ({per_device} = {gbs} / {ws}). Fix: pick a divisor of {per_device}.")
+    return rc
+
+
+def _lcm(values: list[int]) -> int:
+    out = 1
+    for v in values:
+        out = out * v // math.gcd(out, v)
+    return out
+
+
+def instructions_identity(config: dict, name: str) -> str:
+    """What determines a prepared instruction set: its source, dataset id, revision, splits, columns, row caps.
+
+    The mirror folder of a local source is left out (as for corpora): the same data read from another path is
+    the same data.
+    """
+    s = config["instruction_sets"][name]
+    keep = {k: s.get(k) for k in ("source", "hf_name", "revision", "train_split", "eval_split", "columns",
+                                  "max_rows", "max_items", "eval_percent", "seed")}
+    return _identity("instructions", **keep)
+
+
+def finetune_identity(config: dict, run: str) -> str:
+    """What determines a finetuned model: the base model (for our runs: the base's training and export
+    identity, so retraining the base reruns the finetune), the instruction set, the tokenizer, the data settings,
+    the optimizer, steps, global batch, seed, precision and LoRA settings.
+
+    Speed-only keys (:data:`SPEED_ONLY_TRAIN_KEYS`, :data:`SPEED_ONLY_FINETUNE_DATA_KEYS`), resources and node
+    counts are left out; so is ``arch`` for hub bases (it describes the hub model; it does not change it).
+    """
+    rc = run_config(config, run)
+    base = rc["base"]
+    if base.get("run"):
+        base_id = {"run": base["run"], "train": train_identity(config, base["run"]),
+                   "convert": convert_identity(config, base["run"])}
+    else:
+        base_id = {"hub": base["hub"], "revision": base.get("revision")}
+    d = rc["data"]
+    data = {k: v for k, v in d.items()
+            if k not in SPEED_ONLY_FINETUNE_DATA_KEYS and k not in ("corpus", "icl_corpus", "concat_tokens")}
+    data["instructions"] = instructions_identity(config, d["instructions"])
+    data["tokenizer"] = tokenizer_identity(config, d["tokenizer"])
+    train = {k: v for k, v in rc["train"].items() if k not in SPEED_ONLY_TRAIN_KEYS}
+    return _identity("finetune", base=base_id, data=data, train=train, lora=rc["lora"])
+
+
+def finetune_eval_identity(config: dict, run: str) -> str:
+    """What determines a finetune's eval.json: the eval settings, the held-out split and its sequence length."""
+    d = run_config(config, run)["data"]
+    return _identity("finetune_eval", eval=eval_identity(config, run),
+                     instructions=instructions_identity(config, d["instructions"]),
+                     max_seq_len=int(d["concat_tokens"]), icl_corpus=d["icl_corpus"])

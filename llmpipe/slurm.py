@@ -69,13 +69,38 @@ def site_config(config: dict, resources: dict | None = None) -> dict:
         if not isinstance(over, dict):
             raise ConfigError(f"resources.slurm must be a mapping of site settings, got {over!r}.")
         out = deep_merge(out, over)
-    ctype = (out.get("container") or {}).get("type")
-    if ctype not in (None, "", "none", "pyxis", "apptainer"):
+    # `--config slurm={...}` hands every nested value over as a string ('false', 'null', '20'): read them as YAML would
+    for key in ("exclusive", "preflight"):
+        out[key] = _flag(out.get(key), key)
+    for key in ("partition", "account", "qos", "constraint", "gpu_type"):
+        if _is_null(out.get(key)):
+            out[key] = None
+    out["container"] = dict(out.get("container") or {})
+    if _is_null(out["container"].get("type")) or str(out["container"].get("type")).lower() == "none":
+        out["container"]["type"] = None
+    ctype = out["container"].get("type")
+    if ctype not in (None, "pyxis", "apptainer"):
         raise ConfigError(f"slurm.container.type is {ctype!r}; it must be null, pyxis or apptainer.")
     if ctype in ("pyxis", "apptainer") and not out["container"].get("image"):
         raise ConfigError(f"slurm.container.type is {ctype} but slurm.container.image is not set. "
                           f"Fix: set the image (a registry reference or a .sqsh/.sif file), or type: null.")
     return out
+
+
+def _is_null(value: Any) -> bool:
+    return value is None or (isinstance(value, str) and value.strip().lower() in ("", "null", "~"))
+
+
+def _flag(value: Any, key: str) -> bool:
+    """A yes/no site setting; accepts the strings Snakemake's ``--config`` produces (``'false'``, ``'True'``)."""
+    if isinstance(value, str):
+        v = value.strip().lower()
+        if v in ("true", "yes", "on", "1"):
+            return True
+        if v in ("false", "no", "off", "0", "", "null", "none", "~"):
+            return False
+        raise ConfigError(f"slurm.{key} is {value!r}; it must be true or false.")
+    return bool(value)
 
 
 def tasks_per_node(resources: dict) -> int:
@@ -144,6 +169,8 @@ def sbatch_parameters(config: dict, resources: dict, name: str) -> dict:
     extra: dict[str, Any] = {"requeue": True}   # preemption and time-limit checkpoints requeue the job
     for k, v in (site.get("sbatch_args") or {}).items():
         k = str(k).lstrip("-").replace("-", "_")
+        if isinstance(v, str) and v.strip().lower() in ("true", "false", "null", "~"):
+            v = {"true": True, "false": False}.get(v.strip().lower())  # `--config` strings, read as YAML would
         if v is None or v is False:
             extra.pop(k, None)
         else:

@@ -10,6 +10,7 @@ rule train:
     input:
         data=lambda wc: dataset_path(wc, "verified.json"),
         tokenizer=tokenizer_manifest_of_run,
+        gate=lambda wc: allreduce_gate_input(wc),  # rules/bench.smk: [] unless allreduce.gate is on
     output:
         f"{RESULTS}/{{run}}/train.json",
     params:

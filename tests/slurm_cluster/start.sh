@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Start llmpipe's throw-away Slurm test cluster on this machine:
 #   munged + MariaDB + slurmdbd (sacct) + slurmctld on the host, and NODES slurmd nodes n1..nN, each in its own
-#   network namespace (10.214.0.1N on a private bridge) with its own hostname, each declaring GPUS GPUs (stand-ins: no real devices).
+#   network namespace (10.214.0.1N on a private bridge) with its own hostname and its own /dev/shm, each declaring
+#   GPUS GPUs (stand-ins: no real devices). /tmp and every other folder are shared with this machine.
 # Partitions: debug (all nodes, default, MaxTime 24 h) and small (n1 only, MaxTime 5 min).
 #
 #   tests/slurm_cluster/start.sh            # then: export SLURM_CONF=$LLMPIPE_SLURM_DIR/etc/slurm.conf
@@ -133,9 +134,12 @@ log "slurmdbd up"
 slurmctld -f "$C"
 for i in $(seq 1 "$NODES"); do
   # nsenter, not `ip netns exec`: that remounts /sys, hiding /sys/fs/cgroup, and slurmd 22.05 then dies.
-  # Private mount namespace (hosts overlay) + UTS namespace (hostname n$i); jobs inherit both.
+  # Private mount namespace (hosts overlay, own /dev/shm) + UTS namespace (hostname n$i); jobs inherit both.
+  # Each node gets its own /dev/shm like a real machine: the streaming dataloader's local leader on every node
+  # registers the same shared-memory names, which collide when the nodes share one /dev/shm.
   nsenter "--net=/run/netns/$NS$i" unshare --mount --uts --propagation private sh -c \
-    "mount --bind '$DIR/etc/hosts' /etc/hosts && hostname n$i && exec slurmd -f '$C' -N n$i"
+    "mount --bind '$DIR/etc/hosts' /etc/hosts && mount -t tmpfs -o mode=1777,size=4g llmpipe-shm-n$i /dev/shm \
+     && hostname n$i && exec slurmd -f '$C' -N n$i"
 done
 up=0
 for _ in $(seq 1 300); do

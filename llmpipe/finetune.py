@@ -1,0 +1,432 @@
+"""Supervised finetuning through llm-foundry: config, the task every rank runs, evaluation, and export.
+
+A finetune (``finetunes:`` in the config, see :func:`llmpipe.config.finetune_run_config`) starts from Hugging Face
+weights through llm-foundry's ``hf_causal_lm`` model: hub weights (``mosaicml/mpt-7b``) or one of our own exports
+(``results/mpt-tiny/hf``), and trains on a prepared instruction set (:mod:`llmpipe.data.instructions`) through
+llm-foundry's ``finetuning`` dataloader (prompt tokens masked out of the loss, ``decoder_only_format``, optional
+packing). LoRA is llm-foundry's ``peft_config`` and needs the ``peft`` package.
+
+Everything after training is shared with pretraining: ``train.json`` has the same fields (via
+:func:`llmpipe.train.summarize`, MFU included), conversion writes ``results/<run>/hf`` (the checkpoint holds an
+HF-wrapped model: :func:`build_finetuned_mpt` reads the model config stored in the checkpoint and merges LoRA
+adapters), generation is the shared step, and :func:`evaluate_finetune` reports loss, perplexity and token
+accuracy on the response tokens of the held-out split plus the ICL tasks.
+
+This module imports nothing heavy at import time (the Snakefile's login node must not need torch).
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib.util
+import math
+import os
+import shutil
+import tempfile
+import time
+from typing import Any
+
+from llmpipe import dispatch
+from llmpipe.config import ConfigError, run_config, step_resources, world_size
+from llmpipe.data.instructions import SPLIT_FILES
+from llmpipe.train import (TrainTask, _wait_for_file, export_dist_env, foundry_train_config, newest_checkpoint,
+                           prepare_save_folder, register_extensions, summarize)
+
+#: Attention implementations a Hugging Face MPT (hub code or our export) knows; ours (sdpa) map to ``torch``.
+HF_ATTN_IMPLS = ("torch", "flash", "triton")
+
+
+# ------------------------------------------------------------------------------------------- checks
+
+def require_peft(config: dict, run: str) -> None:
+    """Raise a clear error when the finetune uses LoRA and the ``peft`` package is not installed.
+
+    Raises:
+        ConfigError: ``finetunes.<run>.lora`` is set but ``import peft`` would fail (names ``pip install peft``).
+    """
+    if run_config(config, run).get("lora") and importlib.util.find_spec("peft") is None:
+        raise ConfigError(
+            f"finetunes.{run}.lora is set, but the `peft` package is not installed in this environment "
+            f"(llm-foundry's LoRA support needs it). Fix: `pip install peft` (or `pip install llm-foundry[peft]`) "
+            f"in the environment the jobs run in, or set finetunes.{run}.lora: null for full finetuning.")
+
+
+def base_model_path(config: dict, run: str) -> str:
+    """Where the finetune's starting weights are: ``{results}/<base run>/hf`` (absolute) or the hub repo id."""
+    base = run_config(config, run)["base"]
+    if base.get("run"):
+        return os.path.abspath(os.path.join(config["results_dir"], base["run"], "hf"))
+    return base["hub"]
+
+
+# ------------------------------------------------------------------------------------------- config
+
+def foundry_finetune_config(config: dict, run: str, *, instructions_dir: str | None, base_path: str,
+                            save_folder: str | None, world_size: int, tokenizer_dir: str | None = None) -> dict:
+    """Build the llm-foundry train config (``llmfoundry.command_utils.train``'s dict) for one finetune.
+
+    Optimizer, scheduler, batch sizes, precision, FSDP, checkpointing and our run monitor are the pretraining
+    config's (:func:`llmpipe.train.foundry_train_config`); the model is ``hf_causal_lm`` from ``base_path`` and
+    the loaders are llm-foundry's ``finetuning`` loaders over the prepared instruction set.
+
+    Args:
+        instructions_dir: the prepared instruction set (``results/data/instructions/<name>``; its ``data/``
+            holds ``train.jsonl`` and ``test.jsonl``), or None to leave the loaders out.
+        base_path: a local Hugging Face folder or a hub repo id.
+        save_folder: checkpoint folder (None: no checkpoints).
+        world_size: number of ranks; used to split the global batch.
+        tokenizer_dir: a folder with a saved tokenizer (None: the config's hub name of the run's tokenizer).
+
+    Returns:
+        A plain dict; keys follow llm-foundry's ``TrainConfig``.
+    """
+    rc = run_config(config, run)
+    data, train = rc["data"], rc["train"]
+    seq = int(data["concat_tokens"])
+    cfg = foundry_train_config(config, run, data_dir=None, save_folder=save_folder, world_size=world_size,
+                               tokenizer_dir=tokenizer_dir)
+    packing = data.get("packing_ratio")
+    fsdp_on = bool(train.get("fsdp")) and world_size > 1
+    attn_impl = train.get("attn_impl", "torch")
+    overrides: dict[str, Any] = {
+        "attn_config": {"attn_impl": attn_impl if attn_impl in HF_ATTN_IMPLS else "torch",
+                        "attn_uses_sequence_id": packing is not None},
+        "max_seq_len": seq,
+    }
+    model: dict[str, Any] = {
+        "name": "hf_causal_lm",
+        "pretrained": True,
+        "pretrained_model_name_or_path": base_path,
+        "trust_remote_code": True,
+        "use_auth_token": False,
+        # multi-GPU: rank 0 loads the weights, the others start empty and FSDP broadcasts (sync_module_states)
+        "init_device": "mixed" if fsdp_on else "cpu",
+        "use_train_metrics": bool(train.get("train_metrics", False)),
+        "config_overrides": overrides,
+    }
+    lora = rc.get("lora")
+    if lora:
+        model["peft_config"] = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": int(lora["r"]),
+                                "lora_alpha": int(lora.get("alpha", 2 * int(lora["r"]))),
+                                "lora_dropout": float(lora.get("dropout", 0.0)),
+                                "target_modules": list(lora["target_modules"])}
+        model["should_save_peft_only"] = False  # full weights in the checkpoint: conversion merges the adapters
+    cfg["model"] = model
+    cfg["max_seq_len"] = seq
+    cfg["tokenizer"] = {"name": tokenizer_dir or config["tokenizers"][data["tokenizer"]].get("name"),
+                        "kwargs": {"model_max_length": seq}}
+    # padding is real in finetuning batches: keep the attention mask (no drop_full_attention_mask callback)
+    cfg["callbacks"] = {k: v for k, v in cfg["callbacks"].items() if k != "drop_full_attention_mask"}
+    cfg.pop("compile_config", None)
+    if train.get("compile") and train["compile"] is not True:
+        cfg["compile_config"] = dict(train["compile"])
+    elif train.get("compile"):
+        cfg["compile_config"] = {}
+    if "fsdp_config" in cfg:
+        cfg["fsdp_config"]["sync_module_states"] = True
+    if instructions_dir is not None:
+        cfg["train_loader"] = finetuning_loader(config, run, instructions_dir, "train")
+        cfg["eval_loader"] = finetuning_loader(config, run, instructions_dir, "test")
+    return cfg
+
+
+def finetuning_loader(config: dict, run: str, instructions_dir: str, split: str) -> dict:
+    """llm-foundry ``finetuning`` loader config over a prepared instruction set's ``train`` or ``test`` split.
+
+    Prompt/response rows (``decoder_only_format``: the loss covers the response tokens only), ``max_seq_len``,
+    ``allow_pad_trimming`` and ``packing_ratio`` from ``finetunes.<run>.data``. The train split is shuffled and
+    drops its last partial batch; the held-out split keeps every row in order.
+    """
+    rc = run_config(config, run)
+    data, train = rc["data"], rc["train"]
+    train_split = split == "train"
+    ds: dict[str, Any] = {
+        "hf_name": os.path.join(os.path.abspath(instructions_dir), "data"),
+        "split": split,
+        "max_seq_len": int(data["concat_tokens"]),
+        "decoder_only_format": True,
+        "allow_pad_trimming": bool(data.get("allow_pad_trimming", False)),
+        "shuffle": train_split,
+    }
+    if data.get("packing_ratio") is not None:
+        ds["packing_ratio"] = data["packing_ratio"]
+    workers = int(train.get("num_workers", 0))
+    out = {"name": "finetuning", "dataset": ds, "drop_last": train_split, "num_workers": workers,
+           "pin_memory": False, "timeout": 0}
+    if workers == 0:  # torch refuses prefetching without worker processes
+        out.update(prefetch_factor=None, persistent_workers=False)
+    else:
+        out.update(prefetch_factor=2, persistent_workers=True)
+    return out
+
+
+def build_dataloader(config: dict, run: str, instructions_dir: str, split: str, tokenizer_dir: str,
+                     device_batch_size: int | None = None):
+    """Build llm-foundry's finetuning dataloader for a finetune's split, in this process (one rank).
+
+    What training builds on every rank, usable on its own: the data check of the 7B/30B finetunes runs it on a
+    few stand-in rows. Returns composer's ``DataSpec`` (``.dataloader`` yields ``input_ids``, ``attention_mask``,
+    ``labels`` with prompt tokens set to -100).
+    """
+    from llmfoundry.data.finetuning import build_finetuning_dataloader
+    from llmfoundry.utils.builders import build_tokenizer
+
+    rc = run_config(config, run)
+    seq = int(rc["data"]["concat_tokens"])
+    tok = build_tokenizer(tokenizer_dir, {"model_max_length": seq})
+    loader = copy.deepcopy(finetuning_loader(config, run, instructions_dir, split))
+    loader.pop("name")
+    bs = device_batch_size or int(rc["train"]["microbatch_size"])
+    return build_finetuning_dataloader(tokenizer=tok, device_batch_size=bs, **loader)
+
+
+# ------------------------------------------------------------------------------------------- the task
+
+class FinetuneTask(TrainTask):
+    """The finetuning step as submitit runs it in every task (one per GPU); checkpointable like pretraining.
+
+    Resumes from the newest complete checkpoint of the same identity, trains, and returns the train.json dict
+    (:func:`llmpipe.train.summarize`) on rank 0.
+    """
+
+    def __init__(self, config: dict, run: str, instructions_dir: str, tokenizer_dir: str, run_dir: str,
+                 identity: str, base_path: str):
+        super().__init__(config, run, instructions_dir, tokenizer_dir, run_dir, identity)
+        self.base_path = os.path.abspath(base_path) if os.path.isdir(base_path) else base_path
+
+    def __call__(self) -> dict | None:
+        require_peft(self.config, self.run)
+        dist_env = export_dist_env()
+        os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+        os.environ.setdefault("MAX_NUM_PROC", "1")  # llm-foundry tokenizes with cpu_count - 8 processes
+        register_extensions(bool(run_config(self.config, self.run)["train"].get("compile")))
+        from llmfoundry.command_utils import train
+        from omegaconf import OmegaConf
+
+        save_folder = os.path.join(self.run_dir, "checkpoints")
+        rank = int(dist_env["rank"])
+        if rank == 0:
+            prepare_save_folder(save_folder, self.identity)
+        res = step_resources(self.config, "train", self.run)
+        ws = int(dist_env["world_size"])
+        cfg = foundry_finetune_config(self.config, self.run, instructions_dir=self.data_dir,
+                                      base_path=self.base_path, save_folder=save_folder, world_size=ws,
+                                      tokenizer_dir=self.tokenizer_dir)
+        _wait_for_file(os.path.join(save_folder, "identity.json"), self.identity)
+        resume = newest_checkpoint(save_folder)
+        if rank == 0 and resume is None:
+            log_path = os.path.join(self.run_dir, "train_log.jsonl")
+            if os.path.exists(log_path):
+                os.remove(log_path)
+        if resume:
+            cfg["load_path"] = resume
+            print(f"llmpipe: rank {rank} resuming from {resume}", flush=True)
+        print(f"llmpipe: rank {rank}/{ws} finetuning {self.run} from {self.base_path}; expected devices "
+              f"{world_size(res)}", flush=True)
+        t0 = time.time()
+        cwd = os.getcwd()
+        scratch = tempfile.mkdtemp(prefix=f"llmpipe-{self.run}-rank{rank}-")
+        os.chdir(scratch)  # llm-foundry's signal files and dataset temp folders land here
+        try:
+            trainer = train(OmegaConf.create(cfg))
+            wall = time.time() - t0
+            monitor = next(cb for cb in trainer.state.callbacks if type(cb).__name__ == "RunMonitor")
+            result = summarize(self.config, self.run, trainer, monitor, wall, ws, save_folder, resume)
+            trainer.close()
+        finally:
+            os.chdir(cwd)
+            shutil.rmtree(scratch, ignore_errors=True)
+        for key in ("final_checkpoint", "resumed_from", "train_log"):
+            if result.get(key):
+                result[key] = os.path.relpath(result[key], self.submit_dir)
+        result["kind"] = "finetune"
+        result["base"] = self.base_path if not os.path.isabs(self.base_path) else os.path.relpath(
+            self.base_path, self.submit_dir)
+        result["lora"] = run_config(self.config, self.run).get("lora")
+        return result if rank == 0 else None
+
+
+# ------------------------------------------------------------------------------------------- evaluation
+
+def evaluate_finetune(config: dict, run: str, model_dir: str, instructions_dir: str,
+                      icl_files: dict[str, str]) -> dict:
+    """Evaluate a finetune's Hugging Face export on its held-out split and the ICL tasks; return eval.json.
+
+    The shared evaluation (:func:`llmpipe.evaluate.evaluate`: ICL tasks, metrics, record) with llm-foundry's
+    ``finetuning`` loader over the held-out ``test.jsonl`` instead of an MDS val split: prompt tokens are masked,
+    so loss (nats per token), perplexity and token accuracy are over the response tokens only.
+
+    Returns:
+        pretraining's eval.json keys (``val``: loss, perplexity, token_accuracy; ``icl``; ``metrics`` ...), with
+        ``kind: finetune`` and ``val.split: test``, ``val.tokens: response``.
+    """
+    from llmpipe.evaluate import evaluate
+
+    os.environ.setdefault("MAX_NUM_PROC", "1")  # llm-foundry tokenizes with cpu_count - 8 processes
+    loader = finetuning_loader(config, run, instructions_dir, "test")
+    loader.update(num_workers=0, prefetch_factor=None, persistent_workers=False)
+    result = evaluate(config, run, model_dir, None, icl_files, eval_loader=loader)
+    result["kind"] = "finetune"
+    result["val"].update(split="test", tokens="response")
+    return result
+
+
+# ------------------------------------------------------------------------------------------- export
+
+#: keys of a saved Hugging Face config that are not MPTConfig arguments
+_HF_ONLY_KEYS = ("architectures", "auto_map", "model_type", "transformers_version", "torch_dtype", "_name_or_path",
+                 "use_cache", "attn_implementation", "_attn_implementation_autoset")
+
+
+def composer_hf_metadata(state: dict) -> dict:
+    """The Hugging Face metadata composer stored in a checkpoint of an HF-wrapped model (``hf_causal_lm``):
+    ``{"config": <config.json dict>, "peft_config": <adapter_config.json dict> or None}``.
+
+    Raises:
+        KeyError: the checkpoint has no Hugging Face metadata (not an ``hf_causal_lm`` checkpoint).
+    """
+    try:
+        hf = state["state"]["integrations"]["huggingface"]["model"]
+    except KeyError as exc:
+        raise KeyError("the checkpoint has no state.integrations.huggingface: it was not written by an "
+                       "hf_causal_lm finetune") from exc
+    return {"config": hf["config"]["content"], "peft_config": (hf.get("peft_config") or {}).get("content")}
+
+
+def hf_weights(model_sd: dict, peft_config: dict | None = None) -> dict:
+    """``state.model`` of an ``hf_causal_lm`` checkpoint as a plain MPT state dict.
+
+    Keys are ``model.<hf key>`` (``model.base_model.model.<hf key>`` with LoRA); LoRA adapters are merged
+    into their base weights: ``W + (B @ A) * lora_alpha / r`` (``/ sqrt(r)`` with ``use_rslora``).
+    """
+    out, lora_a = {}, {}
+    for key, value in model_sd.items():
+        k = key[len("model."):] if key.startswith("model.") else key
+        if k.startswith("base_model.model."):
+            k = k[len("base_model.model."):]
+        if ".lora_A." in k:
+            lora_a[k] = value
+        elif ".lora_B." in k or ".lora_embedding_" in k or ".lora_dropout." in k:
+            continue
+        else:
+            out[k.replace(".base_layer.", ".")] = value
+    if lora_a:
+        if not peft_config:
+            raise KeyError("the checkpoint has LoRA weights but no peft_config metadata: cannot merge them")
+        r = int(peft_config["r"])
+        scaling = float(peft_config.get("lora_alpha", r)) / (math.sqrt(r) if peft_config.get("use_rslora") else r)
+        for k, a in lora_a.items():
+            module, _, rest = k.partition(".lora_A.")
+            b_key = f"{module}.lora_B.{rest}"
+            b = next(v for kk, v in model_sd.items() if kk.endswith(b_key))
+            w = out[f"{module}.weight"]
+            out[f"{module}.weight"] = (w.float() + (b.float() @ a.float()) * scaling).to(w.dtype)
+    return out
+
+
+def build_finetuned_mpt(ckpt_path: str):
+    """Instantiate llm-foundry's ``MPTForCausalLM`` from a finetune's composer checkpoint (fp32, eval mode).
+
+    The architecture is the model config stored in the checkpoint (the base's own config.json, with the
+    finetune's overrides), so hub and own bases convert alike; LoRA adapters are merged (:func:`hf_weights`).
+
+    Raises:
+        FileNotFoundError: the checkpoint is missing.
+        KeyError: not an ``hf_causal_lm`` checkpoint, or its weights do not match its config.
+        ValueError: the base is not an MPT model.
+    """
+    import torch
+    from llmfoundry.models.mpt import MPTConfig, MPTForCausalLM
+
+    if not os.path.exists(ckpt_path):
+        raise FileNotFoundError(f"composer checkpoint {ckpt_path} does not exist; rerun the finetune "
+                                f"(snakemake --forcerun finetune ...)")
+    state = torch.load(ckpt_path, map_location="cpu", weights_only=False)
+    meta = composer_hf_metadata(state)
+    hf_cfg = dict(meta["config"])
+    if hf_cfg.get("model_type") != "mpt":
+        raise ValueError(f"{ckpt_path}: the finetuned model is a {hf_cfg.get('model_type')!r} model; only MPT "
+                         f"bases are exported by llmpipe.convert.")
+    kwargs = {k: v for k, v in hf_cfg.items() if k not in _HF_ONLY_KEYS}
+    kwargs["init_device"] = "cpu"
+    model = MPTForCausalLM(MPTConfig(**kwargs))
+    sd = hf_weights(state["state"]["model"], meta["peft_config"])
+    missing, unexpected = model.load_state_dict(sd, strict=False)
+    missing = [k for k in missing if not k.endswith("lm_head.weight")]
+    if missing or unexpected:
+        raise KeyError(f"checkpoint {ckpt_path} does not match its stored MPT config: missing {missing[:5]}, "
+                       f"unexpected {unexpected[:5]}")
+    return model.float().eval()
+
+
+# ------------------------------------------------------------------------------------------- Snakemake glue
+
+def step_instructions(smk) -> None:
+    """Rule ``instructions``: prepare an instruction set on the submitting machine (it may need the hub)."""
+    from llmpipe.data.instructions import prepare_instructions
+    from llmpipe.steps import _key, _log_dir, _logged, _start_log
+
+    @_logged
+    def run(smk):
+        log_file = _start_log(smk)
+        name = smk.wildcards.iset
+        conf = dispatch.with_executor(smk.config, "local" if smk.config["dispatch"]["executor"] != "debug" else None)
+        dispatch.run_step(prepare_instructions, dict(smk.config["instruction_sets"][name], key=name),
+                          os.path.dirname(smk.output[0]), step=f"instructions {name}",
+                          resources=dict(step_resources(smk.config, "data"), tasks_per_node=1, nodes=1),
+                          config=conf, log_dir=_log_dir(smk, "instructions", name), key=_key(smk, "instructions"),
+                          log_file=log_file)
+        if not os.path.exists(smk.output[0]):
+            raise RuntimeError(f"instructions {name}: {smk.output[0]} was not written")
+
+    run(smk)
+
+
+def step_finetune(smk) -> None:
+    """Rule ``finetune``: finetune on ``nodes x tasks_per_node`` ranks; write train.json from rank 0."""
+    from llmpipe.steps import _key, _log_dir, _logged, _start_log, write_json
+
+    @_logged
+    def run(smk):
+        log_file = _start_log(smk)
+        run_name, config = smk.wildcards.run, smk.config
+        require_peft(config, run_name)  # fail here, before a job waits in the queue
+        rc = run_config(config, run_name)
+        run_dir = os.path.dirname(smk.output[0])
+        task = FinetuneTask(config, run_name, os.path.dirname(smk.input.instructions),
+                            os.path.dirname(smk.input.tokenizer), run_dir, smk.params.identity,
+                            base_model_path(config, run_name))
+        result = dispatch.run_step(task, step=f"finetune {run_name}", resources=step_resources(config, "train", run_name),
+                                   config=config, log_dir=_log_dir(smk, "finetune", run_name),
+                                   key=_key(smk, "finetune"), log_file=log_file)
+        want = int(rc["train"]["max_duration_batches"])
+        if result is None or result.get("steps") != want:
+            raise RuntimeError(f"finetune {run_name}: training ended at step "
+                               f"{None if result is None else result.get('steps')} instead of {want}")
+        write_json(smk.output[0], result)
+
+    run(smk)
+
+
+def step_eval(smk) -> None:
+    """Rule ``finetune_eval``: held-out response-token metrics and ICL accuracy of the finetune's export."""
+    from llmpipe.steps import _key, _log_dir, _logged, _start_log, write_json
+
+    @_logged
+    def run(smk):
+        log_file = _start_log(smk)
+        run_name = smk.wildcards.run
+        icl = dict(zip([t["label"] for t in smk.config["eval"]["icl_tasks"]], list(smk.input.icl)))
+        result = dispatch.run_step(evaluate_finetune, smk.config, run_name, os.path.dirname(smk.input.model),
+                                   os.path.dirname(smk.input.instructions), icl, step=f"eval {run_name}",
+                                   resources=step_resources(smk.config, "eval", run_name), config=smk.config,
+                                   log_dir=_log_dir(smk, "eval", run_name), key=_key(smk, "eval"),
+                                   log_file=log_file)
+        write_json(smk.output[0], result)
+
+    run(smk)
+
+
+__all__ = ["foundry_finetune_config", "finetuning_loader", "build_dataloader", "FinetuneTask", "evaluate_finetune",
+           "build_finetuned_mpt", "hf_weights", "composer_hf_metadata", "require_peft", "base_model_path",
+           "SPLIT_FILES"]

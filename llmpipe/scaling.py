@@ -1,0 +1,249 @@
+"""Node-scaling study: the same training (pretraining or finetune) at several node counts, and its table.
+
+``results/scaling/{run}/nodes{N}/train.json`` is run ``run`` trained on ``N`` nodes (per-node layout, batch, data,
+everything else from the run's config) by the same :class:`llmpipe.train.TrainTask` as ``results/{run}/``; only the
+resources (nodes) and the run folder differ. Nodes are not part of a training's identity
+(:func:`llmpipe.config.train_identity`), so every node count trains the same model; ``scaling.max_duration_batches``
+can shorten a study (that does change the identity: it is a different, shorter training than ``results/{run}``).
+
+``results/scaling/{run}/scaling.csv`` and ``.md`` compare them: nodes, devices, wall clock, tokens/s, tokens/s per
+device, MFU, peak memory per device, speedup versus the smallest node count (wall clock of the smallest / wall clock
+of N, as the seed's "speedup versus one node") and scaling efficiency (speedup / (N / N_smallest); 1 = linear).
+
+Imports without torch (the Snakefile uses it to plan).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from llmpipe.config import ConfigError, deep_merge, train_identity, validate_run, world_size, step_resources
+
+#: Defaults of the ``scaling:`` section.
+DEFAULTS: dict[str, Any] = {"nodes": [1, 2, 4, 8], "runs": [], "max_duration_batches": None}
+
+#: Columns of scaling.csv, in order.
+COLUMNS = ["run", "nodes", "devices", "wall_clock_s", "wall_clock", "tokens", "tokens_per_s",
+           "tokens_per_s_per_device", "mfu", "peak_memory_per_device_gib", "speedup", "scaling_efficiency",
+           "device"]
+
+
+def settings(config: dict) -> dict:
+    """The ``scaling:`` section over :data:`DEFAULTS`; node counts sorted, unique, positive.
+
+    Raises:
+        ConfigError: empty or non-positive node counts.
+    """
+    s = {**DEFAULTS, **(config.get("scaling") or {})}
+    try:
+        nodes = sorted({int(n) for n in s["nodes"]})
+    except (TypeError, ValueError):
+        raise ConfigError(f"scaling.nodes must be a list of node counts, got {s['nodes']!r}.") from None
+    if not nodes or nodes[0] < 1:
+        raise ConfigError(f"scaling.nodes must list node counts >= 1, got {s['nodes']!r}.")
+    s["nodes"] = nodes
+    s["runs"] = list(s.get("runs") or [])
+    return s
+
+
+def study_config(config: dict, run: str, nodes: int) -> dict:
+    """The workflow config as the study's training at ``nodes`` nodes sees it: ``models.<run>.resources.nodes``
+    (``finetunes.<run>.resources.nodes`` for a finetune) set to ``nodes`` and, when ``scaling.max_duration_batches`` is set, the training shortened to it."""
+    over: dict = {"resources": {"nodes": int(nodes)}}
+    mdb = settings(config).get("max_duration_batches")
+    if mdb:
+        over["train"] = {"max_duration_batches": int(mdb)}
+    return deep_merge(config, {"finetunes" if is_finetune(config, run) else "models": {run: over}})
+
+
+def is_finetune(config: dict, run: str) -> bool:
+    """True when ``run`` is a finetune (``finetunes:``); its study trains with llmpipe.finetune.FinetuneTask."""
+    return run in (config.get("finetunes") or {})
+
+
+def study_identity(config: dict, run: str) -> str:
+    """The training identity of every node count of the study (nodes are never part of it)."""
+    return train_identity(study_config(config, run, 1), run)
+
+
+def check_study(config: dict, run: str, nodes: list[int] | None = None) -> dict[int, dict]:
+    """Validate the study's training at every node count while the DAG is built (the dry run says it).
+
+    Returns node count -> resources. Raises:
+        ConfigError: listing every node count where the run's settings fail (e.g. ``global_batch_size`` not
+            divisible by the devices: seed 001 learned that at run time), or a multi-node count on an executor that
+            runs one machine.
+    """
+    nodes = nodes or settings(config)["nodes"]
+    problems, out = [], {}
+    for n in nodes:
+        sc = study_config(config, run, n)
+        try:
+            validate_run(sc, run)
+        except ConfigError as exc:
+            problems.append(f"  at {n} node(s): {exc}")
+            continue
+        out[n] = step_resources(sc, "train", run)
+    if problems:
+        raise ConfigError(f"the node-scaling study of {run} (scaling.nodes = {nodes}) cannot run at every node "
+                          f"count:\n" + "\n".join(problems) +
+                          "\nFix: drop those counts from scaling.nodes, or choose a global_batch_size (and "
+                          "microbatch_size) that divides at every count.")
+    from llmpipe.allreduce import check_executor
+    for n in nodes:
+        check_executor(config, n, f"the node-scaling study of {run} at {n} nodes")
+    return out
+
+
+def _hms(seconds: float | None) -> str | None:
+    if seconds is None:
+        return None
+    s = float(seconds)
+    h, rem = divmod(s, 3600)
+    m, sec = divmod(rem, 60)
+    return f"{int(h)}h{int(m):02d}m{sec:06.3f}s" if h else f"{int(m)}m{sec:06.3f}s"
+
+
+def table(results: dict[int, dict]):
+    """The study's table from node count -> train.json record (a pandas DataFrame, columns :data:`COLUMNS`).
+
+    ``speedup = wall_clock_s(smallest N) / wall_clock_s(N)``; ``scaling_efficiency = speedup / (N / smallest N)``.
+    Every row trains the same tokens, so the wall-clock ratio is also the throughput ratio up to start-up time.
+    """
+    import pandas as pd
+
+    rows = []
+    base_n = min(results)
+    base = results[base_n]
+    for n in sorted(results):
+        r = results[n]
+        wall = r.get("wall_clock_s")
+        speedup = base["wall_clock_s"] / wall if wall and base.get("wall_clock_s") else None
+        rows.append({
+            "run": r.get("run"), "nodes": int(r.get("nodes", n)), "devices": int(r["devices"]),
+            "wall_clock_s": wall, "wall_clock": _hms(wall), "tokens": r.get("tokens"),
+            "tokens_per_s": r.get("tokens_per_s"), "tokens_per_s_per_device": r.get("tokens_per_s_per_device"),
+            "mfu": r.get("mfu"), "peak_memory_per_device_gib": r.get("peak_memory_per_device_gib"),
+            "speedup": round(speedup, 3) if speedup else None,
+            "scaling_efficiency": round(speedup / (n / base_n), 3) if speedup else None,
+            "device": r.get("device"),
+        })
+    return pd.DataFrame(rows, columns=COLUMNS)
+
+
+def markdown(df, title: str = "") -> str:
+    """A DataFrame as a Markdown table (no extra dependency: pandas' to_markdown needs tabulate)."""
+    def fmt(v):
+        if v is None or (isinstance(v, float) and v != v):
+            return "–"
+        if isinstance(v, float):
+            return f"{v:,.4g}" if abs(v) < 1000 else f"{v:,.0f}"
+        if isinstance(v, int) and not isinstance(v, bool):
+            return f"{v:,}" if abs(v) >= 10000 else str(v)
+        return str(v)
+
+    cols = list(df.columns)
+    lines = [f"{title}\n" if title else "", "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    for rec in df.to_dict("records"):
+        lines.append("| " + " | ".join(fmt(rec[c]) for c in cols) + " |")
+    return "\n".join(line for line in lines if line is not None).lstrip("\n") + "\n"
+
+
+def plot_speedup(studies: dict[str, Any], png: str) -> None:
+    """Speedup versus nodes (one line per study, from :func:`table` DataFrames) with the ideal (linear) line."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4.5))
+    top = 1
+    for run, df in studies.items():
+        if df is None or df.empty:
+            continue
+        ax.plot(df["nodes"], df["speedup"], marker="o", label=f"{run}")
+        n0 = int(df["nodes"].min())
+        top = max(top, int(df["nodes"].max()))
+        ax.plot(df["nodes"], df["nodes"] / n0, ls=":", color="grey")
+    ax.set_xlabel("nodes")
+    ax.set_ylabel("speedup versus the smallest node count")
+    ax.set_title("Node scaling (dotted: linear)")
+    ax.grid(True, alpha=0.3)
+    if studies:
+        ax.legend(fontsize=8)
+    else:
+        ax.text(0.5, 0.5, "no scaling study results", ha="center", va="center", transform=ax.transAxes)
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(png) or ".", exist_ok=True)
+    fig.savefig(png, dpi=120)
+    plt.close(fig)
+
+
+# ------------------------------------------------------------------------------------------- rule glue
+
+def _steps():
+    from llmpipe import steps
+    return steps
+
+
+def train_step(smk) -> None:
+    """Rule ``scaling_train``: :class:`llmpipe.train.TrainTask` on ``{nodes}`` nodes into the study's folder."""
+    from llmpipe import dispatch
+    from llmpipe.train import TrainTask
+    steps = _steps()
+
+    log_file = steps._start_log(smk)
+    run, nodes = smk.wildcards.run, int(smk.wildcards.nodes)
+    config = study_config(smk.config, run, nodes)
+    res = step_resources(config, "train", run)
+    rc = validate_run(config, run)
+    tok_manifest = steps.read_json(smk.input.tokenizer)
+    if not is_finetune(config, run) and int(tok_manifest["vocab_size"]) > int(rc["arch"]["vocab_size"]):
+        raise ValueError(f"the tokenizer {rc['data']['tokenizer']} has {tok_manifest['vocab_size']} tokens but "
+                         f"models.{run}.arch.vocab_size is {rc['arch']['vocab_size']}. Fix: raise vocab_size.")
+    run_dir = os.path.dirname(smk.output[0])
+    if is_finetune(config, run):  # the finetune's own task (instruction set, base model), like rule finetune
+        from llmpipe.finetune import FinetuneTask, base_model_path, require_peft
+        require_peft(config, run)
+        task = FinetuneTask(config, run, os.path.dirname(smk.input.instructions), os.path.dirname(smk.input.tokenizer),
+                            run_dir, smk.params.identity, base_model_path(config, run))
+    else:
+        task = TrainTask(config, run, os.path.join(os.path.dirname(smk.input.data), "mds"),
+                         os.path.dirname(smk.input.tokenizer), run_dir, smk.params.identity)
+    result = dispatch.run_step(task, step=f"scaling {run} nodes{nodes}", resources=res, config=config,
+                               log_dir=steps._log_dir(smk, "scaling", f"{run}-nodes{nodes}"),
+                               key=steps._key(smk, "scaling_train"), log_file=log_file)
+    want = int(rc["train"]["max_duration_batches"])
+    if result is None or result.get("steps") != want:
+        raise RuntimeError(f"scaling {run} nodes{nodes}: training ended at step "
+                           f"{None if result is None else result.get('steps')} instead of {want}")
+    if int(result.get("devices", 0)) != world_size(res):
+        raise RuntimeError(f"scaling {run} nodes{nodes}: trained on {result.get('devices')} devices, expected "
+                           f"{world_size(res)} ({nodes} nodes)")
+    steps.write_json(smk.output[0], result)
+
+
+def table_step(smk) -> None:
+    """Rule ``scaling_table``: scaling.csv, scaling.md and speedup.png of one study."""
+    import re
+    steps = _steps()
+    results = {int(re.search(r"nodes(\d+)/train\.json$", p).group(1)): steps.read_json(p) for p in smk.input}
+    df = table(results)
+    run = smk.wildcards.run
+    tmp = smk.output.csv + ".tmp"
+    df.to_csv(tmp, index=False)
+    os.replace(tmp, smk.output.csv)
+    r0 = results[min(results)]
+    title = (f"Node scaling of {run}: {r0.get('steps')} batches of {r0.get('global_batch_size')} x "
+             f"{r0.get('concat_tokens')} tokens at every node count. speedup = wall clock of {min(results)} node(s) / "
+             f"wall clock of N; scaling efficiency = speedup / (N / {min(results)}).")
+    with open(smk.output.md + ".tmp", "w") as fh:
+        fh.write(markdown(df, title))
+    os.replace(smk.output.md + ".tmp", smk.output.md)
+    plot_speedup({run: df}, smk.output.png)
+
+
+def main(smk) -> None:
+    """What ``scripts/scaling_train.py`` and ``scripts/scaling_table.py`` call: dispatch on the rule's name."""
+    from llmpipe.steps import _logged
+    _logged({"scaling_train": train_step, "scaling_table": table_step}[smk.rule])(smk)

@@ -1,0 +1,314 @@
+"""Supervised finetuning: the tiny chain end to end on CPU, rerun scope, dry runs of the 7B/30B finetunes with their
+resources and batch divisibility, and their data and dataloader config built on a few stand-in rows in the hub's
+layout (the hub cannot be reached here)."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+
+import pytest
+import yaml
+
+from tests.conftest import REPO, copy_run, planned_jobs, snakemake
+
+SFT = "mpt-tiny-sft"
+SFT_TARGETS = [f"results/{SFT}/eval.json", f"results/{SFT}/generate.json"]
+AFTER_FINETUNE = {"finetune": 1, "convert": 1, "generate": 1, "finetune_eval": 1}
+
+
+def load_config() -> dict:
+    return yaml.safe_load((REPO / "config/config.yaml").read_text())
+
+
+def load(wd, rel):
+    with open(wd / "results" / rel) as fh:
+        return json.load(fh)
+
+
+# ------------------------------------------------------------------------------------------- the tiny chain
+
+@pytest.fixture(scope="session")
+def sft_run(tiny_run, tmp_path_factory):
+    """The tiny finetune (mpt-tiny -> mpt-tiny-sft) end to end after the tiny pretraining; its working folder."""
+    wd = copy_run(tiny_run, tmp_path_factory.mktemp("sft") / "wd")
+    t0 = time.time()
+    proc = snakemake(wd, "--cores", "2", *SFT_TARGETS)
+    (wd / "sft-stdout.txt").write_text(proc.stdout + proc.stderr + f"\nseconds: {time.time() - t0:.1f}\n")
+    return wd
+
+
+@pytest.mark.slow
+def test_tiny_finetune_chain(sft_run, tiny_run):
+    cfg = load_config()
+    ft = cfg["finetunes"][SFT]
+    train = load(sft_run, f"{SFT}/train.json")
+    pre = load(tiny_run, "mpt-tiny/train.json")
+    # the same fields as a pretraining run's train.json (seed 000's Table 1/2 columns), MFU included
+    assert set(pre) <= set(train), set(pre) - set(train)
+    assert train["kind"] == "finetune" and train["base"] == "results/mpt-tiny/hf" and train["lora"] is None
+    assert train["steps"] == ft["train"]["max_duration_batches"] and train["devices"] == 1
+    assert train["global_batch_size"] == ft["train"]["global_batch_size"] and train["concat_tokens"] == 128
+    assert 0 < train["tokens"] <= train["steps"] * 16 * 128  # non-padding tokens of prompt + response
+    assert train["tokens_per_s"] > 0 and "mfu" in train and train["mfu"] is None  # CPU: no peak FLOP/s
+    assert train["flops_per_token"] == pre["flops_per_token"]  # same architecture, same sequence length
+    assert os.path.getsize(sft_run / train["final_checkpoint"]) == train["checkpoint_size_bytes"]
+    # the loss on response tokens falls (per-batch values are noisy: compare the first and last logged ones)
+    log = [json.loads(line) for line in (sft_run / train["train_log"]).read_text().splitlines()]
+    first, last = [r["loss"] for r in log[:4]], [r["loss"] for r in log[-4:]]
+    assert sum(last) / 4 < sum(first) / 4 - 0.2, log
+
+    hf = load(sft_run, f"{SFT}/hf/manifest.json")
+    assert hf["dtype"] == "bfloat16" and hf["verify_max_abs_logit_diff"] < 0.1
+    assert hf["n_params"] == load(tiny_run, "mpt-tiny/hf/manifest.json")["n_params"]
+
+    ev = load(sft_run, f"{SFT}/eval.json")
+    assert ev["kind"] == "finetune" and ev["val"]["split"] == "test" and ev["val"]["tokens"] == "response"
+    assert 0 < ev["val"]["loss"] < math.log(cfg["tokenizers"]["bpe-builtin-docs"]["vocab_size"])
+    assert math.isclose(ev["val"]["perplexity"], math.exp(ev["val"]["loss"]), rel_tol=1e-3)
+    assert 0 < ev["val"]["token_accuracy"] < 1
+    assert set(ev["icl"]) == {t["label"] for t in cfg["eval"]["icl_tasks"]}
+    assert all(0 <= v <= 1 for task in ev["icl"].values() for v in task.values())
+
+    gen = load(sft_run, f"{SFT}/generate.json")
+    assert [o["prompt"] for o in gen["outputs"]] == cfg["generate"]["prompts"]
+    assert all(o["new_tokens"] > 0 for o in gen["outputs"])
+
+    inst = load(sft_run, "data/instructions/python-docs-qa/manifest.json")
+    assert inst["splits"]["train"]["rows"] > 500 and inst["splits"]["test"]["rows"] > 50
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("change,expected", [
+    ([], {}),
+    (["finetunes={'mpt-tiny-sft': {'train': {'microbatch_size': 8, 'num_workers': 1, 'save_interval_batches': 20, "
+      "'log_interval_batches': 10}, 'data': {'allow_pad_trimming': True}, 'resources': {'cpus_per_task': 1}}}"], {}),
+    (["models={'mpt-tiny': {'train': {'microbatch_size': 8, 'attn_impl': 'torch'}}}"], {}),
+    (["finetunes={'mpt-tiny-sft': {'train': {'optimizer': {'lr': 1.0e-4}}}}"], AFTER_FINETUNE),
+    (["finetunes={'mpt-tiny-sft': {'train': {'max_duration_batches': 30}}}"], AFTER_FINETUNE),
+    (["instruction_sets={'python-docs-qa': {'max_items': 500}}"], {"instructions": 1} | AFTER_FINETUNE),
+    (["models={'mpt-tiny': {'train': {'max_duration_batches': 100}}}"],
+     {"train": 1, "convert": 2, "finetune": 1, "generate": 1, "finetune_eval": 1}),
+    (["eval={'val_batches': 3}"], {"finetune_eval": 1}),
+], ids=["nothing", "speed-only", "base-speed-only", "optimizer", "steps", "data", "base-retrained", "eval-only"])
+def test_finetune_rerun_scope(sft_run, tmp_path, change, expected):
+    wd = copy_run(sft_run, tmp_path / "wd")
+    args = ["--config", *change] if change else []
+    assert planned_jobs(snakemake(wd, "-n", *SFT_TARGETS, *args)) == expected
+
+
+@pytest.mark.slow
+def test_lora_without_peft_fails_clearly(sft_run, tmp_path):
+    pytest.importorskip("torch")
+    try:
+        import peft  # noqa: F401
+        pytest.skip("peft is installed here")
+    except ImportError:
+        pass
+    wd = copy_run(sft_run, tmp_path / "wd")
+    lora = "finetunes={'mpt-tiny-sft': {'lora': {'r': 4, 'alpha': 8, 'target_modules': ['Wqkv']}}}"
+    assert planned_jobs(snakemake(wd, "-n", f"results/{SFT}/train.json", "--config", lora)) == {"finetune": 1}
+    proc = snakemake(wd, "--cores", "1", f"results/{SFT}/train.json", "--config", lora, check=False)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0 and "pip install peft" in out and f"finetunes.{SFT}.lora" in out, out[-3000:]
+    assert (wd / f"results/{SFT}/train.json").exists() is False
+
+
+# ------------------------------------------------------------------------------------------- 7B / 30B: dry runs
+
+@pytest.mark.parametrize("run,nodes", [("mpt-7b-dolly", 1), ("mpt-7b-dolly-lora", 1), ("mpt-30b-instruct", 8)])
+def test_dry_run_plans_hub_finetune_with_resources(workdir, run, nodes):
+    blocked = workdir / "blocked"
+    blocked.mkdir()
+    for name in ("torch", "transformers", "llmfoundry", "composer", "peft"):
+        (blocked / f"{name}.py").write_text(f"raise ImportError('{name} must not be imported by a dry run')\n")
+    t0 = time.time()
+    proc = snakemake(workdir, "-n", f"results/{run}/eval.json", f"results/{run}/generate.json",
+                     env={"PYTHONPATH": os.pathsep.join([str(blocked), str(REPO)])})
+    elapsed = time.time() - t0
+    jobs = planned_jobs(proc)
+    # hub weights: no pretraining, but the hub tokenizer, the instruction set and the ICL tasks (from C4) are there
+    assert {k: jobs.get(k) for k in ("instructions", "tokenizer", "finetune", "convert", "generate",
+                                     "finetune_eval")} == {k: 1 for k in ("instructions", "tokenizer", "finetune",
+                                                                          "convert", "generate", "finetune_eval")}
+    assert "train" not in jobs and "mds" not in jobs and "eval" not in jobs, jobs
+    assert elapsed < 10.0, f"dry run took {elapsed:.1f} s"
+    out = proc.stdout
+    block = out[out.index("rule finetune:"):]
+    block = block[: block.index("\n\n")] if "\n\n" in block else block
+    assert f"nodes={nodes}," in block and "gpus_per_node=8" in block and "runtime=1440" in block, block
+
+
+@pytest.mark.parametrize("run,gbs,bad_nodes", [("mpt-7b-dolly", 48, 4), ("mpt-30b-instruct", 72, 2)])
+def test_dry_run_names_batch_not_divisible_at_some_node_count(workdir, run, gbs, bad_nodes):
+    """The seed's batch sizes (48 for 7B, 72 for 30B) do not split over the GPUs of every node count of Table 2."""
+    proc = snakemake(workdir, "-n", f"results/{run}/eval.json", "--config",
+                     f"finetunes={{'{run}': {{'train': {{'global_batch_size': {gbs}}}}}}}", check=False)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0
+    ws = bad_nodes * 8
+    assert (f"finetunes.{run}.train.global_batch_size ({gbs}) is not divisible by the number of GPUs at "
+            f"{bad_nodes} node(s) ({ws} = {bad_nodes} x 8 per node)") in out, out[-3000:]
+    assert "Fix: make global_batch_size a multiple of 64" in out
+
+
+def test_config_errors_of_finetunes():
+    from llmpipe import config as cfg
+    base = load_config()
+    with pytest.raises(cfg.ConfigError, match="base must name exactly one of"):
+        cfg.validate_run(cfg.deep_merge(base, {"finetunes": {SFT: {"base": {"hub": "mosaicml/mpt-7b"}}}}), SFT)
+    with pytest.raises(cfg.ConfigError, match="base.run is 'mpt-9b'"):
+        cfg.validate_run(cfg.deep_merge(base, {"finetunes": {SFT: {"base": {"run": "mpt-9b"}}}}), SFT)
+    with pytest.raises(cfg.ConfigError, match="instruction set 'alpaca' is not defined"):
+        cfg.validate_run(cfg.deep_merge(base, {"finetunes": {SFT: {"data": {"instructions": "alpaca"}}}}), SFT)
+    with pytest.raises(cfg.ConfigError, match=r"max_seq_len \(4096\) is larger than the base"):
+        cfg.validate_run(cfg.deep_merge(base, {"finetunes": {"mpt-7b-dolly": {"data": {"max_seq_len": 4096}}}}),
+                         "mpt-7b-dolly")
+    rc = cfg.validate_run(base, "mpt-7b-dolly")
+    assert rc["data"]["tokenizer"] == "gpt-neox-20b" and rc["data"]["corpus"] == "c4" and rc["arch"]["d_model"] == 4096
+    tiny = cfg.validate_run(base, SFT)
+    assert tiny["arch"] == cfg.run_config(base, "mpt-tiny")["arch"] and tiny["data"]["tokenizer"] == "bpe-builtin-docs"
+    # the base's training is part of the finetune's identity; its speed-only settings are not
+    changed = cfg.deep_merge(base, {"models": {"mpt-tiny": {"arch": {"n_layers": 3}}}})
+    assert cfg.train_identity(changed, SFT) != cfg.train_identity(base, SFT)
+    speed = cfg.deep_merge(base, {"models": {"mpt-tiny": {"train": {"microbatch_size": 4}}}})
+    assert cfg.train_identity(speed, SFT) == cfg.train_identity(base, SFT)
+    assert cfg.step_resources(base, "eval", SFT)["gpus_per_node"] == 0
+    assert cfg.step_resources(base, "train", "mpt-30b-instruct")["nodes"] == 8
+
+
+# ------------------------------------------------------------------------------------------- 7B / 30B: data and config
+
+def _standin_rows(n: int, with_source: bool) -> list[dict]:
+    rows = []
+    for i in range(n):
+        r = {"prompt": f"Below is an instruction that describes a task. Write a response that appropriately "
+                       f"completes the request.\n\n### Instruction:\nName the number {i} in words.\n\n### Response:\n",
+             "response": f"The number is {i}, written as a word."}
+        if with_source:
+            r["source"] = "standin"
+        rows.append(r)
+    return rows
+
+
+def _tokenizer(tmp_path, texts) -> str:
+    from transformers import PreTrainedTokenizerFast
+
+    from llmpipe.data.tokenizer import train_bpe
+    core = train_bpe(iter(texts * 4), 320, "<|endoftext|>")
+    tok = PreTrainedTokenizerFast(tokenizer_object=core, eos_token="<|endoftext|>", bos_token="<|endoftext|>",
+                                  unk_token="<|endoftext|>")
+    d = tmp_path / "tokenizer"
+    tok.save_pretrained(d)
+    return str(d)
+
+
+@pytest.mark.parametrize("run,iset,with_source,fmt", [
+    ("mpt-7b-dolly", "dolly_hhrlhf", False, "parquet"),      # mosaicml/dolly_hhrlhf: prompt, response
+    ("mpt-30b-instruct", "instruct-v3", True, "jsonl"),      # instruct-v3: prompt, response, source
+])
+def test_hub_finetune_data_and_config_on_standin_rows(tmp_path, run, iset, with_source, fmt, monkeypatch):
+    pytest.importorskip("llmfoundry")
+    import torch
+    from omegaconf import OmegaConf
+
+    from llmpipe import config as cfg
+    from llmpipe.data.instructions import prepare_instructions, write_standin
+    from llmpipe.finetune import build_dataloader, foundry_finetune_config, require_peft
+
+    monkeypatch.chdir(tmp_path)  # llm-foundry writes signal files into the working folder
+    monkeypatch.setenv("MAX_NUM_PROC", "1")
+    standin = write_standin(str(tmp_path / "hub-layout"), {"train": _standin_rows(24, with_source),
+                                                           "test": _standin_rows(4, with_source)}, fmt=fmt)
+    config = cfg.deep_merge(load_config(), {"instruction_sets": {iset: {"source": "local", "local_dir": standin}}})
+    config["results_dir"] = str(tmp_path / "results")
+    rc = cfg.validate_run(config, run)
+    out_dir = tmp_path / "results/data/instructions" / iset
+    manifest = prepare_instructions(dict(config["instruction_sets"][iset], key=iset), str(out_dir))
+    assert manifest["splits"]["train"]["rows"] == 24 and manifest["splits"]["test"]["rows"] == 4
+    first = json.loads((out_dir / "data/train.jsonl").read_text().splitlines()[0])
+    assert set(first) == {"prompt", "response"}  # instruct-v3's `source` column is dropped
+
+    # the llm-foundry train config at the largest node count of the study, checked by llm-foundry's own dataclass
+    ws = 8 * 8
+    fcfg = foundry_finetune_config(config, run, instructions_dir=str(out_dir), base_path=rc["base"]["hub"],
+                                   save_folder=str(tmp_path / "ckpt"), world_size=ws, tokenizer_dir="tok")
+    assert fcfg["model"]["name"] == "hf_causal_lm" and fcfg["model"]["pretrained_model_name_or_path"] == rc["base"]["hub"]
+    assert fcfg["model"]["init_device"] == "mixed" and fcfg["fsdp_config"]["sync_module_states"] is True
+    assert fcfg["global_train_batch_size"] == 64 and fcfg["max_seq_len"] == rc["data"]["max_seq_len"]
+    assert fcfg["device_train_microbatch_size"] == min(rc["train"]["microbatch_size"], 64 // ws)
+    assert fcfg["train_loader"]["name"] == "finetuning" and fcfg["train_loader"]["dataset"]["split"] == "train"
+    assert fcfg["eval_loader"]["dataset"]["split"] == "test" and fcfg["eval_loader"]["drop_last"] is False
+    assert fcfg["model"]["config_overrides"]["attn_config"]["attn_uses_sequence_id"] == (
+        rc["data"].get("packing_ratio") is not None)
+    assert "drop_full_attention_mask" not in fcfg["callbacks"] and "peft_config" not in fcfg["model"]
+    from llmfoundry.command_utils.train import TRAIN_CONFIG_KEYS, TrainConfig
+    from llmfoundry.utils.config_utils import make_dataclass_and_log_config
+    _, train_cfg = make_dataclass_and_log_config(OmegaConf.create(fcfg), TrainConfig, TRAIN_CONFIG_KEYS,
+                                                 transforms="all")
+    assert train_cfg.model["pretrained_model_name_or_path"] == rc["base"]["hub"]
+    require_peft(config, run)  # no LoRA: nothing to check
+
+    # llm-foundry's finetuning dataloader on the stand-in rows: one batch, prompt tokens masked out of the labels
+    tok_dir = _tokenizer(tmp_path, [r["prompt"] + r["response"] for r in _standin_rows(12, False)])
+    spec = build_dataloader(config, run, str(out_dir), "train", tok_dir, device_batch_size=2)
+    batch = next(iter(spec.dataloader))
+    seq = rc["data"]["max_seq_len"]
+    assert batch["input_ids"].shape == (2, seq) and batch["labels"].shape == (2, seq)
+    labels = batch["labels"][0]
+    target = labels[labels != -100]
+    assert 0 < target.numel() < int(batch["attention_mask"][0].sum())  # only the response is a target
+    if rc["data"].get("packing_ratio"):
+        assert int(batch["sequence_id"].max()) >= 1  # several examples packed into one sequence
+    assert torch.all(batch["attention_mask"].sum(1) > 0)
+    held = build_dataloader(config, run, str(out_dir), "test", tok_dir, device_batch_size=2)
+    assert next(iter(held.dataloader))["input_ids"].shape[1] == seq
+
+
+def test_lora_config_and_peft_requirement():
+    from llmpipe import config as cfg
+    from llmpipe.finetune import foundry_finetune_config, require_peft
+
+    config = load_config()
+    pytest.importorskip("llmfoundry")
+    fcfg = foundry_finetune_config(config, "mpt-7b-dolly-lora", instructions_dir=None, base_path="mosaicml/mpt-7b",
+                                   save_folder=None, world_size=8)
+    peft_cfg = fcfg["model"]["peft_config"]
+    assert peft_cfg == {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": 8, "lora_alpha": 16, "lora_dropout": 0.05,
+                        "target_modules": ["Wqkv"]}
+    assert fcfg["model"]["should_save_peft_only"] is False
+    try:
+        import peft  # noqa: F401
+    except ImportError:
+        with pytest.raises(cfg.ConfigError, match=r"pip install peft"):
+            require_peft(config, "mpt-7b-dolly-lora")
+
+
+def test_lora_merge_and_prefixes():
+    torch = pytest.importorskip("torch")
+    from llmpipe.finetune import hf_weights
+
+    g = torch.Generator().manual_seed(0)
+    w, a, b = (torch.randn(6, 4, generator=g), torch.randn(2, 4, generator=g), torch.randn(6, 2, generator=g))
+    sd = {"model.base_model.model.transformer.blocks.0.attn.Wqkv.base_layer.weight": w,
+          "model.base_model.model.transformer.blocks.0.attn.Wqkv.lora_A.default.weight": a,
+          "model.base_model.model.transformer.blocks.0.attn.Wqkv.lora_B.default.weight": b,
+          "model.base_model.model.transformer.wte.weight": torch.ones(3, 4)}
+    out = hf_weights(sd, {"r": 2, "lora_alpha": 8})
+    assert set(out) == {"transformer.blocks.0.attn.Wqkv.weight", "transformer.wte.weight"}
+    assert torch.allclose(out["transformer.blocks.0.attn.Wqkv.weight"], w + (b @ a) * 4.0)
+    plain = hf_weights({"model.transformer.wte.weight": torch.ones(3, 4)})
+    assert list(plain) == ["transformer.wte.weight"]
+
+
+def test_builtin_instructions_are_deterministic():
+    from llmpipe.data.instructions import builtin_instructions
+    a, b = builtin_instructions(300), builtin_instructions(300)
+    assert a == b and len(a["train"]) + len(a["test"]) == 300 and a["test"]
+    keys = {r["prompt"] for r in a["train"]}
+    assert not keys & {r["prompt"] for r in a["test"]}  # disjoint splits
+    r = a["train"][0]
+    assert r["prompt"].startswith("Question: What does ") and r["prompt"].endswith("do?\nAnswer:")
+    assert r["response"].startswith(" ") and r["response"].endswith(".")

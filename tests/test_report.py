@@ -1,0 +1,131 @@
+"""The report: Table 1 from the real tiny run's results, Table 2 and the projection from known numbers, the plots,
+and Snakemake's HTML report; only requested runs or runs with results are included."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pandas as pd
+import pytest
+import yaml
+
+from llmpipe import report
+from llmpipe.config import tokens_per_run
+from llmpipe.mfu import flops_per_token
+from tests.conftest import REPO, copy_run, planned_jobs, snakemake
+
+PNG = b"\x89PNG\r\n\x1a\n"
+
+
+def load_config() -> dict:
+    return yaml.safe_load((REPO / "config/config.yaml").read_text())
+
+
+def test_dry_run_includes_only_requested_runs(workdir):
+    jobs = planned_jobs(snakemake(workdir, "-n", "report"))
+    assert jobs.get("report") == 1 and jobs.get("train") == 1 and jobs.get("eval") == 1, jobs  # mpt-tiny only
+    jobs = planned_jobs(snakemake(workdir, "-n", "--config", "report={'runs': []}", "--", "report"))
+    assert jobs == {"report": 1}, jobs
+
+
+@pytest.mark.slow
+def test_tables_and_plots_from_the_tiny_run(tiny_run, tmp_path):
+    wd = copy_run(tiny_run, tmp_path / "wd")
+    # another configured model with results on disk is included although not requested (a stand-in train.json)
+    (wd / "results/mpt-125m").mkdir()
+    other = json.loads((wd / "results/mpt-tiny/train.json").read_text())
+    other.update(run="mpt-125m", steps=4800, wall_clock_s=547.9, tokens_per_s=6589902.0, devices=64, nodes=8,
+                 tokens_per_s_per_device=None, train_log=None)
+    (wd / "results/mpt-125m/train.json").write_text(json.dumps(other))
+    jobs = planned_jobs(snakemake(wd, "-n", "report"))
+    assert jobs == {"report": 1}, jobs  # everything it reads exists: nothing is trained or evaluated
+    snakemake(wd, "--cores", "1", "report")
+    out = wd / "results/report"
+    train = json.loads((wd / "results/mpt-tiny/train.json").read_text())
+    ev = json.loads((wd / "results/mpt-tiny/eval.json").read_text())
+    t1 = pd.read_csv(out / "table1_pretraining.csv")
+    assert list(t1["model"]) == ["mpt-tiny", "mpt-125m"]
+    row = t1.iloc[0]
+    assert row["throughput (tokens/s)"] == train["tokens_per_s"]
+    assert row["wall clock (s)"] == train["wall_clock_s"] and row["nodes"] == train["nodes"] == 1
+    assert row["max duration (batches)"] == 120 and row["eval interval (batches)"] == 60
+    assert row["checkpoint size (GiB)"] == round(train["checkpoint_size_bytes"] / 2**30, 3)
+    assert row["conversion, inference & eval ok"] == "Y"
+    assert row["eval accuracy (held-out tokens)"] == round(ev["val"]["token_accuracy"], 4)
+    assert row["ICL cloze_heldout (0-shot)"] == round(ev["icl"]["cloze_heldout"]["0-shot"], 4)
+    assert math.isnan(row["MFU"]) and row["device"] == "cpu"  # CPU: no MFU
+    assert row["ratio batches / 125M batches"] == round(120 / 4800, 2)
+    r125 = t1.iloc[1]
+    assert r125["ratio params / 125M params"] == 1.0 and r125["ratio runtime / 125M runtime"] == 1.0
+    assert r125["conversion, inference & eval ok"] == "–"  # no export/eval results for it
+    assert row["ratio runtime / 125M runtime"] == round(train["wall_clock_s"] / 547.9, 2)
+    md = (out / "table1_pretraining.md").read_text()
+    assert "| mpt-tiny | builtin-docs | 120 |" in md
+    assert pd.read_csv(out / "table2_finetuning.csv").empty  # no finetunes configured
+    proj = pd.read_csv(out / "projection.csv")
+    assert "PROJECTION, not a measurement" in (out / "projection.md").read_text()
+    assert set(proj["reference"]) == {"mpt-tiny"}  # the only run with a throughput per device
+    for name in ("loss", "mfu", "busbw", "speedup"):
+        data = (out / f"{name}.png").read_bytes()
+        assert data[:8] == PNG and len(data) > 5_000, name
+    # one HTML file with the tables and plots
+    snakemake(wd, "--report", str(wd / "report.html"), "report")
+    html = (wd / "report.html").read_text(errors="replace")
+    for name in ("table1_pretraining.csv", "table2_finetuning.csv", "projection.csv", "loss.png", "mfu.png"):
+        assert name in html, name
+
+
+def test_throughput_series_and_mfu():
+    log = [{"batch": 10, "tokens": 10_000, "elapsed_s": 1.0}, {"batch": 20, "tokens": 30_000, "elapsed_s": 2.0}]
+    (p,) = report.throughput_series(log, devices=4, flops_per_token_=1e9, peak=1e15)
+    assert p["batch"] == 20 and p["tokens_per_s_per_device"] == 5000 and p["mfu"] == pytest.approx(0.005)
+
+
+def test_table2_speedup_from_finetune_and_its_scaling_study(tmp_path):
+    cfg = {**load_config(), "finetunes": {"mpt-7b-dolly": {"dataset": "mosaicml/dolly_hhrlhf"}}}
+    res = tmp_path / "results"
+    (res / "mpt-7b-dolly").mkdir(parents=True)
+    base = {"run": "mpt-7b-dolly", "devices": 8, "tokens_per_s": 7124.0, "peak_memory_per_device_gib": 24.9}
+    (res / "mpt-7b-dolly/train.json").write_text(json.dumps({**base, "nodes": 1, "wall_clock_s": 4708.0}))
+    (res / "mpt-7b-dolly/eval.json").write_text(json.dumps({"val": {"token_accuracy": 0.85, "loss": 0.5}}))
+    for n, wall, tps in ((2, 1764.0, 13844.0), (8, 815.0, 50708.0)):
+        (res / f"scaling/mpt-7b-dolly/nodes{n}").mkdir(parents=True)
+        (res / f"scaling/mpt-7b-dolly/nodes{n}/train.json").write_text(
+            json.dumps({**base, "nodes": n, "devices": 8 * n, "wall_clock_s": wall, "tokens_per_s": tps}))
+    t2 = report.table2(cfg, str(res), ["mpt-tiny", "mpt-7b-dolly"])
+    assert list(t2["nodes"]) == [1, 2, 8]  # the seed's Table 2 rows
+    assert list(t2["speedup versus fewest nodes"]) == ["–", "2.67x", "5.78x"]
+    assert list(t2["throughput (tokens/s)"]) == [7124.0, 13844.0, 50708.0]
+    assert t2["eval accuracy (held-out tokens)"].iloc[0] == 0.85 and t2["wall clock"].iloc[0] == "1h18m28.000s"
+    assert set(t2["finetuning data"]) == {"mosaicml/dolly_hhrlhf"}
+
+
+def test_projection_from_a_measured_run(tmp_path):
+    """The seed's MPT-1B row (8 nodes x 8 H100, 2,368,224 tokens/s) projects MPT-70B's token budget."""
+    cfg = load_config()
+    cfg["report"] = {"projection": {"nodes": [8, 64], "models": ["mpt-1b", "mpt-70b"]}}
+    res = tmp_path / "results"
+    (res / "mpt-1b").mkdir(parents=True)
+    arch1 = dict(cfg["model_defaults"]["arch"], **cfg["models"]["mpt-1b"]["arch"])
+    fpt1 = flops_per_token(arch1, 2048)
+    (res / "mpt-1b/train.json").write_text(json.dumps({
+        "tokens_per_s_per_device": 2368224 / 64, "devices": 64, "nodes": 8, "flops_per_token": fpt1,
+        "concat_tokens": 2048, "mfu": 0.33, "peak_flops_per_device": 989.5e12, "device": "NVIDIA H100 80GB HBM3"}))
+    assert report.pick_reference(cfg, str(res), ["mpt-1b"]) == "mpt-1b"
+    df = report.projection(cfg, str(res), "mpt-1b")
+    arch70 = dict(cfg["model_defaults"]["arch"], **cfg["models"]["mpt-70b"]["arch"])
+    fpt70 = flops_per_token(arch70, 2048)
+    want = tokens_per_run(cfg, "mpt-70b") / (2368224 / 64 * fpt1 / fpt70 * 64)
+    r = df[(df["model"] == "mpt-70b") & (df["nodes"] == 8)].iloc[0]
+    assert r["projected time (s)"] == pytest.approx(want, rel=1e-6) and r["devices"] == 64
+    r64 = df[(df["model"] == "mpt-70b") & (df["nodes"] == 64)].iloc[0]
+    assert r64["projected time (s)"] == pytest.approx(want / 8, rel=1e-6)
+    r1b = df[(df["model"] == "mpt-1b") & (df["nodes"] == 8)].iloc[0]  # the reference projects its own budget
+    assert r1b["projected time (s)"] == pytest.approx(tokens_per_run(cfg, "mpt-1b") / 2368224, abs=0.1)
+    assert "same MFU = 0.33" in r["basis"] and r["projected time"].startswith("about ")
+    # with an assumed MFU: rate = MFU x peak / FLOPs per token
+    cfg["report"]["projection"]["assume_mfu"] = 0.4
+    r = report.projection(cfg, str(res), "mpt-1b").iloc[-1]
+    assert r["projected time (s)"] == pytest.approx(tokens_per_run(cfg, "mpt-70b") / (0.4 * 989.5e12 / fpt70 * 512),
+                                                    rel=1e-6)
