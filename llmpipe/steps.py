@@ -64,7 +64,7 @@ def corpus(smk) -> None:
     name = smk.wildcards.corpus
     out_dir = os.path.dirname(smk.output[0])
     conf = dispatch.with_executor(smk.config, "local" if smk.config["dispatch"]["executor"] != "debug" else None)
-    dispatch.run_step(prepare_corpus, smk.config["corpora"][name], out_dir, step=f"corpus {name}",
+    dispatch.run_step(prepare_corpus, dict(smk.config["corpora"][name], key=name), out_dir, step=f"corpus {name}",
                       resources=dict(step_resources(smk.config, "data"), tasks_per_node=1, nodes=1),
                       config=conf, log_dir=_log_dir(smk, "corpus", name), key=_key(smk, "corpus"),
                       log_file=log_file)
@@ -81,7 +81,7 @@ def tokenizer(smk) -> None:
     out_dir = os.path.dirname(smk.output[0])
     corpus_manifest = smk.input[0] if len(smk.input) else None
     conf = dispatch.with_executor(smk.config, "local" if smk.config["dispatch"]["executor"] != "debug" else None)
-    dispatch.run_step(prepare_tokenizer, smk.config["tokenizers"][name], out_dir, corpus_manifest,
+    dispatch.run_step(prepare_tokenizer, dict(smk.config["tokenizers"][name], key=name), out_dir, corpus_manifest,
                       step=f"tokenizer {name}",
                       resources=dict(step_resources(smk.config, "data"), tasks_per_node=1, nodes=1),
                       config=conf, log_dir=_log_dir(smk, "tokenizer", name), key=_key(smk, "tokenizer"),
