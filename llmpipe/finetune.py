@@ -21,16 +21,12 @@ import copy
 import importlib.util
 import math
 import os
-import shutil
-import tempfile
-import time
 from typing import Any
 
 from llmpipe import dispatch
-from llmpipe.config import ConfigError, run_config, step_resources, world_size
+from llmpipe.config import ConfigError, run_config, step_resources
 from llmpipe.data.instructions import SPLIT_FILES
-from llmpipe.train import (TrainTask, _wait_for_file, export_dist_env, foundry_train_config, newest_checkpoint,
-                           prepare_save_folder, register_extensions, summarize)
+from llmpipe.train import TrainTask, foundry_train_config
 
 #: Attention implementations a Hugging Face MPT (hub code or our export) knows; ours (sdpa) map to ``torch``.
 HF_ATTN_IMPLS = ("torch", "flash", "triton")
@@ -194,56 +190,24 @@ class FinetuneTask(TrainTask):
         super().__init__(config, run, instructions_dir, tokenizer_dir, run_dir, identity)
         self.base_path = os.path.abspath(base_path) if os.path.isdir(base_path) else base_path
 
-    def __call__(self) -> dict | None:
+    def before_start(self) -> None:
         require_peft(self.config, self.run)
-        dist_env = export_dist_env()
-        os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
         os.environ.setdefault("MAX_NUM_PROC", "1")  # llm-foundry tokenizes with cpu_count - 8 processes
-        register_extensions(bool(run_config(self.config, self.run)["train"].get("compile")))
-        from llmfoundry.command_utils import train
-        from omegaconf import OmegaConf
 
-        save_folder = os.path.join(self.run_dir, "checkpoints")
-        rank = int(dist_env["rank"])
-        if rank == 0:
-            prepare_save_folder(save_folder, self.identity)
-        res = step_resources(self.config, "train", self.run)
-        ws = int(dist_env["world_size"])
-        cfg = foundry_finetune_config(self.config, self.run, instructions_dir=self.data_dir,
-                                      base_path=self.base_path, save_folder=save_folder, world_size=ws,
-                                      tokenizer_dir=self.tokenizer_dir)
-        _wait_for_file(os.path.join(save_folder, "identity.json"), self.identity)
-        resume = newest_checkpoint(save_folder)
-        if rank == 0 and resume is None:
-            log_path = os.path.join(self.run_dir, "train_log.jsonl")
-            if os.path.exists(log_path):
-                os.remove(log_path)
-        if resume:
-            cfg["load_path"] = resume
-            print(f"llmpipe: rank {rank} resuming from {resume}", flush=True)
-        print(f"llmpipe: rank {rank}/{ws} finetuning {self.run} from {self.base_path}; expected devices "
-              f"{world_size(res)}", flush=True)
-        t0 = time.time()
-        cwd = os.getcwd()
-        scratch = tempfile.mkdtemp(prefix=f"llmpipe-{self.run}-rank{rank}-")
-        os.chdir(scratch)  # llm-foundry's signal files and dataset temp folders land here
-        try:
-            trainer = train(OmegaConf.create(cfg))
-            wall = time.time() - t0
-            monitor = next(cb for cb in trainer.state.callbacks if type(cb).__name__ == "RunMonitor")
-            result = summarize(self.config, self.run, trainer, monitor, wall, ws, save_folder, resume)
-            trainer.close()
-        finally:
-            os.chdir(cwd)
-            shutil.rmtree(scratch, ignore_errors=True)
-        for key in ("final_checkpoint", "resumed_from", "train_log"):
-            if result.get(key):
-                result[key] = os.path.relpath(result[key], self.submit_dir)
+    def build_config(self, save_folder: str, world_size: int) -> dict:
+        return foundry_finetune_config(self.config, self.run, instructions_dir=self.data_dir,
+                                       base_path=self.base_path, save_folder=save_folder, world_size=world_size,
+                                       tokenizer_dir=self.tokenizer_dir)
+
+    def describe(self) -> str:
+        return f"finetuning {self.run} from {self.base_path}"
+
+    def finish_result(self, result: dict) -> dict:
         result["kind"] = "finetune"
         result["base"] = self.base_path if not os.path.isabs(self.base_path) else os.path.relpath(
             self.base_path, self.submit_dir)
         result["lora"] = run_config(self.config, self.run).get("lora")
-        return result if rank == 0 else None
+        return result
 
 
 # ------------------------------------------------------------------------------------------- evaluation

@@ -402,7 +402,24 @@ class TrainTask:
         import submitit
         return submitit.helpers.DelayedSubmission(self)
 
+    def before_start(self) -> None:
+        """Checks and environment set-up before anything is built (a subclass hook)."""
+
+    def build_config(self, save_folder: str, world_size: int) -> dict:
+        """The llm-foundry train config of this task (a subclass hook; finetuning builds its own)."""
+        return foundry_train_config(self.config, self.run, data_dir=self.data_dir, save_folder=save_folder,
+                                    world_size=world_size, tokenizer_dir=self.tokenizer_dir)
+
+    def describe(self) -> str:
+        """What this task trains, for the log line of every rank."""
+        return f"run {self.run}"
+
+    def finish_result(self, result: dict) -> dict:
+        """Add task-specific fields to the train.json record (a subclass hook)."""
+        return result
+
     def __call__(self) -> dict | None:
+        self.before_start()
         dist_env = export_dist_env()
         os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
         register_extensions(bool(run_config(self.config, self.run)["train"].get("compile")))
@@ -415,8 +432,7 @@ class TrainTask:
             prepare_save_folder(save_folder, self.identity)
         res = step_resources(self.config, "train", self.run)
         ws = int(dist_env["world_size"])
-        cfg = foundry_train_config(self.config, self.run, data_dir=self.data_dir, save_folder=save_folder,
-                                   world_size=ws, tokenizer_dir=self.tokenizer_dir)
+        cfg = self.build_config(save_folder, ws)
         # every rank waits until rank 0 cleaned the folder: a shared file is simplest before dist is up
         _wait_for_file(os.path.join(save_folder, "identity.json"), self.identity)
         resume = newest_checkpoint(save_folder)
@@ -443,7 +459,7 @@ class TrainTask:
             print(f"llmpipe: rank {rank} resuming from {resume}", flush=True)
         print(f"llmpipe: rank {rank}/{ws} on {dist_env.get('hostname', 'localhost')} "
               f"(node rank {dist_env.get('node_rank', 0)}, master {dist_env.get('master_addr', 'local')}); "
-              f"run {self.run}, expected devices {world_size(res)}", flush=True)
+              f"{self.describe()}, expected devices {world_size(res)}", flush=True)
         t0 = time.time()
         # llm-foundry writes signal files named after rank 0 into the working folder; with a shared working folder
         # the local-rank-0 task of every node would remove the same file. Run each task in a private scratch folder.
@@ -464,6 +480,7 @@ class TrainTask:
                 path = os.path.abspath(result[key])
                 if path.startswith(self.submit_dir.rstrip(os.sep) + os.sep):
                     result[key] = os.path.relpath(path, self.submit_dir)
+        result = self.finish_result(result)
         if rank == 0:
             _write_result_record(save_folder, result)
         if rank == 0:
