@@ -201,7 +201,10 @@ class AllReduceTask:
                           f"#wrong {row['oop_wrong']}/{row['ip_wrong']}", flush=True)
             dist.barrier()
         finally:
-            dist.destroy_process_group()
+            # gloo's destroy_process_group can block forever once a peer has exited (seen here: rank 1 stuck in it
+            # after rank 0 returned); the process ends right after, which releases gloo's sockets anyway.
+            if backend == "nccl":
+                dist.destroy_process_group()
         return rows if rank == 0 else None
 
     def _one_size(self, size: int, ws: int, device, backend: str, device_name: str) -> dict:

@@ -46,7 +46,7 @@ def evaluate(config: dict, run: str, model_dir: str, data_dir: str | None, icl_f
     for t in ecfg.get("icl_tasks", []):
         kind = {"cloze": "language_modeling", "cloze_choice": "multiple_choice"}[t.get("kind", "cloze")]
         tasks.append({"label": t["label"], "dataset_uri": os.path.abspath(icl_files[t["label"]]),
-                      "num_fewshot": list(t.get("num_fewshot", [0])), "icl_task_type": kind,
+                      "num_fewshot": [int(n) for n in t.get("num_fewshot", [0])], "icl_task_type": kind,
                       "continuation_delimiter": "", "example_delimiter": "\n"})
     items = max([int(t.get("num_items", 200)) for t in ecfg.get("icl_tasks", [])] or [0])
     cfg = {

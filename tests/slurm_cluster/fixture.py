@@ -3,8 +3,10 @@
 Register it with ``pytest_plugins = ["tests.slurm_cluster.fixture"]`` (tests/conftest.py does). It starts the
 cluster with start.sh (munged, MariaDB + slurmdbd, slurmctld, nodes n1 and n2 in their own network namespaces, each
 declaring 16 CPUs, 32000 MB and 4 GPUs (stand-ins: nothing is enforced); partitions debug (default, MaxTime 24 h)
-and small (n1, MaxTime 5 min)), sets ``SLURM_CONF`` in ``os.environ`` for the session, and always stops it with
-stop.sh at the end (which kills only what start.sh started).
+and small (n1, MaxTime 5 min); each node has its own /dev/shm, everything else is this machine's), sets
+``SLURM_CONF`` in ``os.environ`` for the session, and always stops it with stop.sh at the end (which kills only what
+start.sh started). The session holds ``$LLMPIPE_SLURM_DIR.lock`` meanwhile: another session waits for it, and
+start.sh/stop.sh run by anyone else (``.ci/slurm.sh cleanup``) leave the cluster alone while it is held.
 
 Without root, ``ip netns`` or the Slurm binaries the tests that use it are skipped with the reason; with
 ``LLMPIPE_REQUIRE_SLURM=1`` (CI) they fail instead. Other environment variables:
@@ -149,7 +151,7 @@ def slurm_cluster():
                 lock.close()
                 _skip_or_fail(f"another test session holds the Slurm test cluster ({state}.lock)")
             time.sleep(2)
-    env = {"LLMPIPE_SLURM_DIR": str(state)}
+    env = {"LLMPIPE_SLURM_DIR": str(state), "LLMPIPE_SLURM_LOCK_HELD": "1"}  # start.sh/stop.sh: we hold the lock
     if os.environ.get("LLMPIPE_SLURM_REUSE") != "1":
         env["FRESH"] = "1"
     conf = state / "etc" / "slurm.conf"
@@ -172,6 +174,6 @@ def slurm_cluster():
                 os.environ[k] = v
         if os.environ.get("LLMPIPE_SLURM_KEEP") != "1":
             subprocess.run([str(STOP)], capture_output=True, text=True, timeout=120,
-                           env={**os.environ, "LLMPIPE_SLURM_DIR": str(state)})
+                           env={**os.environ, "LLMPIPE_SLURM_DIR": str(state), "LLMPIPE_SLURM_LOCK_HELD": "1"})
         fcntl.flock(lock, fcntl.LOCK_UN)
         lock.close()

@@ -11,6 +11,7 @@
 #   LLMPIPE_SLURM_DIR  state folder (config, logs, spool, database, PID files); default /tmp/llmpipe-slurm
 #   NODES=2 CPUS=16 MEM=32000 GPUS=4         nodes, CPUs / memory (MB) / count-only GPUs declared per node
 #   FRESH=1            restart even when a healthy cluster with this state folder is running
+# Refuses to run while a test session holds $DIR.lock (the pytest fixture sets LLMPIPE_SLURM_LOCK_HELD=1 for itself).
 # Idempotent: a healthy running cluster is left alone (prints "already running"); anything else is stopped with
 # stop.sh (which kills only what this script started) and started afresh. Needs root, ip netns, nsenter, unshare.
 # Prints the SLURM_CONF line last; $LLMPIPE_SLURM_DIR/env.sh holds it too.
@@ -28,6 +29,12 @@ log() { printf '[slurm-cluster start +%5dms] %s\n' $(( ($(date +%s%N) - t0) / 10
 die() { echo "[slurm-cluster start] ERROR: $*" >&2; exit 1; }
 
 [[ $(id -u) == 0 ]] || die "needs root (munged, slurmd, network namespaces)"
+# a test session (the pytest fixture) holds $DIR.lock while it uses the cluster: never restart it from under it
+if [[ "${LLMPIPE_SLURM_LOCK_HELD:-0}" != 1 ]] && command -v flock >/dev/null; then
+  exec 9>>"$DIR.lock"
+  flock -n 9 || die "a test session is using the cluster ($DIR.lock is held); wait for it to end"
+  exec 9>&-
+fi
 for b in munged slurmctld slurmd slurmdbd sbatch sinfo sacct sacctmgr mariadbd mariadb-install-db ip nsenter unshare; do
   command -v "$b" >/dev/null || die "$b not found: run tests/slurm_cluster/install.sh"
 done

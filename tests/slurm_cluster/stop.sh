@@ -5,8 +5,19 @@
 #     slurmd (leftover slurmstepd and job tasks).
 # Then deletes its namespaces, veth pairs and bridge. Keeps $LLMPIPE_SLURM_DIR (logs) unless WIPE=1.
 # Safe to run when nothing is running.
+# Leaves the cluster alone (exit 0, a message on stderr) while a test session holds its lock ($LLMPIPE_SLURM_DIR.lock,
+# taken by the pytest fixture): a cleanup (.ci/slurm.sh cleanup, make test's EXIT trap) must not pull the cluster from
+# under another session's tests. The fixture, which holds that lock, sets LLMPIPE_SLURM_LOCK_HELD=1; FORCE=1 stops
+# it regardless.
 set -uo pipefail
 DIR="${LLMPIPE_SLURM_DIR:-/tmp/llmpipe-slurm}"
+if [[ "${LLMPIPE_SLURM_LOCK_HELD:-0}" != 1 && "${FORCE:-0}" != 1 ]] && command -v flock >/dev/null; then
+  exec 9>>"$DIR.lock"
+  if ! flock -n 9; then
+    echo "[slurm-cluster stop] not stopping: a test session holds $DIR.lock (FORCE=1 stops it anyway)" >&2
+    exit 0
+  fi
+fi
 BR=llmpbr0; NS=llmp-n; VETH=llmpv
 R="$DIR/run"
 export SLURM_CONF="$DIR/etc/slurm.conf"

@@ -1,0 +1,528 @@
+"""The whole workflow on the real Slurm test cluster (tests/slurm_cluster) through ``--profile profiles/slurm``.
+
+One finished run is shared by the module (:func:`two_node_run`): the tiny pipeline end to end, pretraining on 2 nodes
+x 1 task (gloo on CPU), every Slurm task started through a stand-in apptainer that records what it was given. The
+other tests copy that working folder and break or interrupt one step of it: a requeue twice during pretraining, a
+killed Snakemake, a step that fails at run time, preflight errors at dry-run time, a SIGKILLed training job.
+
+Settings come in as a site file on top of config/slurm-site.yaml, as a user's own site file would
+(``--configfile config/slurm-site.yaml my-site.yaml``): a YAML file keeps their types (``--config`` hands nested
+values over as strings).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tests.conftest import REPO, SNAKEMAKE, copy_run, planned_jobs, snakemake
+
+pytestmark = [pytest.mark.slurm, pytest.mark.slow]
+
+STEPS = 60          # models.mpt-tiny.train.max_duration_batches for this module (the default is 120)
+SAVE_EVERY = 20
+TRAIN_JSON = "results/mpt-tiny/train.json"
+RUN_DIR = "results/mpt-tiny"
+
+FAKE_APPTAINER = """#!/bin/bash
+# stand-in for apptainer: record how this task was started and what it sees, then run the command after the image
+rec="$(dirname "$0")/records"; mkdir -p "$rec"
+tag="$SLURM_JOB_ID.${SLURM_ARRAY_TASK_ID:-x}.$SLURM_PROCID.${SLURM_RESTART_COUNT:-0}"
+printf '%s\\n' "$@" > "$rec/argv.$tag"
+{ echo "HOSTNAME_SEEN=$(hostname)"; env; } > "$rec/env.$tag"
+[[ $1 == exec ]] || exit 64; shift
+while [[ $1 == -* ]]; do shift; done
+export LLMPIPE_TEST_IMAGE="$1"; shift
+exec "$@"
+"""
+
+SITE_ENV = {"NCCL_SOCKET_IFNAME": "eth0", "NCCL_IB_HCA": "mlx5_0,mlx5_1", "NCCL_DEBUG": "INFO",
+            "LLMPIPE_TEST_QUOTED": "a b $HOME 'q'"}
+
+
+@dataclass
+class Site:
+    dir: Path
+    args: list[str]          # --profile ... --configfile ... for every snakemake call of this module
+    image: Path
+    records: Path
+
+    def with_configfile(self, extra: Path) -> list[str]:
+        """The same arguments with one more config file merged last."""
+        return [*self.args, str(extra)]
+
+
+@dataclass
+class Run:
+    wd: Path
+    output: str
+    seconds: float
+
+
+# ------------------------------------------------------------------------------------------------ helpers
+
+def rule_log(wd: Path, step: str) -> str:
+    p = wd / "results/logs" / step / "mpt-tiny.log"
+    return p.read_text() if p.exists() else ""
+
+
+def submitted_ids(text: str) -> list[str]:
+    return re.findall(r"submitted job (\d+) \(slurm", text)
+
+
+def read_json(wd: Path, rel: str) -> dict:
+    return json.loads((wd / rel).read_text())
+
+
+def max_batch(wd: Path) -> int:
+    p = wd / RUN_DIR / "train_log.jsonl"
+    if not p.exists():
+        return 0
+    return max((json.loads(line)["batch"] for line in p.read_text().splitlines() if line.strip()), default=0)
+
+
+def task_log(wd: Path, job_id: str, rank: int = 0, kind: str = "out") -> str:
+    p = wd / "results/logs/train/mpt-tiny.submitit" / job_id / f"{job_id}_{rank}_log.{kind}"
+    return p.read_text(errors="replace") if p.exists() else ""
+
+
+def usr2_checkpoints(wd: Path, job_id: str) -> list[int]:
+    """Batches at which rank 0 of ``job_id`` saved a checkpoint because Slurm signalled USR2."""
+    return [int(b) for b in re.findall(r"saving checkpoint at batch (\d+) before requeue", task_log(wd, job_id))]
+
+
+def fresh_training(wd: Path) -> None:
+    """Make the copied run train again from scratch: no train.json, no checkpoints, no loss curve (and no rule log
+    naming the copied run's training job)."""
+    (wd / TRAIN_JSON).unlink()
+    (wd / "results/logs/train/mpt-tiny.log").unlink()
+    shutil.rmtree(wd / RUN_DIR / "checkpoints")
+    (wd / RUN_DIR / "train_log.jsonl").unlink(missing_ok=True)
+
+
+def slurm_jobs_since(cluster, t0: float, name: str) -> list[dict[str, str]]:
+    """Every run (requeues included) of jobs called ``name`` submitted at or after ``t0``: JobID, State, Submit."""
+    since = time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(t0 - 1))
+    keys = ["JobID", "State", "Submit", "NodeList"]
+    out = cluster.run("sacct", "--noheader", "--parsable2", "--allocations", "--duplicates", "--name", name,
+                      "--starttime", since, "--format", ",".join(keys))
+    rows = [dict(zip(keys, line.split("|"))) for line in out.splitlines() if line.strip()]
+    ids = {r["JobID"] for r in rows if r["Submit"] >= since}
+    return [r for r in rows if r["JobID"] in ids]
+
+
+def settled_jobs_since(cluster, t0: float, name: str, expect: int, timeout: float = 30) -> list[dict[str, str]]:
+    """:func:`slurm_jobs_since` once accounting shows at least ``expect`` rows, all in a final state."""
+    final = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "REQUEUED"}
+    deadline = time.time() + timeout
+    while True:
+        rows = slurm_jobs_since(cluster, t0, name)
+        if (len(rows) >= expect and all(r["State"].split()[0] in final for r in rows)) or time.time() > deadline:
+            return rows
+        time.sleep(0.5)
+
+
+def wait_until(pred, timeout: float, what: str, bg_out: Path | None = None, poll: float = 0.5):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        got = pred()
+        if got:
+            return got
+        time.sleep(poll)
+    tail = bg_out.read_text()[-4000:] if bg_out and bg_out.exists() else ""
+    squeue = subprocess.run(["squeue"], capture_output=True, text=True).stdout
+    raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}\nsqueue:\n{squeue}\n{tail}")
+
+
+@contextlib.contextmanager
+def background_snakemake(wd: Path, *args: str):
+    """snakemake in its own session (stdout+stderr to a file); SIGKILLs that session if it is still running."""
+    out = wd / f"snakemake-bg-{time.time_ns()}.txt"
+    with open(out, "w") as fh:
+        proc = subprocess.Popen(SNAKEMAKE + ["-s", str(REPO / "Snakefile"), "-d", str(wd), *args], cwd=wd,
+                                stdout=fh, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        yield proc, out
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+def kill_session(proc: subprocess.Popen) -> None:
+    """SIGKILL snakemake and every process of its session (rule scripts included): a closed terminal, a reboot."""
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait(30)
+
+
+def cancel_jobs_of(cluster, wd: Path) -> None:
+    """Cancel any Slurm job this working folder submitted that is still queued or running (after a failed test)."""
+    ids = {p.name.split("_")[0] for p in wd.glob("results/logs/*/*.submitit/*") if p.is_dir()}
+    if ids:
+        cluster.run("scancel", *sorted(ids), check=False)
+
+
+def sigkill_tasks(job_id: str) -> list[int]:
+    """SIGKILL every Python process of a Slurm job's tasks (found by SLURM_JOB_ID in their environment), as a
+    cgroup OOM kill or a dying node would: no signal handler and no cleanup, not even by the resource tracker that
+    multiprocessing starts next to each task (it would unlink the task's shared memory). Returns the task PIDs.
+
+    (``scancel --signal=KILL`` is not that: Slurm turns it into an ordinary cancel, SIGTERM first.)"""
+    tasks, helpers = [], []
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            cmd = (d / "cmdline").read_bytes().split(b"\0")
+            env = (d / "environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if not os.path.basename(cmd[0]).startswith(b"python") or f"SLURM_JOB_ID={job_id}".encode() not in env:
+            continue   # not a Python process of this job (srun, slurmstepd, the batch shell)
+        (tasks if b"submitit.core._submit" in cmd else helpers).append(int(d.name))
+    for pid in helpers + tasks:
+        os.kill(pid, signal.SIGKILL)
+    return tasks
+
+
+def node_shm(cluster, node: str) -> list[str]:
+    """The files in a test node's private /dev/shm (seen through its slurmd's mount namespace)."""
+    pid = (cluster.dir / "run" / f"slurmd-{node}.pid").read_text().strip()
+    out = subprocess.run(["nsenter", "-t", pid, "-m", "ls", "-1", "/dev/shm"], capture_output=True, text=True,
+                         timeout=10)
+    return out.stdout.split()
+
+
+# ------------------------------------------------------------------------------------------------ fixtures
+
+@pytest.fixture(scope="module")
+def site(tmp_path_factory) -> Site:
+    """A site file like a user's own: NCCL variables, a setup line, an apptainer container (a stand-in script),
+    short polls; and the module's small experiment (60 steps on 2 nodes x 1 task, short eval and generation)."""
+    d = tmp_path_factory.mktemp("slurm-site")
+    fake = d / "fake-apptainer"
+    fake.write_text(FAKE_APPTAINER)
+    fake.chmod(0o755)
+    image = d / "llm-foundry.sif"
+    image.write_text("not really an image")
+    base = yaml.safe_load((REPO / "config/config.yaml").read_text())
+    icl = [dict(t, num_items=16) for t in base["eval"]["icl_tasks"]]
+    conf = {
+        "dispatch": {"poll_s": 1},
+        "slurm": {
+            "poll_s": 3,
+            "env": SITE_ENV,
+            "setup": ["export LLMPIPE_TEST_SETUP=from-setup"],
+            "container": {"type": "apptainer", "image": str(image), "apptainer": str(fake),
+                          "apptainer_args": ["--nv"], "mounts": [str(REPO), str(d.parent)],
+                          "python": sys.executable},
+        },
+        "models": {"mpt-tiny": {"train": {"max_duration_batches": STEPS, "save_interval_batches": SAVE_EVERY},
+                                "resources": {"nodes": 2, "tasks_per_node": 1}}},
+        "eval": {"val_batches": 2, "icl_tasks": icl},
+        "generate": {"max_new_tokens": 8},
+        "data_resources": {"cpus_per_task": 4},
+    }
+    (d / "site.yaml").write_text(yaml.safe_dump(conf, sort_keys=False))
+    args = ["--profile", str(REPO / "profiles/slurm"),
+            "--configfile", str(REPO / "config/slurm-site.yaml"), str(d / "site.yaml")]
+    return Site(dir=d, args=args, image=image, records=d / "records")
+
+
+@pytest.fixture(scope="module")
+def two_node_run(slurm_cluster, site, tmp_path_factory) -> Run:
+    """The tiny pipeline end to end on the cluster, once for the module."""
+    wd = tmp_path_factory.mktemp("slurm-run")
+    t0 = time.time()
+    try:
+        proc = snakemake(wd, *site.args, check=False, timeout=900)
+    finally:
+        cancel_jobs_of(slurm_cluster, wd)
+    out = proc.stdout + proc.stderr
+    (wd / "snakemake-output.txt").write_text(out)
+    assert proc.returncode == 0, f"the pipeline failed on Slurm:\n{out[-8000:]}\n{slurm_cluster.log_tail(10)}"
+    return Run(wd=wd, output=out, seconds=time.time() - t0)
+
+
+# ------------------------------------------------------------------------------------------------ 1. end to end
+
+@pytest.mark.timeout(900)
+def test_tiny_pipeline_on_two_nodes(two_node_run, site, slurm_cluster):
+    wd = two_node_run.wd
+    train = read_json(wd, TRAIN_JSON)
+    assert train["steps"] == STEPS and train["devices"] == 2 and train["nodes"] == 2, train
+    assert train["resumed_from"] is None and train["batches_this_job"] == STEPS
+
+    # one training job, one rank on each node, world size 2
+    (job_id,) = submitted_ids(rule_log(wd, "train"))
+    assert f"submitted job {job_id} (slurm, 2 node(s) x 1 task(s), 0 GPU(s)/node)" in rule_log(wd, "train")
+    ranks = {}
+    for rank in (0, 1):
+        m = re.search(r"llmpipe: rank (\d)/(\d) on (\S+) \(node rank (\d), master (\S+)\)", task_log(wd, job_id, rank))
+        assert m, task_log(wd, job_id, rank)[-3000:]
+        ranks[rank] = m.groups()
+    assert ranks == {0: ("0", "2", "n1", "0", "n1"), 1: ("1", "2", "n2", "1", "n1")}, ranks
+    rows = [r for r in slurm_cluster.jobs_named("train_mpt-tiny") if r["JobID"] == job_id]
+    assert [(r["State"], r["NodeList"]) for r in rows] == [("COMPLETED", "n[1-2]")], rows
+
+    # every compute step went to Slurm (data prep as a job array), each through the dispatch module
+    for step in ("train", "convert", "generate", "eval"):
+        assert len(submitted_ids(rule_log(wd, step))) == 1, (step, rule_log(wd, step))
+    mds_log = next((wd / "results/logs/mds").glob("*.log")).read_text()
+    assert re.search(r"submitted \d+ job\(s\) \(slurm\); first id \d+_0", mds_log), mds_log
+    assert not list((wd / ".llmpipe/jobs").glob("*.json"))  # every record collected
+
+    ev = read_json(wd, "results/mpt-tiny/eval.json")
+    assert ev["val"]["loss"] > 0 and ev["icl"], ev
+    gen = read_json(wd, "results/mpt-tiny/generate.json")
+    assert all(o["new_tokens"] > 0 for o in gen["outputs"]), gen
+    # nothing left to do
+    assert planned_jobs(snakemake(wd, "-n", *site.args)) == {}
+
+
+# ------------------------------------------------------------------------------------------------ 7. env + container
+
+def _records(site: Site, job_id: str) -> dict[str, tuple[list[str], dict[str, str]]]:
+    got = {}
+    for argv in sorted(site.records.glob(f"argv.{job_id}.*")):
+        tag = argv.name[len("argv."):]
+        env = dict(line.split("=", 1) for line in (site.records / f"env.{tag}").read_text().splitlines()
+                   if "=" in line)
+        got[tag] = (argv.read_text().splitlines(), env)
+    return got
+
+
+@pytest.mark.timeout(900)
+def test_site_env_and_container_reach_the_training_tasks(two_node_run, site):
+    wd = two_node_run.wd
+    (job_id,) = submitted_ids(rule_log(wd, "train"))
+    recs = _records(site, job_id)
+    assert sorted(recs) == [f"{job_id}.x.0.0", f"{job_id}.x.1.0"], recs.keys()   # both training tasks
+    hosts = set()
+    for tag, (argv, env) in recs.items():
+        assert argv[:4] == ["exec", "--nv", f"--bind={REPO},{site.dir.parent}", str(site.image)], argv
+        assert argv[4:8] == [sys.executable, "-u", "-m", "submitit.core._submit"], argv
+        assert {k: env.get(k) for k in SITE_ENV} == SITE_ENV, env
+        assert env.get("LLMPIPE_TEST_SETUP") == "from-setup"
+        assert env["SLURM_JOB_ID"] == job_id and env["SLURM_NNODES"] == "2" and env["SLURM_NTASKS"] == "2"
+        hosts.add(env["HOSTNAME_SEEN"])
+    assert hosts == {"n1", "n2"}
+    # the other Slurm steps went through the container too
+    for step in ("convert", "generate", "eval"):
+        (jid,) = submitted_ids(rule_log(wd, step))
+        assert _records(site, jid), f"{step} job {jid} did not start through the container"
+
+
+# ------------------------------------------------------------------------------------------------ 2. requeue twice
+
+@pytest.mark.timeout(600)
+def test_requeued_twice_resumes_and_ends_at_the_step_count(two_node_run, site, slurm_cluster, tmp_path):
+    wd = copy_run(two_node_run.wd, tmp_path / "wd")
+    fresh_training(wd)
+    t0 = time.time()
+    saved: list[int] = []
+    try:
+        with background_snakemake(wd, TRAIN_JSON, *site.args) as (proc, out):
+            job_id = wait_until(lambda: (submitted_ids(rule_log(wd, "train")) or [None])[0], 120,
+                                "the training job", out)
+            for n in (1, 2):
+                # well into training (the signal handler is installed), and past the last checkpoint
+                start = saved[-1] if saved else 0
+                wait_until(lambda: max_batch(wd) >= start + 10, 240, f"training past batch {start + 10}", out)
+                slurm_cluster.run("scancel", "--signal=USR2", job_id)  # what Slurm sends before a time limit
+                found = wait_until(lambda: len(usr2_checkpoints(wd, job_id)) >= n and usr2_checkpoints(wd, job_id),
+                                   120, f"checkpoint {n} on USR2", out)
+                assert len(found) == n, found
+                saved.append(found[-1])
+                slurm_cluster.release_requeued(job_id, timeout=120)
+            proc.wait(300)
+            text = out.read_text()
+        assert proc.returncode == 0, text[-6000:]
+    finally:
+        cancel_jobs_of(slurm_cluster, wd)
+
+    train = read_json(wd, TRAIN_JSON)
+    assert train["steps"] == STEPS, train                       # exactly the configured step count
+    assert train["final_checkpoint"].endswith(f"ep0-ba{STEPS}-rank0.pt")
+    assert saved[0] < saved[1] < STEPS, saved
+    # each run resumed from the checkpoint written on the signal: the newest one
+    log0 = task_log(wd, job_id)
+    resumed = [int(b) for b in re.findall(r"rank 0 resuming from \S+/ep0-ba(\d+)-rank0\.pt", log0)]
+    assert resumed == saved, (resumed, saved)
+    assert train["resumed_from"].endswith(f"ep0-ba{saved[1]}-rank0.pt") and \
+        train["batches_this_job"] == STEPS - saved[1], train
+    assert "Caught signal SIGUSR2 on n1: this job is preempted" in task_log(wd, job_id, kind="err")  # submitit's path
+    # one job id, requeued twice, never submitted again
+    rows = settled_jobs_since(slurm_cluster, t0, "train_mpt-tiny", expect=3)
+    assert [(r["JobID"], r["State"]) for r in rows] == [(job_id, "REQUEUED"), (job_id, "REQUEUED"),
+                                                        (job_id, "COMPLETED")], rows
+    assert slurm_cluster.job_fields(job_id)["Restarts"] == "2"
+    assert submitted_ids(rule_log(wd, "train")) == [job_id]
+
+
+# ------------------------------------------------------------------------------------------------ 3. killed snakemake
+
+@pytest.mark.timeout(600)
+def test_killed_snakemake_reattaches_to_the_running_job(two_node_run, site, slurm_cluster, tmp_path):
+    wd = copy_run(two_node_run.wd, tmp_path / "wd")
+    fresh_training(wd)
+    t0 = time.time()
+    try:
+        with background_snakemake(wd, TRAIN_JSON, *site.args) as (proc, out):
+            job_id = wait_until(lambda: (submitted_ids(rule_log(wd, "train")) or [None])[0], 120,
+                                "the training job", out)
+            wait_until(lambda: max_batch(wd) >= 5, 240, "training to start", out)
+            kill_session(proc)
+        assert slurm_cluster.job_fields(job_id)["JobState"] == "RUNNING"   # the job outlives its Snakemake
+        assert list((wd / ".llmpipe/jobs").glob("*.json")), "no record of the submitted job"
+
+        locked = snakemake(wd, TRAIN_JSON, *site.args, check=False, timeout=120)
+        msg = locked.stdout + locked.stderr
+        assert locked.returncode != 0 and "--unlock" in msg, msg[-3000:]   # Snakemake says what to do
+        snakemake(wd, *site.args, "--unlock", timeout=120)
+        snakemake(wd, TRAIN_JSON, *site.args, timeout=400)               # the profile sets --rerun-incomplete
+    finally:
+        cancel_jobs_of(slurm_cluster, wd)
+    log = rule_log(wd, "train")
+    assert f"re-attaching to job {job_id}" in log and "not submitting a second copy" in log, log
+    assert not submitted_ids(log), log
+    train = read_json(wd, TRAIN_JSON)
+    assert train["steps"] == STEPS and train["resumed_from"] is None and train["batches_this_job"] == STEPS, train
+    rows = settled_jobs_since(slurm_cluster, t0, "train_mpt-tiny", expect=1)
+    assert [(r["JobID"], r["State"]) for r in rows] == [(job_id, "COMPLETED")], rows
+
+
+# ------------------------------------------------------------------------------------------------ 4. run-time failure
+
+@pytest.mark.timeout(600)
+def test_step_failing_at_run_time_reports_job_state_and_log(two_node_run, site, slurm_cluster, tmp_path):
+    wd = copy_run(two_node_run.wd, tmp_path / "wd")
+    bad = tmp_path / "bad.yaml"   # accepted by the config; transformers refuses it inside the job
+    bad.write_text(yaml.safe_dump({"generate": {"do_sample": True, "temperature": -1.0}}))
+    t0 = time.time()
+    try:
+        assert planned_jobs(snakemake(wd, "-n", *site.with_configfile(bad))) == {"generate": 1, "all": 1}
+        failed = snakemake(wd, *site.with_configfile(bad), check=False, timeout=300)
+    finally:
+        cancel_jobs_of(slurm_cluster, wd)
+    out = failed.stdout + failed.stderr
+    assert failed.returncode != 0
+    (row,) = settled_jobs_since(slurm_cluster, t0, "generate_mpt-tiny", expect=1)
+    job_id = row["JobID"]
+    assert row["State"] == "FAILED", row
+    log = rule_log(wd, "generate")
+    for text in (out, log):   # Snakemake's output (--show-failed-logs) and the rule's log
+        assert f"generate mpt-tiny: job {job_id} ended in state FAILED" in text, text[-5000:]
+        assert "`temperature` (=-1.0) has to be a strictly positive float" in text
+        assert "--- stderr (last 40 lines) ---" in text                       # the tail of the job's log
+        assert f"results/logs/generate/mpt-tiny.submitit/{job_id}/{job_id}_0_log.err" in text
+    assert not (wd / "results/mpt-tiny/generate.json").exists()
+    assert not list((wd / ".llmpipe/jobs").glob("*.json"))
+    # fixed: only that step runs again
+    assert planned_jobs(snakemake(wd, "-n", *site.args)) == {"generate": 1, "all": 1}
+    t1 = time.time()
+    try:
+        snakemake(wd, *site.args, timeout=300)
+    finally:
+        cancel_jobs_of(slurm_cluster, wd)
+    assert read_json(wd, "results/mpt-tiny/generate.json")["settings"]["do_sample"] is False
+    for name, n in (("generate_mpt-tiny", 1), ("train_mpt-tiny", 0), ("convert_mpt-tiny", 0), ("eval_mpt-tiny", 0)):
+        assert len(slurm_jobs_since(slurm_cluster, t1, name)) == n, name
+
+
+# ------------------------------------------------------------------------------------------------ 5. preflight
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("change,expected", [
+    ("slurm={'partition': 'nope'}",
+     r"slurm\.partition is 'nope', but this cluster has no such partition \(it has: debug, small\)"),
+    ("models={'mpt-tiny': {'resources': {'nodes': 4}}}",
+     r"models\.mpt-tiny\.resources\.nodes is 4, but Slurm partition 'debug' has only 2 node\(s\).*"
+     r"Fix: lower models\.mpt-tiny\.resources\.nodes to at most 2"),
+    ("models={'mpt-tiny': {'resources': {'gpus_per_node': 8}}}",
+     r"models\.mpt-tiny\.resources\.gpus_per_node is 8, but the nodes of Slurm partition 'debug' have at most 4 "
+     r"GPU\(s\) each"),
+    ("models={'mpt-tiny': {'resources': {'time_min': 2000}}}",
+     r"models\.mpt-tiny\.resources\.time_min is 2000 minutes, but Slurm partition 'debug' allows at most 1440 "
+     r"minutes"),
+], ids=["partition", "nodes", "gpus", "time-limit"])
+def test_preflight_fails_the_dry_run(slurm_cluster, site, tmp_path, change, expected):
+    before = slurm_cluster.run("sacct", "--noheader", "--allocations", "--starttime", "now-1days", "--format", "JobID")
+    # `--profile slurm` by name, set up as docs/slurm.md says (a link in the user's Snakemake config folder)
+    (tmp_path / "xdg/snakemake").mkdir(parents=True)
+    (tmp_path / "xdg/snakemake/slurm").symlink_to(REPO / "profiles/slurm")
+    args = ["--profile", "slurm", *site.args[2:]]
+    proc = snakemake(tmp_path, "-n", *args, "--config", change, check=False, timeout=120,
+                     env={"XDG_CONFIG_HOME": str(tmp_path / "xdg")})
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0
+    assert "Using profiles slurm" in out, out[-2000:]
+    assert re.search(r"ConfigError: " + expected, out, re.S), out[-4000:]
+    after = slurm_cluster.run("sacct", "--noheader", "--allocations", "--starttime", "now-1days", "--format", "JobID")
+    assert before == after  # nothing was submitted
+
+
+def test_fitting_request_passes_preflight_by_profile_name(slurm_cluster, site, tmp_path):
+    (tmp_path / "xdg/snakemake").mkdir(parents=True)
+    (tmp_path / "xdg/snakemake/slurm").symlink_to(REPO / "profiles/slurm")
+    proc = snakemake(tmp_path, "-n", "--profile", "slurm", *site.args[2:], timeout=120,
+                     env={"XDG_CONFIG_HOME": str(tmp_path / "xdg")})
+    assert planned_jobs(proc)["train"] == 1
+
+
+# ------------------------------------------------------------------------------------------------ 6. SIGKILLed job
+
+@pytest.mark.timeout(600)
+def test_sigkilled_training_job_does_not_poison_the_rerun(two_node_run, site, slurm_cluster, tmp_path):
+    wd = copy_run(two_node_run.wd, tmp_path / "wd")
+    fresh_training(wd)
+    ck = wd / RUN_DIR / "checkpoints"
+    t0 = time.time()
+    try:
+        with background_snakemake(wd, TRAIN_JSON, *site.args) as (proc, out):
+            job_id = wait_until(lambda: (submitted_ids(rule_log(wd, "train")) or [None])[0], 120,
+                                "the training job", out)
+            wait_until(lambda: (ck / f"ep0-ba{SAVE_EVERY}-rank0.pt.complete").exists() and
+                       max_batch(wd) >= SAVE_EVERY + 5, 240, "the first checkpoint", out)
+            shm_during = {n: node_shm(slurm_cluster, n) for n in ("n1", "n2")}
+            killed = sigkill_tasks(job_id)                          # every task dies at once, mid-step
+            assert len(killed) == 2, killed
+            proc.wait(120)
+            text = out.read_text()
+        assert proc.returncode != 0
+        (row,) = settled_jobs_since(slurm_cluster, t0, "train_mpt-tiny", expect=1)
+        assert row["JobID"] == job_id and row["State"] != "COMPLETED", row
+        assert f"train mpt-tiny: job {job_id} ended in state {row['State']}" in text, text[-4000:]
+        assert not (wd / TRAIN_JSON).exists()
+        # what the killed job leaves behind: the streaming dataloader's shared memory on both nodes (never
+        # cleaned up by a SIGKILLed process) ...
+        for n in ("n1", "n2"):
+            assert shm_during[n] and set(shm_during[n]) <= set(node_shm(slurm_cluster, n)), (n, shm_during[n])
+        # ... and, had the kill come during a save, a half-written newer checkpoint without its .complete marker
+        newest = max(int(m.group(1)) for p in ck.glob("*.pt.complete")
+                     if (m := re.match(r"ep0-ba(\d+)-rank0\.pt\.complete$", p.name)))
+        assert SAVE_EVERY <= newest < STEPS, newest
+        half = ck / f"ep0-ba{newest + SAVE_EVERY}-rank0.pt"
+        half.write_bytes(b"half-written")
+        snakemake(wd, TRAIN_JSON, *site.args, timeout=400)
+    finally:
+        cancel_jobs_of(slurm_cluster, wd)
+    train = read_json(wd, TRAIN_JSON)
+    assert train["steps"] == STEPS, train
+    assert train["resumed_from"].endswith(f"ep0-ba{newest}-rank0.pt"), train   # the newest complete one
+    assert train["batches_this_job"] == STEPS - newest
+    assert half.stat().st_size > 1000  # removed, then written again for real by the resumed training
+    rows = settled_jobs_since(slurm_cluster, t0, "train_mpt-tiny", expect=2)
+    assert [r["State"] for r in rows][-1] == "COMPLETED" and len({r["JobID"] for r in rows}) == 2, rows
