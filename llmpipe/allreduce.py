@@ -30,6 +30,7 @@ import os
 import time
 from typing import Any
 
+from llmpipe.plots import finish_and_save
 from llmpipe.config import ConfigError, step_resources, world_size
 from llmpipe.steps import _logged
 
@@ -351,18 +352,9 @@ def plot_busbw(csv_paths: dict[int, str], png: str, title: str | None = None) ->
         line, = ax.plot(df["size_bytes"], df["ip_busbw_gbps"], marker="o", ms=3, label=label)
         ax.plot(df["size_bytes"], df["oop_busbw_gbps"], ls="--", color=line.get_color(), alpha=0.6)
     ax.set_xscale("log", base=2)
-    ax.set_xlabel("message size (bytes)")
-    ax.set_ylabel("bus bandwidth (GB/s)")
-    ax.set_title(title or "All-reduce bus bandwidth (solid: in-place, dashed: out-of-place)")
-    ax.grid(True, which="both", alpha=0.3)
-    if csv_paths:
-        ax.legend(fontsize=8)
-    else:
-        ax.text(0.5, 0.5, "no all-reduce results", ha="center", va="center", transform=ax.transAxes)
-    fig.tight_layout()
-    os.makedirs(os.path.dirname(png) or ".", exist_ok=True)
-    fig.savefig(png, dpi=120)
-    plt.close(fig)
+    finish_and_save(fig, ax, png, xlabel="message size (bytes)", ylabel="bus bandwidth (GB/s)",
+                    title=title or "All-reduce bus bandwidth (solid: in-place, dashed: out-of-place)",
+                    has_data=bool(csv_paths), empty_text="no all-reduce results", grid_which="both")
 
 
 # ------------------------------------------------------------------------------------------- the gate

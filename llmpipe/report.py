@@ -24,6 +24,7 @@ import os
 import re
 from typing import Any
 
+from llmpipe.plots import finish_and_save
 from llmpipe.config import ConfigError, run_config, tokens_per_run
 from llmpipe.mfu import flops_per_token, mpt_param_count
 from llmpipe.scaling import markdown
@@ -404,17 +405,8 @@ def plot_loss(results_dir: str, runs: list[str], png: str) -> None:
         if recs:
             ax.plot([r["batch"] for r in recs], [r["loss"] for r in recs], label=run)
             drawn += 1
-    ax.set_xlabel("batch")
-    ax.set_ylabel("training loss (nats per token)")
-    ax.set_title("Training loss")
-    ax.grid(True, alpha=0.3)
-    if drawn:
-        ax.legend(fontsize=8)
-    else:
-        ax.text(0.5, 0.5, "no training logs", ha="center", va="center", transform=ax.transAxes)
-    fig.tight_layout()
-    fig.savefig(png, dpi=120)
-    plt.close(fig)
+    finish_and_save(fig, ax, png, xlabel="batch", ylabel="training loss (nats per token)", title="Training loss",
+                    has_data=bool(drawn), empty_text="no training logs")
 
 
 def throughput_series(log: list[dict], devices: int, flops_per_token_: float | None,

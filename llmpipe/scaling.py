@@ -18,6 +18,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
+from llmpipe.plots import finish_and_save
 from llmpipe.config import ConfigError, deep_merge, train_identity, validate_run, world_size, step_resources
 
 #: Defaults of the ``scaling:`` section.
@@ -165,18 +166,9 @@ def plot_speedup(studies: dict[str, Any], png: str) -> None:
         n0 = int(df["nodes"].min())
         top = max(top, int(df["nodes"].max()))
         ax.plot(df["nodes"], df["nodes"] / n0, ls=":", color="grey")
-    ax.set_xlabel("nodes")
-    ax.set_ylabel("speedup versus the smallest node count")
-    ax.set_title("Node scaling (dotted: linear)")
-    ax.grid(True, alpha=0.3)
-    if studies:
-        ax.legend(fontsize=8)
-    else:
-        ax.text(0.5, 0.5, "no scaling study results", ha="center", va="center", transform=ax.transAxes)
-    fig.tight_layout()
-    os.makedirs(os.path.dirname(png) or ".", exist_ok=True)
-    fig.savefig(png, dpi=120)
-    plt.close(fig)
+    finish_and_save(fig, ax, png, xlabel="nodes", ylabel="speedup versus the smallest node count",
+                    title="Node scaling (dotted: linear)", has_data=bool(studies),
+                    empty_text="no scaling study results")
 
 
 # ------------------------------------------------------------------------------------------- rule glue
