@@ -87,7 +87,11 @@ def builtin_items() -> Iterator[tuple[str, str, str]]:
         mod = os.path.relpath(path, root)[:-3].replace(os.sep, ".")
         try:
             with open(path, "rb") as fh:
-                tree = ast.parse(fh.read())
+                source = fh.read()
+            try:
+                tree = ast.parse(source)
+            except SystemError:  # CPython 3.11 "AST constructor recursion depth mismatch" (seen once in CI): retry
+                tree = ast.parse(source)
         except (SyntaxError, ValueError, OSError):
             continue
         for node in tree.body:
