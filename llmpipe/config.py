@@ -177,6 +177,11 @@ def validate_run(config: dict, run: str) -> dict:
                           f"or raise max_seq_len.")
     if concat < 2:
         raise ConfigError(f"{where}.data.concat_tokens must be at least 2, got {concat}.")
+    size_limit = int((config.get("data_prep") or {}).get("size_limit") or 0)
+    if size_limit and size_limit < 4 * concat + 1024:
+        raise ConfigError(f"data_prep.size_limit ({size_limit} bytes per MDS shard) cannot hold one sample of "
+                          f"{where}.data.concat_tokens={concat} int32 ids ({4 * concat} bytes + headers). Fix: "
+                          f"raise data_prep.size_limit (default 67108864) or set it to 0 (one shard per unit).")
 
     for key in ("d_model", "n_heads", "n_layers"):
         if key not in arch:

@@ -23,6 +23,9 @@ wall_s, cpu_s`` (user+sys of the process and its children), ``tokens_per_s``, ``
 (= tokens / (wall_s x workers)), ``text_mb_per_s_per_core``, ``tokens_per_cpu_s`` (= tokens / cpu_s: counts any
 threads a side uses), ``unit_s_sum`` (ours: the sum of the units' own conversion seconds, i.e. without process
 start-up, merge and polling; llm-foundry: its wall time), ``tokens_per_unit_s`` (= tokens / unit_s_sum),
+``spawn_s`` (ours: from the call until the first unit starts in a worker process), ``tokenizer_s`` (mean time a
+unit takes to load its tokenizer), ``tail_s`` (from the end of the last
+unit until the call returns: worker exit, index merge, manifest),
 ``speedup`` (ours: wall at 1 worker / wall at N), ``efficiency`` (= speedup / N), ``per_core_vs_foundry``,
 ``conversion_vs_foundry`` (ours / llm-foundry, per core and per conversion second), ``cpus`` (CPUs available),
 ``host``. At the end a markdown table and the full-C4 estimate are printed.
@@ -150,13 +153,22 @@ def run_ours(args: argparse.Namespace) -> dict:
            "data_prep": {"compression": "zstd", "size_limit": 1 << 26, "workers": args.n},
            "data_resources": {"time_min": 600}}
     c0 = _cpu_s()
+    e0 = time.time()
     t0 = time.perf_counter()
     m = convert_dataset(args.manifest, args.tok, args.concat, EOS, out, config=cfg, log_dir=out + "-logs")
     wall = time.perf_counter() - t0
+    e1 = time.time()
     tr = m["splits"]["train"]
+    tm = [u["timings"] for u in tr["units"]]
+    # where the time outside the units' own conversion goes (epoch timestamps from each unit's record)
+    phases = {
+        "spawn_s": min(t["start"] for t in tm) - e0,  # call start -> first unit starts (worker process up)
+        "tokenizer_s": sum(t["tokenizer_ready"] - t["start"] for t in tm) / len(tm),
+        "tail_s": e1 - max(t["end"] for t in tm),  # last unit ends -> call returns (exit, merge, manifest)
+    }
     return {"wall_s": wall, "cpu_s": _cpu_s() - c0, "tokens": tr["tokens"], "samples": tr["samples"],
             "documents": tr["documents"], "files": len(tr["units"]),
-            "unit_s_sum": sum(u["seconds"] for u in tr["units"])}
+            "unit_s_sum": sum(u["seconds"] for u in tr["units"]), **phases}
 
 
 def run_foundry(args: argparse.Namespace) -> dict:
@@ -210,8 +222,7 @@ def child(kind: str, manifest: str, tok: str, concat: int, n: int, out_dir: str,
 # ---------------------------------------------------------------------------------------------- main
 
 FIELDS = ["impl", "workers", "files", "documents", "text_mb", "tokens", "samples", "wall_s", "cpu_s",
-          "tokens_per_s", "tokens_per_s_per_core", "text_mb_per_s_per_core", "tokens_per_cpu_s", "unit_s_sum", "tokens_per_unit_s", "speedup", "efficiency",
-          "per_core_vs_foundry", "conversion_vs_foundry", "cpus", "host"]
+          "tokens_per_s", "tokens_per_s_per_core", "text_mb_per_s_per_core", "tokens_per_cpu_s", "unit_s_sum", "tokens_per_unit_s", "spawn_s", "tokenizer_s", "tail_s", "speedup", "efficiency", "per_core_vs_foundry", "conversion_vs_foundry", "cpus", "host"]
 
 
 def sorted_rows(rows: list[dict]) -> list[dict]:
@@ -283,6 +294,7 @@ def main() -> None:
                 "text_mb_per_s_per_core": round(r["text_bytes"] / 1e6 / (r["wall_s"] * n), 3),
                 "tokens_per_cpu_s": round(r["tokens"] / r["cpu_s"]) if r["cpu_s"] else "",
                 "unit_s_sum": round(r["unit_s_sum"], 3), "tokens_per_unit_s": round(r["tokens"] / r["unit_s_sum"]),
+                **{k_: round(r[k_], 3) if k_ in r else "" for k_ in ("spawn_s", "tokenizer_s", "tail_s")},
                 "speedup": "", "efficiency": "", "per_core_vs_foundry": "", "conversion_vs_foundry": "",
                 "cpus": cpus, "host": host}
 

@@ -39,6 +39,12 @@ def test_concat_tokens_larger_than_max_seq_len(workdir):
     assert "models.mpt-tiny.data.concat_tokens (256) is larger than models.mpt-tiny.arch.max_seq_len (128)" in out
 
 
+def test_shard_size_limit_smaller_than_a_sample(workdir):
+    out = dry_fail(workdir, "results/mpt-125m/train.json", "--config", "data_prep={'size_limit': 4096}")
+    assert "data_prep.size_limit (4096 bytes per MDS shard) cannot hold one sample of " \
+           "models.mpt-125m.data.concat_tokens=2048" in out
+
+
 def test_tokenizer_without_eos_text(workdir):
     out = dry_fail(workdir, "results/mpt-tiny/train.json", "--config",
                    "tokenizers={'bpe-builtin-docs': {'eos_text': ''}}")

@@ -263,11 +263,12 @@ def test_sigkill_during_a_unit_leaves_nothing_complete(tok, corpus, tmp_path):
     man, _ = corpus
     out = tmp_path / "ds"
     code = f"""
-import os, signal, streaming, json
+import os, signal, json
+from llmpipe.data.mds_writer import TokenMDSWriter
 def die(self):  # SIGKILL in the middle of finishing the first unit: shards written, no index yet
-    self.flush_shard()
+    self._flush()
     os.kill(os.getpid(), signal.SIGKILL)
-streaming.MDSWriter.finish = die
+TokenMDSWriter.finish = die
 from llmpipe.data.mds import convert_dataset
 convert_dataset({man!r}, {tok_dir!r}, {C}, {EOS!r}, {str(out)!r}, config=json.loads({json.dumps(json.dumps(cfg(tmp_path)))}),
                 log_dir={str(tmp_path / 'logs')!r})
@@ -351,3 +352,67 @@ def test_resolve_workers():
     assert resolve_workers({"data_prep": {"workers": 0}}, 1000) == len(os.sched_getaffinity(0))
     assert resolve_workers({}, 1) == 1
     assert resolve_workers({}, 0) == 0
+
+
+def test_worker_tokenizer_without_transformers_matches_and_falls_back(tok, tmp_path):
+    """Units encode with tokenizer.json through `tokenizers` alone only when it reproduces the manifest's probes
+    (from the transformers tokenizer); otherwise they fall back to the transformers tokenizer's backend."""
+    from llmpipe.data import mds
+    from llmpipe.data.tokenizer import load_backend
+
+    tok_dir, t = tok
+    texts = [d["text"] for d in builtin_documents(max_chars=60_000)] + ["Ünïcödé 日本語 🙂", "  x\n\n\t"]
+    backend = load_backend(tok_dir)
+    assert backend is not None
+    assert [e.ids for e in backend.encode_batch(texts, add_special_tokens=True)] == \
+        t(texts)["input_ids"]
+    # a copy whose probes disagree (as for a tokenizer class that adds behaviour in Python): no fast path
+    bad = tmp_path / "tok"
+    shutil.copytree(tok_dir, bad)
+    man = json.load(open(bad / "manifest.json"))
+    man["probes"][0]["ids"] = man["probes"][0]["ids"] + [1]
+    json.dump(man, open(bad / "manifest.json", "w"))
+    assert load_backend(str(bad)) is None
+    del man["probes"]
+    json.dump(man, open(bad / "manifest.json", "w"))
+    assert load_backend(str(bad)) is None
+    fallback = mds._worker_backend(str(bad))
+    assert [e.ids for e in fallback.encode_batch(texts, add_special_tokens=True)] == t(texts)["input_ids"]
+
+
+def test_truncation_in_tokenizer_json_never_cuts_documents(tok, tmp_path):
+    """llm-foundry tokenizes with truncation=False: a tokenizer.json that enables truncation must not shorten
+    documents in a unit (either loading path)."""
+    from llmpipe.data import mds
+
+    tok_dir, t = tok
+    trunc = tmp_path / "tok"
+    shutil.copytree(tok_dir, trunc)
+    tj = json.load(open(trunc / "tokenizer.json"))
+    tj["truncation"] = {"direction": "Right", "max_length": 8, "strategy": "LongestFirst", "stride": 0}
+    json.dump(tj, open(trunc / "tokenizer.json", "w"))
+    long_text = " ".join(["the function returns a value"] * 50)
+    want = t(long_text)["input_ids"]
+    assert len(want) > 8
+    assert mds._worker_backend(str(trunc)).encode(long_text, add_special_tokens=True).ids == want
+
+
+def test_conversion_never_imports_torch_or_transformers(tok, corpus, tmp_path):
+    """A whole conversion (units run in this process with the debug executor) imports neither torch,
+    transformers nor mosaicml-streaming: worker start-up stays well under a second."""
+    tok_dir, _ = tok
+    man, _ = corpus
+    code = f"""
+import json, sys
+from llmpipe.data.mds import convert_dataset
+m = convert_dataset({man!r}, {tok_dir!r}, {C}, {EOS!r}, {str(tmp_path / 'ds')!r},
+                    config=json.loads({json.dumps(json.dumps(cfg(tmp_path)))}), log_dir={str(tmp_path / 'logs')!r})
+assert m["splits"]["train"]["samples"] > 0
+heavy = [k for k in ("torch", "transformers", "streaming") if k in sys.modules]
+assert not heavy, heavy
+"""
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    from llmpipe.data.mds import verify_dataset
+
+    assert verify_dataset(str(tmp_path / "ds"), tok_dir, C, 512, str(tmp_path / "v.json"))["ok"]

@@ -218,6 +218,68 @@ def _write_progress(path: str | None, obj: dict) -> None:
 
 # ------------------------------------------------------------------------------------------------ one unit
 
+def _worker_backend(tokenizer_dir: str):
+    """The Rust tokenizer a unit encodes with (truncation / padding off), cached per process.
+
+    ``tokenizer.json`` through ``tokenizers`` alone when it reproduces the manifest's probes
+    (:func:`llmpipe.data.tokenizer.load_backend`, no transformers import), else the backend of the transformers
+    tokenizer. Either way it is the object transformers' own ``__call__`` encodes with.
+    """
+    from llmpipe.data.tokenizer import load_backend
+
+    key = f"backend:{tokenizer_dir}:{tokenizer_fingerprint(tokenizer_dir)}"
+    if key not in _TOKENIZERS:
+        backend = load_backend(tokenizer_dir)
+        if backend is None:
+            backend = _tokenizer(tokenizer_dir).backend_tokenizer
+            backend.no_truncation()
+            backend.no_padding()
+        _TOKENIZERS[key] = backend
+    return _TOKENIZERS[key]
+
+
+class _StreamingRowWriter:
+    """streaming's own ``MDSWriter`` behind :class:`llmpipe.data.mds_writer.TokenMDSWriter`'s interface; used for
+    compressions that writer does not implement (imports mosaicml-streaming, i.e. torch: seconds per process)."""
+
+    def __init__(self, out: str, compression: str | None, size_limit: int | None) -> None:
+        from streaming import MDSWriter
+
+        self.writer = MDSWriter(out=out, columns=COLUMNS, compression=compression, size_limit=size_limit,
+                                exist_ok=True)
+
+    def write(self, rows: Any) -> None:
+        write = self.writer.write
+        for row in rows:
+            write({"tokens": row})
+
+    def finish(self) -> None:
+        self.writer.finish()
+
+
+def open_writer(out: str, concat_tokens: int, compression: str | None, size_limit: int | None) -> Any:
+    """The MDS writer of a unit: our torch-free :class:`~llmpipe.data.mds_writer.TokenMDSWriter` (byte-identical
+    output) for no compression / zstd, else mosaicml-streaming's ``MDSWriter``. Both take ``write(rows)`` with
+    rows of shape (n, concat_tokens) int32 and ``finish()``."""
+    from llmpipe.data import mds_writer
+
+    if mds_writer.supports(compression):
+        return mds_writer.TokenMDSWriter(out, concat_tokens, compression, size_limit)
+    return _StreamingRowWriter(out, compression, size_limit)
+
+
+def _process_start_time() -> float | None:
+    """This process' start (epoch seconds) from /proc (Linux), for the start-up part of a unit's timings."""
+    try:
+        with open("/proc/self/stat") as fh:
+            ticks = int(fh.read().rsplit(")", 1)[1].split()[19])
+        with open("/proc/stat") as fh:
+            btime = next(int(line.split()[1]) for line in fh if line.startswith("btime"))
+        return btime + ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError, StopIteration):
+        return None
+
+
 def convert_unit(spec: dict) -> dict:
     """Convert one input file into the MDS folder ``spec['unit_dir']`` (atomically: tmp folder + rename).
 
@@ -228,21 +290,23 @@ def convert_unit(spec: dict) -> dict:
 
     Returns:
         The unit record (also stored as ``unit.json``): ``samples``, ``tokens`` (= samples x concat_tokens),
-        ``documents``, ``empty_documents``, ``dropped_tokens``, ``seconds``, ``identity``, ...
+        ``documents``, ``empty_documents``, ``dropped_tokens``, ``seconds`` (this call), ``timings`` (epoch
+        seconds: ``process_start``, ``start`` of this call, ``tokenizer_ready``, ``written`` (last shard
+        and index), ``end``), ``identity``, ...
 
     Raises:
         DataError: the input is not gzip / truncated / not C4 JSON (message names the file).
     """
+    t0 = time.time()
     import numpy as np
-    from streaming import MDSWriter
     from tqdm import tqdm
 
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
-    t0 = time.time()
+    timings = {"process_start": _process_start_time(), "start": t0}
     concat = int(spec["concat_tokens"])
-    tok = _tokenizer(spec["tokenizer_dir"])
-    backend = tok.backend_tokenizer
+    backend = _worker_backend(spec["tokenizer_dir"])
     encode_batch = getattr(backend, "encode_batch_fast", None) or backend.encode_batch
+    timings["tokenizer_ready"] = time.time()
     eos = [int(i) for i in spec["eos_ids"]]
     neos = len(eos)
     split_dir = os.path.dirname(spec["unit_dir"])
@@ -257,9 +321,7 @@ def convert_unit(spec: dict) -> dict:
                mininterval=0.5 if tty else 60, file=sys.stderr, disable=spec.get("quiet", False))
     last_progress = 0.0
     try:
-        writer = MDSWriter(out=tmp_dir, columns=COLUMNS, compression=spec["compression"],
-                           size_limit=spec["size_limit"], exist_ok=True)
-        write = writer.write
+        writer = open_writer(tmp_dir, concat, spec["compression"], spec["size_limit"])
         for texts in _iter_text_batches(spec["input"], stats):
             id_lists = [e.ids for e in encode_batch(texts, add_special_tokens=True)]
             total = sum(map(len, id_lists)) + neos * len(id_lists)
@@ -267,8 +329,7 @@ def convert_unit(spec: dict) -> dict:
             buf = np.concatenate((carry, flat)) if len(carry) else flat
             n = len(buf) // concat
             if n:
-                for row in buf[: n * concat].reshape(n, concat):
-                    write({"tokens": row})
+                writer.write(buf[: n * concat].reshape(n, concat))
                 samples += n
             carry = buf[n * concat:].copy()
             bar.update(stats["bytes_read"] - bar.n)
@@ -279,6 +340,7 @@ def convert_unit(spec: dict) -> dict:
                                                        "bytes_total": spec["input_bytes"],
                                                        "tokens": samples * concat, "done": False})
         writer.finish()
+        timings["written"] = time.time()
         bar.update(spec["input_bytes"] - bar.n)
         bar.close()
         with open(os.path.join(tmp_dir, "index.json")) as fh:
@@ -286,11 +348,13 @@ def convert_unit(spec: dict) -> dict:
         if index_samples != samples:
             raise DataError(f"internal error: {spec['name']} wrote {samples} samples but its index lists "
                             f"{index_samples}.")
+        timings["end"] = time.time()
         rec = {
             "split": spec["split"], "name": spec["name"], "input": spec["input"],
             "samples": samples, "tokens": samples * concat, "documents": stats["documents"],
             "empty_documents": stats["empty_documents"], "dropped_tokens": int(len(carry)),
-            "seconds": round(time.time() - t0, 3), "host": os.uname().nodename, "pid": os.getpid(),
+            "seconds": round(timings["end"] - t0, 3), "host": os.uname().nodename, "pid": os.getpid(),
+            "timings": {k: (round(v, 3) if v is not None else None) for k, v in timings.items()},
             "identity": _unit_identity(spec),
         }
         with open(os.path.join(tmp_dir, "unit.json"), "w") as fh:  # the completion marker: written last
@@ -472,7 +536,8 @@ def convert_dataset(corpus_manifest: str, tokenizer_dir: str, concat_tokens: int
     Returns:
         The dataset manifest (also ``{out_dir}/manifest.json``): ``splits.{train,val}.{samples, tokens,
         documents, empty_documents, dropped_tokens, units: [unit record, ...]}``, ``concat_tokens``, ``eos_ids``,
-        ``columns``, ``converted_units`` / ``reused_units`` (this run), ``seconds``.
+        ``columns``, ``converted_units`` / ``reused_units`` (this run), ``started_at`` (epoch s), ``seconds``;
+        each unit record carries its ``timings`` (see :func:`convert_unit`).
 
     Raises:
         DataError: bad input file (names it), ``eos_text`` that tokenizes to nothing, a split with 0 samples
@@ -590,8 +655,9 @@ def convert_dataset(corpus_manifest: str, tokenizer_dir: str, concat_tokens: int
             if rec is None:
                 raise DataError(f"unit {msplit}/{s['name']} ({s['input']}) is not complete after conversion. "
                                 f"Fix: rerun; see the logs in {log_dir}.")
-            recs.append({k: rec[k] for k in ("name", "input", "samples", "tokens", "documents", "empty_documents",
-                                             "dropped_tokens", "seconds")})
+            recs.append({**{k: rec[k] for k in ("name", "input", "samples", "tokens", "documents",
+                                                "empty_documents", "dropped_tokens", "seconds")},
+                         "timings": rec.get("timings")})
         split_dir = os.path.join(out_dir, msplit)
         n = _merge_split(split_dir, [s["name"] for s in split_specs])
         total = {k: sum(r[k] for r in recs) for k in ("samples", "tokens", "documents", "empty_documents",
@@ -604,6 +670,7 @@ def convert_dataset(corpus_manifest: str, tokenizer_dir: str, concat_tokens: int
                             f"tokens ({total['dropped_tokens']} tokens in all, {total['documents']} documents). "
                             f"Fix: lower concat_tokens or use more files (train_files / val_files).")
         manifest["splits"][msplit] = {**total, "units": recs}
+    manifest["started_at"] = round(t0, 3)
     manifest["seconds"] = round(time.time() - t0, 3)
     atomic_write_json(os.path.join(out_dir, "manifest.json"), manifest)
     shutil.rmtree(work, ignore_errors=True)
