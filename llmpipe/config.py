@@ -56,6 +56,7 @@ SPEED_ONLY_TRAIN_KEYS = frozenset({
     "eval_subset_batches",
     "fused_optimizer",
     "train_metrics",
+    "fused_loss",
 })
 
 #: Names that cannot be run names because they are folders of their own under results/.
@@ -208,7 +209,56 @@ def validate_run(config: dict, run: str) -> dict:
                           f"({per_device} = {gbs} / {ws} devices). Fix: pick a divisor of {per_device}.")
     if int(train["max_duration_batches"]) <= 0:
         raise ConfigError(f"{where}.train.max_duration_batches must be positive.")
+    fused_loss_settings(train, f"{where}.train")
     return rc
+
+
+def fused_loss_settings(train: dict, where: str = "train") -> dict | None:
+    """The fused linear + cross-entropy settings of a run's ``train`` section (:mod:`llmpipe.fused_loss`).
+
+    ``fused_loss`` is ``false``/``null`` (off), ``true`` (on, default chunk), or a mapping with ``chunk_size``
+    (tokens per chunk, a positive integer or null for the default) and ``compile`` (torch.compile the per-chunk
+    softmax on CUDA, default false). Strings as ``snakemake --config`` passes nested values (``'True'``,
+    ``'4096'``) are read the same way.
+
+    Returns:
+        None when off, else ``{"chunk_size": int | None, "compile": bool}``.
+
+    Raises:
+        ConfigError: any other value, naming ``{where}.fused_loss``.
+    """
+    value = _yaml_scalar(train.get("fused_loss", False))
+    if value is None or value is False:
+        return None
+    if value is True:
+        return {"chunk_size": None, "compile": False}
+    if isinstance(value, dict) and set(value) <= {"chunk_size", "compile"}:
+        chunk = _yaml_scalar(value.get("chunk_size"))
+        if isinstance(chunk, str) and chunk.strip().isdigit():
+            chunk = int(chunk)
+        if chunk is not None and (isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1):
+            raise ConfigError(f"{where}.fused_loss.chunk_size must be a positive integer (tokens per chunk) or "
+                              f"null (default: ~512 MiB of fp32 logits per chunk), got {chunk!r}.")
+        compile_ = _yaml_scalar(value.get("compile", False))
+        if compile_ is None:
+            compile_ = False
+        if not isinstance(compile_, bool):
+            raise ConfigError(f"{where}.fused_loss.compile must be true or false, got {value.get('compile')!r}.")
+        return {"chunk_size": chunk, "compile": compile_}
+    raise ConfigError(f"{where}.fused_loss is {value!r}; it must be true, false, or a mapping "
+                      f"{{chunk_size: <tokens or null>, compile: <true|false>}}.")
+
+
+def _yaml_scalar(value: Any) -> Any:
+    """``'true'``/``'false'``/``'null'`` (any case; how ``snakemake --config`` passes nested values) as YAML
+    reads them; anything else unchanged."""
+    if isinstance(value, str):
+        low = value.strip().lower()
+        if low in ("true", "false"):
+            return low == "true"
+        if low in ("null", "none", "~", ""):
+            return None
+    return value
 
 
 def validate_corpus(config: dict, corpus: str) -> dict:

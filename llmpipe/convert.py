@@ -22,9 +22,11 @@ STOCK_ATTN_IMPLS = ("torch", "flash")
 
 def mpt_config_dict(config: dict, run: str) -> dict:
     """The ``MPTConfig`` keyword arguments of a run (same model as :func:`llmpipe.train.foundry_train_config`)."""
-    from llmpipe.train import foundry_train_config
+    from llmpipe.train import FUSED_LOSS_MODEL_KEYS, foundry_train_config
     model = dict(foundry_train_config(config, run, data_dir=None, save_folder=None, world_size=1)["model"])
-    model.pop("name")
+    model.pop("name")  # mpt_causal_lm or mpt_causal_lm_fused_loss: the same MPTForCausalLM weights
+    for key in FUSED_LOSS_MODEL_KEYS:  # training-speed settings of the composer class, not of MPTConfig
+        model.pop(key, None)
     model["init_device"] = "cpu"
     return model
 

@@ -6,6 +6,12 @@ Each was measured on one H200 with ``scripts/bench_train_throughput.py`` (see be
   composer's ``DecoupledAdamW`` (decoupled weight decay scaled by lr_t / lr_0) run by ``torch.optim.AdamW`` with
   ``fused=True`` on CUDA, instead of composer's per-parameter loop that synchronises with the GPU.
 * :func:`dynamo_catalogue_fix` makes composer's ``compile_config`` (torch.compile) work with llm-foundry 0.22.
+
+The chunked fused linear + cross-entropy loss (train setting ``fused_loss``; the model ``mpt_causal_lm_fused_loss``
+in llm-foundry's model registry) lives in :mod:`llmpipe.fused_loss`: per chunk of tokens ``z = h_c W^T``,
+``loss += sum -log_softmax(z)[t]``, ``G = softmax(z) - onehot(t)``, ``dh_c = G W / n``, ``dW += G^T h_c / n``
+(``n`` = non-ignored targets), so the full ``[tokens, vocab]`` logits never exist; the idea of Liger-Kernel's
+``FusedLinearCrossEntropy`` (https://github.com/linkedin/Liger-Kernel), our own code. Not yet measured on the GPU.
 """
 
 from __future__ import annotations

@@ -26,12 +26,15 @@ import tempfile
 import time
 from typing import Any
 
-from llmpipe.config import canonical, run_config, step_resources, world_size
+from llmpipe.config import canonical, fused_loss_settings, run_config, step_resources, world_size
 
 log = logging.getLogger("llmpipe.train")
 
 _CKPT_RE = re.compile(r"ep(\d+)-ba(\d+)-rank0\.pt$")
 _PENDING_SIGNAL: list = []  # (signum, frame, previous handler) set by our USR2 handler
+
+#: Model keys that only :class:`llmpipe.fused_loss.ComposerMPTCausalLMFusedLoss` takes (not ``MPTConfig``).
+FUSED_LOSS_MODEL_KEYS = ("fused_loss_chunk_size", "fused_loss_compile")
 
 
 # ------------------------------------------------------------------------------------------- config
@@ -77,6 +80,13 @@ def foundry_train_config(config: dict, run: str, *, data_dir: str | None, save_f
         model["attn_config"]["kv_n_heads"] = int(arch["n_kv_heads"])
     # our SDPA attention is an llm-foundry attention class selected through attn_type (see llmpipe.attention)
     model["attn_config"] = _attn_config(model["attn_config"], train.get("attn_impl", "torch"))
+    fused = fused_loss_settings(train, f"models.{run}.train")
+    if fused is not None and not model["use_train_metrics"]:
+        # chunked linear + cross-entropy without the full logits (llmpipe.fused_loss); the train metrics need the
+        # logits, so with train_metrics on the stock model trains as before
+        model["name"] = _fused_loss_model_name()
+        model["fused_loss_chunk_size"] = fused["chunk_size"]
+        model["fused_loss_compile"] = fused["compile"]
     tok_name = tokenizer_dir or config["tokenizers"][data["tokenizer"]].get("name")
 
     def loader(split: str, shuffle: bool, drop_last: bool) -> dict:
@@ -145,13 +155,22 @@ def _attn_config(attn_config: dict, attn_impl: str) -> dict:
     return mpt_attn_config(attn_config, attn_impl)
 
 
+def _fused_loss_model_name() -> str:
+    # llmpipe.fused_loss imports torch and llm-foundry and registers the model on import
+    from llmpipe.fused_loss import FUSED_LOSS_MODEL_NAME
+    return FUSED_LOSS_MODEL_NAME
+
+
 def register_extensions(compile_enabled: bool = False) -> None:
     """Register everything our train config names in llm-foundry's registries (SDPA attention classes, the
-    ``drop_full_attention_mask`` and ``llmpipe_run_monitor`` callbacks, the ``fused_adamw`` optimizer) and, when
-    torch.compile is on, apply :func:`llmpipe.speedups.dynamo_catalogue_fix`. Idempotent."""
+    ``drop_full_attention_mask`` and ``llmpipe_run_monitor`` callbacks, the ``fused_adamw`` optimizer, the
+    ``mpt_causal_lm_fused_loss`` model) and, when torch.compile is on, apply
+    :func:`llmpipe.speedups.dynamo_catalogue_fix`. Idempotent."""
     import llmpipe.attention as attention
+    import llmpipe.fused_loss as fused_loss
     from llmpipe import speedups
     attention.register()
+    fused_loss.register()
     speedups.register_fused_adamw()
     register()
     if compile_enabled:

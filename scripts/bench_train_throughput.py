@@ -48,41 +48,62 @@ from llmpipe.speedups import dynamo_catalogue_fix, register_fused_adamw  # noqa:
 #:   drop_mask: add/remove the drop_full_attention_mask callback
 #:   optimizer: 'fused_adamw' (torch.optim.AdamW(fused=True), decoupled weight decay) | 'decoupled_adamw'
 #:   compile: True -> compile_config {} (torch.compile through composer) | False -> none
-#:   compile_fix: apply dynamo_catalogue_fix() first (without it compile fails on Python 3.12)
+#:   compile_fix: apply dynamo_catalogue_fix() first (without it compile fails on Python 3.12); when a variant does
+#:       not name `compile` but the project config compiles (e.g. `default` for mpt-350m), the fix is applied, as
+#:       the training step does
 #:   sdpa_backend: pin SDPA's backend (flash | cudnn | efficient | math; llmpipe.attention.set_sdpa_backend)
 #:   mb_scale: multiply the model's microbatch
 #:   train_metrics: False -> model.use_train_metrics False (no per-step LanguageCrossEntropy/Perplexity/TokenAccuracy
 #:       over the logits; the loss itself is unchanged)
+#:   fused_loss: the project's train setting `fused_loss` (llmpipe.fused_loss: chunked linear + cross-entropy
+#:       without the full logits): False | True | {'chunk_size': tokens, 'compile': bool}; used only with train
+#:       metrics off. Variants measured before it existed say False, so they keep measuring what they measured.
+_BEST = {'attn_impl': 'sdpa', 'drop_mask': True, 'optimizer': 'fused_adamw', 'train_metrics': False}
 VARIANTS: dict[str, dict[str, Any]] = {
     'default': {},
-    'torch_attn': {'attn_impl': 'torch', 'drop_mask': False},
-    'sdpa_keep_mask': {'attn_impl': 'sdpa', 'drop_mask': False},
-    'sdpa': {'attn_impl': 'sdpa', 'drop_mask': True},
-    'sdpa_cudnn': {'attn_impl': 'sdpa', 'drop_mask': True, 'sdpa_backend': 'cudnn'},
-    'sdpa_flash': {'attn_impl': 'sdpa', 'drop_mask': True, 'sdpa_backend': 'flash'},
-    'fused_adamw': {'attn_impl': 'sdpa', 'drop_mask': True, 'optimizer': 'fused_adamw'},
-    'decoupled_adamw': {'attn_impl': 'sdpa', 'drop_mask': True, 'optimizer': 'decoupled_adamw'},
-    'mb_x2': {'attn_impl': 'sdpa', 'drop_mask': True, 'optimizer': 'fused_adamw', 'mb_scale': 2},
-    'mb_x4': {'attn_impl': 'sdpa', 'drop_mask': True, 'optimizer': 'fused_adamw', 'mb_scale': 4},
-    'compile_nofix': {'attn_impl': 'sdpa', 'drop_mask': True, 'optimizer': 'fused_adamw', 'compile': True},
+    'torch_attn': {'attn_impl': 'torch', 'drop_mask': False, 'fused_loss': False},
+    'sdpa_keep_mask': {'attn_impl': 'sdpa', 'drop_mask': False, 'fused_loss': False},
+    'sdpa': {'attn_impl': 'sdpa', 'drop_mask': True, 'fused_loss': False},
+    'sdpa_cudnn': {'attn_impl': 'sdpa', 'drop_mask': True, 'sdpa_backend': 'cudnn', 'fused_loss': False},
+    'sdpa_flash': {'attn_impl': 'sdpa', 'drop_mask': True, 'sdpa_backend': 'flash', 'fused_loss': False},
+    'fused_adamw': {'attn_impl': 'sdpa', 'drop_mask': True, 'optimizer': 'fused_adamw', 'fused_loss': False},
+    'decoupled_adamw': {'attn_impl': 'sdpa', 'drop_mask': True, 'optimizer': 'decoupled_adamw', 'fused_loss': False},
+    'mb_x2': {'attn_impl': 'sdpa', 'drop_mask': True, 'optimizer': 'fused_adamw', 'mb_scale': 2, 'fused_loss': False},
+    'mb_x4': {'attn_impl': 'sdpa', 'drop_mask': True, 'optimizer': 'fused_adamw', 'mb_scale': 4, 'fused_loss': False},
+    'compile_nofix': {'attn_impl': 'sdpa', 'drop_mask': True, 'optimizer': 'fused_adamw', 'compile': True,
+                      'fused_loss': False},
     'compile': {'attn_impl': 'sdpa', 'drop_mask': True, 'optimizer': 'fused_adamw', 'compile': True,
-                'compile_fix': True},
+                'compile_fix': True, 'fused_loss': False},
     'compile_mb_x2': {'attn_impl': 'sdpa', 'drop_mask': True, 'optimizer': 'fused_adamw', 'compile': True,
-                      'compile_fix': True, 'mb_scale': 2},
+                      'compile_fix': True, 'mb_scale': 2, 'fused_loss': False},
     'compile_cudnn': {'attn_impl': 'sdpa', 'drop_mask': True, 'optimizer': 'fused_adamw', 'compile': True,
-                      'compile_fix': True, 'sdpa_backend': 'cudnn'},
+                      'compile_fix': True, 'sdpa_backend': 'cudnn', 'fused_loss': False},
     'nometrics_mb_x2': {'attn_impl': 'sdpa', 'drop_mask': True, 'optimizer': 'fused_adamw', 'mb_scale': 2,
-                        'train_metrics': False},
+                        'train_metrics': False, 'fused_loss': False},
     'compile_nometrics': {'attn_impl': 'sdpa', 'drop_mask': True, 'optimizer': 'fused_adamw', 'compile': True,
-                          'compile_fix': True, 'train_metrics': False},
-    'cudnn_fused': {'attn_impl': 'sdpa', 'drop_mask': True, 'optimizer': 'fused_adamw', 'sdpa_backend': 'cudnn'},
+                          'compile_fix': True, 'train_metrics': False, 'fused_loss': False},
+    'cudnn_fused': {'attn_impl': 'sdpa', 'drop_mask': True, 'optimizer': 'fused_adamw', 'sdpa_backend': 'cudnn',
+                    'fused_loss': False},
     'cudnn_fused_mb_x2': {'attn_impl': 'sdpa', 'drop_mask': True, 'optimizer': 'fused_adamw',
-                          'sdpa_backend': 'cudnn', 'mb_scale': 2},
+                          'sdpa_backend': 'cudnn', 'mb_scale': 2, 'fused_loss': False},
+    # the fused linear + cross-entropy on top of the best measured settings (SDPA + drop_full_attention_mask +
+    # fused AdamW + no train metrics); `nometrics` is the same without it, at the same microbatch
+    'nometrics': {**_BEST, 'fused_loss': False},
+    'fused_loss': {**_BEST, 'fused_loss': True},
+    'fused_loss_mb_x2': {**_BEST, 'fused_loss': True, 'mb_scale': 2},
+    'fused_loss_mb_x4': {**_BEST, 'fused_loss': True, 'mb_scale': 4},
+    'fused_loss_ewc': {**_BEST, 'fused_loss': {'compile': True}},            # per-chunk softmax via torch.compile
+    'fused_loss_ewc_mb_x2': {**_BEST, 'fused_loss': {'compile': True}, 'mb_scale': 2},
+    'fused_loss_chunk1k': {**_BEST, 'fused_loss': {'chunk_size': 1024}},
+    'fused_loss_chunk8k': {**_BEST, 'fused_loss': {'chunk_size': 8192}},
+    'compile_nometrics_nofl': {**_BEST, 'compile': True, 'compile_fix': True, 'fused_loss': False},
+    'fused_loss_compile': {**_BEST, 'compile': True, 'compile_fix': True, 'fused_loss': True},
+    'fused_loss_compile_mb_x2': {**_BEST, 'compile': True, 'compile_fix': True, 'fused_loss': True, 'mb_scale': 2},
 }
 
 CSV_FIELDS = [
     'timestamp', 'model', 'variant', 'status', 'config_source', 'shims', 'attn_impl', 'attn_type', 'sdpa_backend',
-    'drop_mask', 'optimizer', 'compile', 'train_metrics', 'microbatch', 'seq_len', 'steps', 'timed_steps',
+    'drop_mask', 'optimizer', 'compile', 'train_metrics', 'fused_loss', 'microbatch', 'seq_len', 'steps', 'timed_steps',
     'tokens_per_s',
     'step_ms', 'mfu', 'flops_per_token', 'flops_per_token_foundry', 'peak_flops', 'peak_mem_allocated_gb',
     'peak_mem_reserved_gb', 'n_params', 'gpu', 'torch', 'cuda', 'composer', 'llmfoundry', 'python', 'error',
@@ -266,10 +287,14 @@ def build_train_config(config: dict, run: str, variant: dict, *, steps: int, mb_
     ``fused_crossentropy`` needs flash-attn) becomes ``torch_crossentropy``.
     """
     from llmpipe.attention import mpt_attn_config, stock_attn_config
-    from llmpipe.config import run_config
+    from llmpipe.config import deep_merge, run_config
 
     from llmpipe.train import foundry_train_config  # the project's own training step
 
+    # train settings the project's own config selection depends on (the fused-loss model needs train metrics off)
+    train_over = {k: variant[k] for k in ('train_metrics', 'fused_loss') if k in variant}
+    if train_over:
+        config = deep_merge(config, {'models': {run: {'train': train_over}}})
     cfg = foundry_train_config(config, run, data_dir=None, save_folder=None, world_size=1)
     cfg = json.loads(json.dumps(cfg))  # deep copy, plain types
     source = 'llmpipe.train.foundry_train_config'
@@ -328,6 +353,8 @@ def build_train_config(config: dict, run: str, variant: dict, *, steps: int, mb_
         cfg['optimizer']['name'] = variant['optimizer']
     if 'compile' in variant:
         cfg['compile_config'] = {} if variant['compile'] else None
+    compiled = cfg.get('compile_config') is not None
+    compile_fix = bool(variant.get('compile_fix', compiled and 'compile' not in variant))
     if 'train_metrics' in variant:
         model['use_train_metrics'] = bool(variant['train_metrics'])
     attn_impl = 'sdpa' if attn_config.get('attn_type', '').startswith('sdpa_') else attn_config.get('attn_impl')
@@ -340,12 +367,25 @@ def build_train_config(config: dict, run: str, variant: dict, *, steps: int, mb_
         'sdpa_backend': variant.get('sdpa_backend', os.environ.get('LLMPIPE_SDPA_BACKEND', '')) or 'auto',
         'drop_mask': 'drop_full_attention_mask' in callbacks,
         'optimizer': cfg['optimizer']['name'],
-        'compile': (cfg.get('compile_config') is not None) and ('fix' if variant.get('compile_fix') else 'nofix'),
+        'compile': compiled and ('fix' if compile_fix else 'nofix'),
+        'compile_fix': compile_fix,
         'microbatch': mb,
         'seq_len': seq_len,
         'train_metrics': model.get('use_train_metrics', True),
+        'fused_loss': _fused_loss_knob(model),
     }
     return cfg, knobs
+
+
+def _fused_loss_knob(model: dict) -> str:
+    """The CSV's ``fused_loss`` column: ``off``, or ``chunk=<rows>[,compile]`` for the fused-loss model."""
+    from llmpipe.train import FUSED_LOSS_MODEL_KEYS
+    if 'fused_loss_chunk_size' not in model:
+        return 'off'
+    assert set(FUSED_LOSS_MODEL_KEYS) <= set(model)
+    from llmpipe.fused_loss import default_chunk_size
+    chunk = model['fused_loss_chunk_size'] or default_chunk_size(int(model['vocab_size']))
+    return f"chunk={chunk}" + (',compile' if model.get('fused_loss_compile') else '')
 
 
 # ------------------------------------------------------------------------------------- run
@@ -387,7 +427,7 @@ def run_one(config: dict, run: str, vname: str, variant: dict, *, steps: int, sk
                                         tok_dir=tok_dir)
         row.update(knobs)
         attn.set_sdpa_backend(variant.get('sdpa_backend') or os.environ.get('LLMPIPE_SDPA_BACKEND') or 'auto')
-        if variant.get('compile_fix'):
+        if knobs.pop('compile_fix'):
             dynamo_catalogue_fix()
         timer = _make_timer()
         extra = [timer]
@@ -484,9 +524,12 @@ def main(argv: Optional[list[str]] = None) -> int:
     os.environ.setdefault('MASTER_ADDR', '127.0.0.1')
     os.environ.setdefault('MASTER_PORT', str(_free_port()))
 
-    import llmpipe.attention  # noqa: F401 - registers sdpa + callback
+    import llmpipe.attention as attention
+    attention.register()  # sdpa attention classes + drop_full_attention_mask callback
     _register_synthetic_loader()
     register_fused_adamw()
+    from llmpipe.fused_loss import register as register_fused_loss
+    register_fused_loss()  # mpt_causal_lm_fused_loss (the train config names it when fused_loss is on)
 
     config = _load_project_config(args.config)
     mb_over = dict(kv.split('=') for kv in args.microbatch.split(',') if kv)
@@ -500,9 +543,16 @@ def main(argv: Optional[list[str]] = None) -> int:
 
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     mode = 'a' if args.append and os.path.exists(args.out) else 'w'
+    fields = CSV_FIELDS
+    if mode == 'a':  # keep the existing file's columns (an older file may lack newer ones, e.g. fused_loss)
+        with open(args.out, newline='') as f:
+            fields = next(csv.reader(f), None) or CSV_FIELDS
+        missing = [c for c in CSV_FIELDS if c not in fields]
+        if missing:
+            print(f'note: {args.out} has no column(s) {missing}; those values are not written', file=sys.stderr)
     rows = []
     with open(args.out, mode, newline='') as f:
-        w = csv.DictWriter(f, fieldnames=CSV_FIELDS, extrasaction='ignore')
+        w = csv.DictWriter(f, fieldnames=fields, extrasaction='ignore')
         if mode == 'w':
             w.writeheader()
         for run in [m for m in args.models.split(',') if m]:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import shutil
 
 import pytest
 import yaml
@@ -60,7 +59,8 @@ def test_tiny_pipeline_trains_and_evaluates(tiny_run):
     (["generate={'prompts': ['Once upon a time']}"], {"generate": 1, "all": 1}),
     (["models={'mpt-tiny': {'arch': {'d_model': 192}}}"], AFTER_TRAIN),
     (["models={'mpt-tiny': {'train': {'microbatch_size': 8, 'attn_impl': 'torch', 'num_workers': 2, "
-      "'checkpoints_to_keep': 1, 'save_interval_batches': 30}, 'resources': {'cpus_per_task': 1}}}"], {}),
+      "'checkpoints_to_keep': 1, 'save_interval_batches': 30, 'fused_loss': True}, "
+      "'resources': {'cpus_per_task': 1}}}"], {}),
     (["tokenizers={'bpe-builtin-docs': {'vocab_size': 2048}}"],
      {"tokenizer": 1, "mds": 1, "verify_mds": 1} | AFTER_TRAIN),
     (["models={'mpt-tiny': {'data': {'concat_tokens': 64}}}"], {"mds": 1, "verify_mds": 1} | AFTER_TRAIN),
