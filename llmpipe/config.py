@@ -112,9 +112,19 @@ def run_config(config: dict, run: str) -> dict:
             f"unknown model or run {run!r}: known ones are {', '.join(known_runs(config))}. "
             f"Fix: use one of those names in the target (results/<run>/eval.json), or add "
             f"`models: {{{run}: {{arch: ...}}}}` (or `finetunes: {{{run}: ...}}`) to your config file.")
-    merged = deep_merge(config.get("model_defaults", {}), models[run] or {})
+    merged = _yaml_scalars(deep_merge(config.get("model_defaults", {}), models[run] or {}))
     merged["name"] = run
     return merged
+
+
+def _yaml_scalars(tree: Any) -> Any:
+    """``tree`` with every ``'true'``/``'false'``/``'null'`` string read as YAML would (``snakemake --config``
+    hands nested values over as strings, so ``train: {compile: false}`` arrives as ``'False'``)."""
+    if isinstance(tree, dict):
+        return {k: _yaml_scalars(v) for k, v in tree.items()}
+    if isinstance(tree, list):
+        return [_yaml_scalars(v) for v in tree]
+    return _yaml_scalar(tree)
 
 
 def dataset_dir(config: dict, run: str) -> str:
@@ -473,9 +483,9 @@ def finetune_run_config(config: dict, run: str) -> dict:
         "base": base,
         "data": data,
         "arch": arch,
-        "train": deep_merge(md.get("train", {}), ft.get("train")),
-        "resources": deep_merge(md.get("resources", {}), ft.get("resources")),
-        "lora": ft.get("lora") or None,
+        "train": _yaml_scalars(deep_merge(md.get("train", {}), ft.get("train"))),
+        "resources": _yaml_scalars(deep_merge(md.get("resources", {}), ft.get("resources"))),
+        "lora": _yaml_scalars(ft.get("lora")) or None,
         "node_counts": [int(n) for n in (ft.get("node_counts") or [])],
         "step_resources": ft.get("step_resources") or {},
     }

@@ -70,3 +70,29 @@ def test_unwritable_results_dir(workdir, tmp_path):
 def test_unknown_corpus_in_model(workdir):
     out = dry_fail(workdir, "results/mpt-125m/train.json", "--config", "models={'mpt-125m': {'data': {'corpus': 'pile'}}}")
     assert "models.mpt-125m.data.corpus is 'pile'" in out
+
+
+def test_every_shipped_model_and_finetune_passes_validation():
+    """The defaults in config/config.yaml must plan: each run's microbatch divides its per-device batch, etc.
+    (mpt-760m once shipped microbatch 12 with a per-device batch of 32 and failed its own dry run)."""
+    import yaml
+
+    from llmpipe.config import known_runs, validate_run
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    config = yaml.safe_load(open(os.path.join(root, "config", "config.yaml")))
+    config.setdefault("results_dir", "results")
+    runs = known_runs(config)
+    assert {"mpt-125m", "mpt-760m", "mpt-70b", "mpt-7b-dolly"} <= set(runs)
+    for run in runs:
+        validate_run(config, run)
+
+
+def test_config_strings_from_the_command_line_read_as_yaml():
+    """`snakemake --config` hands nested values over as strings: 'False' must switch compile off."""
+    from llmpipe.config import run_config
+
+    config = {"model_defaults": {"train": {"compile": True, "train_metrics": False}},
+              "models": {"m": {"train": {"compile": "False", "train_metrics": "true", "fsdp": "null"}}}}
+    train = run_config(config, "m")["train"]
+    assert train["compile"] is False and train["train_metrics"] is True and train["fsdp"] is None
