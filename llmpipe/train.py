@@ -198,6 +198,15 @@ def newest_checkpoint(save_folder: str) -> str | None:
     return ckpts[-1][1] if ckpts else None
 
 
+def clear_save_folder(save_folder: str) -> None:
+    """Delete everything in ``save_folder`` (checkpoints, markers, identity); the folder itself stays."""
+    for p in glob.glob(os.path.join(save_folder, "*")):
+        if os.path.isdir(p):
+            shutil.rmtree(p, ignore_errors=True)
+        else:
+            os.remove(p)
+
+
 def prepare_save_folder(save_folder: str, identity: str) -> None:
     """Make ``save_folder`` hold only checkpoints of this training identity.
 
@@ -212,11 +221,7 @@ def prepare_save_folder(save_folder: str, identity: str) -> None:
         if old != identity:
             log.warning("training settings changed since the checkpoints in %s were saved: removing them",
                         save_folder)
-            for p in glob.glob(os.path.join(save_folder, "*")):
-                if os.path.isdir(p):
-                    shutil.rmtree(p, ignore_errors=True)
-                else:
-                    os.remove(p)
+            clear_save_folder(save_folder)
     for path in glob.glob(os.path.join(save_folder, "ep*-ba*-rank*.pt")):
         rank0 = re.sub(r"-rank\d+\.pt$", "-rank0.pt", path)
         if not os.path.exists(rank0 + ".complete"):
@@ -466,7 +471,7 @@ class TrainTask:
             print(f"llmpipe: rank {rank}: {resume} is the final step but its result record is missing; "
                   f"training again from scratch", flush=True)
             if rank == 0:
-                prepare_save_folder(save_folder, "")  # clears every checkpoint of this folder
+                clear_save_folder(save_folder)
                 prepare_save_folder(save_folder, self.identity)
             resume = None
         if rank == 0 and resume is None:
@@ -610,4 +615,4 @@ def _first_logged_loss(save_folder: str) -> float | None:
 
 
 __all__ = ["foundry_train_config", "TrainTask", "newest_checkpoint", "complete_checkpoints",
-           "prepare_save_folder", "register", "summarize", "canonical"]
+           "prepare_save_folder", "clear_save_folder", "register", "summarize", "canonical"]
