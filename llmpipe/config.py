@@ -188,11 +188,7 @@ def validate_run(config: dict, run: str) -> dict:
                           f"or raise max_seq_len.")
     if concat < 2:
         raise ConfigError(f"{where}.data.concat_tokens must be at least 2, got {concat}.")
-    size_limit = int((config.get("data_prep") or {}).get("size_limit") or 0)
-    if size_limit and size_limit < 4 * concat + 1024:
-        raise ConfigError(f"data_prep.size_limit ({size_limit} bytes per MDS shard) cannot hold one sample of "
-                          f"{where}.data.concat_tokens={concat} int32 ids ({4 * concat} bytes + headers). Fix: "
-                          f"raise data_prep.size_limit (default 67108864) or set it to 0 (one shard per unit).")
+    validate_data_prep(config, concat, f"{where}.data.concat_tokens")
 
     for key in ("d_model", "n_heads", "n_layers"):
         if key not in arch:
@@ -334,9 +330,42 @@ def tokenizer_identity(config: dict, tok: str) -> str:
     return _identity("tokenizer", **keep)
 
 
+def validate_data_prep(config: dict, concat: int, concat_where: str = "concat_tokens") -> dict:
+    """Check ``data_prep`` for datasets of ``concat`` tokens per sample; return it.
+
+    Raises:
+        ConfigError: ``compression`` is not a value mosaicml-streaming accepts (exact spelling, e.g. ``zstd`` or
+            ``zstd:7``), or ``size_limit`` is not an integer number of bytes in [0, 2**32) that holds one sample
+            (0 = one shard per unit).
+    """
+    from llmpipe.data.mds_writer import MAX_SHARD_BYTES, STREAMING_COMPRESSIONS
+
+    dp = config.get("data_prep") or {}
+    comp = _yaml_scalar(dp.get("compression"))
+    if comp not in STREAMING_COMPRESSIONS:
+        raise ConfigError(f"data_prep.compression is {comp!r}, which mosaicml-streaming cannot read. Fix: use "
+                          f"zstd (default), zstd:1 .. zstd:22, gz, gz:0 .. gz:9, bz2, br, snappy, or null.")
+    raw = _yaml_scalar(dp.get("size_limit", 1 << 26))
+    try:
+        size_limit = int(raw or 0)
+        if isinstance(raw, float) or isinstance(raw, bool):
+            raise ValueError
+    except (TypeError, ValueError):
+        raise ConfigError(f"data_prep.size_limit is {raw!r}; it must be a number of bytes (e.g. 67108864 for "
+                          f"64 MiB), or 0 for one shard per unit.") from None
+    if not 0 <= size_limit <= MAX_SHARD_BYTES:
+        raise ConfigError(f"data_prep.size_limit ({size_limit}) must be in 0 .. {MAX_SHARD_BYTES} bytes (MDS shards "
+                          f"store uint32 offsets). Fix: use 67108864 (64 MiB, the default).")
+    if size_limit and size_limit < 4 * int(concat) + 1024:
+        raise ConfigError(f"data_prep.size_limit ({size_limit} bytes per MDS shard) cannot hold one sample of "
+                          f"{concat_where}={concat} int32 ids ({4 * int(concat)} bytes + headers). Fix: "
+                          f"raise data_prep.size_limit (default 67108864) or set it to 0 (one shard per unit).")
+    return dp
+
+
 def mds_identity(config: dict, corpus: str, tok: str, concat: int) -> str:
     """What determines an MDS dataset: corpus, tokenizer, concat length and shard format."""
-    dp = config.get("data_prep", {})
+    dp = validate_data_prep(config, concat)
     return _identity("mds", corpus=corpus_identity(config, corpus), tokenizer=tokenizer_identity(config, tok),
                      concat_tokens=int(concat), compression=dp.get("compression"))
 

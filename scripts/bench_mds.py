@@ -15,7 +15,7 @@ BPE trained on the builtin corpus, ``--vocab`` tokens), ``--concat`` tokens per 
 * ``ours``: :func:`llmpipe.data.mds.convert_dataset` with ``data_prep.workers = N`` through the local (submitit)
   executor, for each N of ``--workers``, on all ``--files`` files (1 worker first, then the largest N first; the
   CSV is rewritten after every run, so a run cut short by a time limit keeps what it measured). Wall time is the
-  whole call: spawning the worker processes (each imports torch via mosaicml-streaming), converting, merging the
+  whole call: spawning the worker processes (which import neither torch nor mosaicml-streaming), converting, merging the
   indexes and writing the manifest.
 
 Columns of the CSV: ``impl, workers, files, documents, text_mb`` (UTF-8 text converted), ``tokens, samples,
@@ -168,7 +168,7 @@ def run_ours(args: argparse.Namespace) -> dict:
     }
     return {"wall_s": wall, "cpu_s": _cpu_s() - c0, "tokens": tr["tokens"], "samples": tr["samples"],
             "documents": tr["documents"], "files": len(tr["units"]),
-            "unit_s_sum": sum(u["seconds"] for u in tr["units"]), **phases}
+            "unit_s_sum": sum(u["seconds"] for u in tr["units"]), "workers_used": m["workers"], **phases}
 
 
 def run_foundry(args: argparse.Namespace) -> dict:
@@ -287,6 +287,10 @@ def main() -> None:
     base = next((r for r in rows if r["impl"] == "ours" and int(r["workers"]) == 1), None)
 
     def make_row(impl: str, n: int, r: dict) -> dict:
+        if r.get("workers_used") and int(r["workers_used"]) != n:  # convert_dataset caps workers at the units
+            log(f"note: {n} workers asked, {r['workers_used']} ran (one per unit at most); the row says "
+                f"{r['workers_used']}")
+            n = int(r["workers_used"])
         return {"impl": impl, "workers": n, "files": r["files"], "documents": r["documents"],
                 "text_mb": round(r["text_bytes"] / 1e6, 3), "tokens": r["tokens"], "samples": r["samples"], "wall_s": round(r["wall_s"], 3),
                 "cpu_s": round(r["cpu_s"], 3), "tokens_per_s": round(r["tokens"] / r["wall_s"]),
@@ -333,6 +337,7 @@ def main() -> None:
         log(f"ours, {n} worker(s), {args.files} files")
         d = make_row("ours", n, child("ours", man, tok, args.concat, n, os.path.join(scratch, f"ours-{n}"), {}))
         shutil.rmtree(os.path.join(scratch, f"ours-{n}"), ignore_errors=True)
+        n = int(d["workers"])
         if n == 1:
             base = d
         if base:

@@ -45,6 +45,11 @@ def test_shard_size_limit_smaller_than_a_sample(workdir):
            "models.mpt-125m.data.concat_tokens=2048" in out
 
 
+def test_compression_streaming_cannot_read(workdir):
+    out = dry_fail(workdir, "results/mpt-tiny/train.json", "--config", "data_prep={'compression': 'ZSTD'}")
+    assert "data_prep.compression is 'ZSTD', which mosaicml-streaming cannot read" in out
+
+
 def test_tokenizer_without_eos_text(workdir):
     out = dry_fail(workdir, "results/mpt-tiny/train.json", "--config",
                    "tokenizers={'bpe-builtin-docs': {'eos_text': ''}}")

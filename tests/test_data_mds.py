@@ -335,7 +335,7 @@ def test_too_little_text_for_concat(tok, corpus, tmp_path):
     tok_dir, _ = tok
     man, _ = corpus
     with pytest.raises(DataError, match="0 samples of concat_tokens=100000"):
-        convert_dataset(man, tok_dir, 100_000, EOS, str(tmp_path / "o"), config=cfg(tmp_path),
+        convert_dataset(man, tok_dir, 100_000, EOS, str(tmp_path / "o"), config=cfg(tmp_path, size_limit=0),
                         log_dir=str(tmp_path / "logs"))
 
 
@@ -361,7 +361,7 @@ def test_worker_tokenizer_without_transformers_matches_and_falls_back(tok, tmp_p
     from llmpipe.data.tokenizer import load_backend
 
     tok_dir, t = tok
-    texts = [d["text"] for d in builtin_documents(max_chars=60_000)] + ["Ünïcödé 日本語 🙂", "  x\n\n\t"]
+    texts = [d["text"] for d in builtin_documents(max_chars=60_000)] + ["Ünïcödé 日本語 🙂", "  x\n\n\t", EOS + "a"]
     backend = load_backend(tok_dir)
     assert backend is not None
     assert [e.ids for e in backend.encode_batch(texts, add_special_tokens=True)] == \
@@ -376,8 +376,7 @@ def test_worker_tokenizer_without_transformers_matches_and_falls_back(tok, tmp_p
     del man["probes"]
     json.dump(man, open(bad / "manifest.json", "w"))
     assert load_backend(str(bad)) is None
-    fallback = mds._worker_backend(str(bad))
-    assert [e.ids for e in fallback.encode_batch(texts, add_special_tokens=True)] == t(texts)["input_ids"]
+    assert mds._worker_encoder(str(bad))(texts) == t(texts)["input_ids"]
 
 
 def test_truncation_in_tokenizer_json_never_cuts_documents(tok, tmp_path):
@@ -394,7 +393,7 @@ def test_truncation_in_tokenizer_json_never_cuts_documents(tok, tmp_path):
     long_text = " ".join(["the function returns a value"] * 50)
     want = t(long_text)["input_ids"]
     assert len(want) > 8
-    assert mds._worker_backend(str(trunc)).encode(long_text, add_special_tokens=True).ids == want
+    assert mds._worker_encoder(str(trunc))([long_text]) == [want]
 
 
 def test_conversion_never_imports_torch_or_transformers(tok, corpus, tmp_path):
@@ -416,3 +415,132 @@ assert not heavy, heavy
     from llmpipe.data.mds import verify_dataset
 
     assert verify_dataset(str(tmp_path / "ds"), tok_dir, C, 512, str(tmp_path / "v.json"))["ok"]
+
+
+def test_split_special_tokens_tokenizer_takes_the_transformers_path(tok, tmp_path):
+    """A tokenizer saved with split_special_tokens=True encodes "<|endoftext|>" in text as ordinary characters;
+    tokenizer.json does not record that, so the probes must reject the fast path and units must match
+    transformers (= llm-foundry) exactly."""
+    from transformers import AutoTokenizer
+
+    from llmpipe.data import mds
+    from llmpipe.data.tokenizer import load_backend
+
+    tok_dir, _ = tok
+    t = AutoTokenizer.from_pretrained(tok_dir, split_special_tokens=True)
+    t.save_pretrained(str(tmp_path / "saved"))
+    prepare_tokenizer({"source": "local", "name": str(tmp_path / "saved"), "eos_text": EOS}, str(tmp_path / "tok"))
+    t2 = AutoTokenizer.from_pretrained(str(tmp_path / "tok"))
+    text = f"before {EOS} after, and {EOS}{EOS} twice"
+    want = t2([text])["input_ids"]
+    assert len(want[0]) > 8  # the marker really is split into pieces
+    assert load_backend(str(tmp_path / "tok")) is None
+    assert mds._worker_encoder(str(tmp_path / "tok"))([text]) == want
+
+
+def test_damaged_units_are_converted_again(tok, corpus, converted, tmp_path):
+    """A unit whose shard file is missing or truncated, whose index.json is cut short, or whose unit.json sample
+    count disagrees with its index is converted again by the next run; the other units are reused."""
+    tok_dir, _ = tok
+    man, _ = corpus
+    src, m, _ = converted
+    damages = {
+        "missing shard": lambda u: os.unlink(next(u.glob("shard.*.zstd"))),
+        "truncated shard": lambda u: (lambda p: p.write_bytes(p.read_bytes()[:-7]))(next(u.glob("shard.*.zstd"))),
+        # streaming's decompressed copy of a shard (training reads it when present), cut short
+        "truncated raw copy": lambda u: (lambda p: p.write_bytes(p.read_bytes()[:-7]))(
+            next(u.glob("shard.*.mds.zstd")).with_suffix("")),
+        "truncated index": lambda u: (u / "index.json").write_text((u / "index.json").read_text()[:40]),
+        "edited record": lambda u: (u / "unit.json").write_text(
+            json.dumps({**json.loads((u / "unit.json").read_text()), "samples": 1})),
+    }
+    for what, damage in damages.items():
+        out = _copy(src, tmp_path / what.replace(" ", "-"))
+        unit = out / "train" / "unit-00001"
+        for z in unit.glob("shard.*.mds.zstd"):  # as after a read by streaming: the decompressed copy exists
+            z.with_suffix("").write_bytes(__import__("zstd").decompress(z.read_bytes()))
+        damage(out / "train" / "unit-00001")
+        m2 = convert_dataset(man, tok_dir, C, EOS, str(out), config=cfg(tmp_path), log_dir=str(tmp_path / "logs"))
+        assert m2["converted_units"] == ["train/unit-00001"], what
+        assert verify_dataset(str(out), tok_dir, C, 512, str(tmp_path / "v.json"))["ok"], what
+
+
+def test_verify_checks_the_uncompressed_shard_training_reads(tok, converted, tmp_path):
+    """streaming reads shard.NNNNN.mds when it exists next to the .zstd (it writes it when decompressing); a
+    corrupted one must fail verification even though the .zstd is intact."""
+    import zstd
+
+    tok_dir, _ = tok
+    src, _, _ = converted
+    out = _copy(src, tmp_path / "ds")
+    unit = out / "train" / "unit-00000"
+    zpath = next(unit.glob("shard.*.mds.zstd"))
+    raw = bytearray(zstd.decompress(zpath.read_bytes()))
+    raw[-8:-4] = np.array([42], np.int32).tobytes()  # an in-range id in the last sample
+    (unit / zpath.name[: -len(".zstd")]).write_bytes(bytes(raw))
+    with pytest.raises(DataError, match="differs from the decompressed"):
+        verify_dataset(str(out), tok_dir, C, 512, str(tmp_path / "v.json"))
+
+
+def test_compression_and_size_limit_settings(tok, corpus, tmp_path):
+    """Only spellings streaming can read are accepted (before anything runs); size_limit 0 = one shard per unit."""
+    from llmpipe.config import ConfigError
+
+    tok_dir, _ = tok
+    man, _ = corpus
+    for bad in ("zstd:03", "ZSTD", " zstd", "zstd:0", "gzip"):
+        c = cfg(tmp_path, compression=bad)
+        with pytest.raises(ConfigError, match="data_prep.compression"):
+            convert_dataset(man, tok_dir, C, EOS, str(tmp_path / "bad"), config=c, log_dir=str(tmp_path / "l"))
+    for bad in ("64mb", 1 << 32):
+        with pytest.raises(ConfigError, match="data_prep.size_limit"):
+            convert_dataset(man, tok_dir, C, EOS, str(tmp_path / "bad"), config=cfg(tmp_path, size_limit=bad),
+                            log_dir=str(tmp_path / "l"))
+    out = tmp_path / "one-shard"
+    m = convert_dataset(man, tok_dir, C, EOS, str(out), config=cfg(tmp_path, size_limit=0), log_dir=str(tmp_path))
+    assert m["size_limit"] is None
+    for u in m["splits"]["train"]["units"]:
+        assert len(json.load(open(out / "train" / u["name"] / "index.json"))["shards"]) == 1
+    assert verify_dataset(str(out), tok_dir, C, 512, str(tmp_path / "v.json"))["ok"]
+
+
+def test_invalid_unicode_names_the_file(tok, tmp_path, monkeypatch):
+    import gzip
+    import pdb
+
+    monkeypatch.setattr(pdb, "post_mortem", lambda *a, **k: None)
+    tok_dir, _ = tok
+    root = tmp_path / "mirror" / "en"
+    root.mkdir(parents=True)
+    bad = root / "c4-train.00000-of-01024.json.gz"
+    with gzip.open(bad, "wt") as fh:
+        fh.write('{"text": "a fine document with enough words in it"}\n')
+        fh.write('{"text": "broken \\ud800 surrogate"}\n')
+    write_c4(tmp_path / "mirror", "validation", 0, ["a validation document"])
+    prepare_corpus({"source": "local", "local_dir": str(tmp_path / "mirror"), "train_files": 1, "val_files": 1},
+                   str(tmp_path / "corpus"))
+    with pytest.raises(Exception, match="cannot be tokenized") as e:
+        convert_dataset(str(tmp_path / "corpus" / "manifest.json"), tok_dir, 8, EOS, str(tmp_path / "o"),
+                        config=cfg(tmp_path), log_dir=str(tmp_path / "logs"))
+    assert "c4-train.00000-of-01024.json.gz" in str(e.value) and "surrogate" in str(e.value)
+
+
+def test_verify_accepts_a_lowercasing_tokenizer(corpus, tmp_path):
+    """An uncased tokenizer decodes to lower-case text; verification must still find it in the source."""
+    from tokenizers import normalizers
+    from transformers import PreTrainedTokenizerFast
+
+    from llmpipe.data.tokenizer import train_bpe
+
+    man, files = corpus
+    core = train_bpe(iter([t for f in files["train"] for t in f] * 3), 512, EOS)
+    core.normalizer = normalizers.Sequence([normalizers.NFKC(), normalizers.Lowercase()])
+    PreTrainedTokenizerFast(tokenizer_object=core, eos_token=EOS).save_pretrained(str(tmp_path / "saved"))
+    prepare_tokenizer({"source": "local", "name": str(tmp_path / "saved"), "eos_text": EOS}, str(tmp_path / "tok"))
+    out = tmp_path / "ds"
+    convert_dataset(man, str(tmp_path / "tok"), C, EOS, str(out), config=cfg(tmp_path), log_dir=str(tmp_path / "l"))
+    rep = verify_dataset(str(out), str(tmp_path / "tok"), C, 512, str(tmp_path / "v.json"))
+    assert rep["ok"]
+    texts = [ex["text"] for s in rep["splits"].values() for ex in s["examples"]]
+    assert all(t == t.lower() for t in texts) and any(ex.get("found_in_source") for s in rep["splits"].values()
+                                                      for ex in s["examples"])

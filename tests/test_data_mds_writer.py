@@ -72,6 +72,7 @@ def test_streaming_reads_it_back(tmp_path):
 def test_bad_input_and_settings(tmp_path):
     assert supports(None) and supports("zstd") and supports("zstd:22")
     assert not supports("gz") and not supports("zstd:0") and not supports("zstd:x")
+    assert not supports("zstd:03") and not supports("ZSTD") and not supports(" zstd") and not supports("zstd:+3")
     with pytest.raises(ValueError, match="not supported"):
         TokenMDSWriter(str(tmp_path / "a"), 8, "gz")
     small = TokenMDSWriter(str(tmp_path / "b"), 2048, None, 1000)
@@ -82,6 +83,14 @@ def test_bad_input_and_settings(tmp_path):
         w.write(np.zeros((2, 8), np.int64))
     with pytest.raises(ValueError, match="shape"):
         w.write(np.zeros((2, 9), np.int32))
+
+
+def test_accepted_compressions_are_streamings():
+    from streaming.base.compression import get_compressions
+
+    from llmpipe.data.mds_writer import STREAMING_COMPRESSIONS
+
+    assert STREAMING_COMPRESSIONS == set(get_compressions()) | {None}
 
 
 def test_writer_does_not_import_torch():

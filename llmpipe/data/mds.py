@@ -118,13 +118,28 @@ def _unit_identity(spec: dict) -> dict:
 
 
 def _read_unit(unit_dir: str) -> dict | None:
-    """The unit's completion record, or None when the unit is missing or incomplete."""
+    """The unit's completion record, or None when the unit is missing, incomplete or damaged.
+
+    Damaged means: ``index.json`` does not parse, lists another number of samples than ``unit.json``, or a shard
+    file it names (the compressed one when the shard is compressed) is missing or has another size, or
+    streaming's decompressed copy of a compressed shard (which training reads when present) has another size. Such a unit
+    is converted again by the next run (the sample bytes themselves are checked by :func:`verify_dataset`).
+    """
     try:
         with open(os.path.join(unit_dir, "unit.json")) as fh:
             rec = json.load(fh)
-    except (FileNotFoundError, NotADirectoryError, ValueError):
-        return None
-    if not os.path.isfile(os.path.join(unit_dir, "index.json")):
+        with open(os.path.join(unit_dir, "index.json")) as fh:
+            shards = json.load(fh)["shards"]
+        if sum(int(sh["samples"]) for sh in shards) != int(rec["samples"]):
+            return None
+        for sh in shards:
+            info = sh.get("zip_data") or sh["raw_data"]
+            if os.path.getsize(os.path.join(unit_dir, info["basename"])) != int(info["bytes"]):
+                return None
+            raw = os.path.join(unit_dir, sh["raw_data"]["basename"])  # streaming's decompressed copy, if any
+            if sh.get("zip_data") and os.path.exists(raw) and os.path.getsize(raw) != int(sh["raw_data"]["bytes"]):
+                return None
+    except (OSError, ValueError, KeyError, TypeError):
         return None
     return rec
 
@@ -218,24 +233,50 @@ def _write_progress(path: str | None, obj: dict) -> None:
 
 # ------------------------------------------------------------------------------------------------ one unit
 
-def _worker_backend(tokenizer_dir: str):
-    """The Rust tokenizer a unit encodes with (truncation / padding off), cached per process.
+def _worker_encoder(tokenizer_dir: str):
+    """``encode(texts) -> [[ids], ...]`` for a unit, exactly as llm-foundry's ``ConcatTokensDataset`` tokenizes
+    (``tokenizer(text, truncation=False, padding=False)``, special tokens added); cached per process.
 
-    ``tokenizer.json`` through ``tokenizers`` alone when it reproduces the manifest's probes
-    (:func:`llmpipe.data.tokenizer.load_backend`, no transformers import), else the backend of the transformers
-    tokenizer. Either way it is the object transformers' own ``__call__`` encodes with.
+    Fast path: ``tokenizer.json`` through the Rust ``tokenizers`` library alone, when it reproduces the probes the
+    tokenizer step stored (:func:`llmpipe.data.tokenizer.load_backend`; no transformers or torch import).
+    Otherwise the transformers tokenizer itself is called (slow tokenizers, Python-side preprocessing,
+    ``split_special_tokens``, folders from older runs without probes).
     """
     from llmpipe.data.tokenizer import load_backend
 
-    key = f"backend:{tokenizer_dir}:{tokenizer_fingerprint(tokenizer_dir)}"
+    key = f"encoder:{tokenizer_dir}:{tokenizer_fingerprint(tokenizer_dir)}"
     if key not in _TOKENIZERS:
         backend = load_backend(tokenizer_dir)
-        if backend is None:
-            backend = _tokenizer(tokenizer_dir).backend_tokenizer
-            backend.no_truncation()
-            backend.no_padding()
-        _TOKENIZERS[key] = backend
+        if backend is not None:
+            batch = getattr(backend, "encode_batch_fast", None) or backend.encode_batch
+
+            def encode(texts: list[str]) -> list[list[int]]:
+                return [e.ids for e in batch(texts, add_special_tokens=True)]
+        else:
+            tok = _tokenizer(tokenizer_dir)
+
+            def encode(texts: list[str]) -> list[list[int]]:
+                return tok(texts, add_special_tokens=True, truncation=False, padding=False)["input_ids"]
+        _TOKENIZERS[key] = encode
     return _TOKENIZERS[key]
+
+
+def _encode_or_explain(encode: Any, texts: list[str], path: str, first_doc: int) -> list[list[int]]:
+    """``encode(texts)``; a document the tokenizer cannot take (e.g. a lone UTF-16 surrogate from a ``\\ud800``
+    JSON escape) becomes a DataError naming the file and the document."""
+    try:
+        return encode(texts)
+    except (TypeError, ValueError, UnicodeError) as exc:
+        for i, t in enumerate(texts):
+            try:
+                t.encode("utf-8")
+                encode([t])
+            except Exception as exc2:  # noqa: BLE001 - find the culprit, then report it
+                raise DataError(f"{path}: document ~{first_doc + i + 1} cannot be tokenized ({type(exc2).__name__}: "
+                                f"{exc2}; text starts {t[:60]!r}). Fix: repair or drop that document (invalid "
+                                f"Unicode such as a lone surrogate escape) and convert again.") from exc2
+        raise DataError(f"{path}: the tokenizer failed on a batch of documents ({type(exc).__name__}: {exc}).") \
+            from exc
 
 
 class _StreamingRowWriter:
@@ -304,8 +345,7 @@ def convert_unit(spec: dict) -> dict:
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
     timings = {"process_start": _process_start_time(), "start": t0}
     concat = int(spec["concat_tokens"])
-    backend = _worker_backend(spec["tokenizer_dir"])
-    encode_batch = getattr(backend, "encode_batch_fast", None) or backend.encode_batch
+    encode = _worker_encoder(spec["tokenizer_dir"])
     timings["tokenizer_ready"] = time.time()
     eos = [int(i) for i in spec["eos_ids"]]
     neos = len(eos)
@@ -322,8 +362,10 @@ def convert_unit(spec: dict) -> dict:
     last_progress = 0.0
     try:
         writer = open_writer(tmp_dir, concat, spec["compression"], spec["size_limit"])
+        docs_before = 0
         for texts in _iter_text_batches(spec["input"], stats):
-            id_lists = [e.ids for e in encode_batch(texts, add_special_tokens=True)]
+            id_lists = _encode_or_explain(encode, texts, spec["input"], docs_before)
+            docs_before = stats["documents"]
             total = sum(map(len, id_lists)) + neos * len(id_lists)
             flat = np.fromiter(chain(x for ids in id_lists for x in (ids, eos)), dtype=np.int32, count=total)
             buf = np.concatenate((carry, flat)) if len(carry) else flat
@@ -536,7 +578,7 @@ def convert_dataset(corpus_manifest: str, tokenizer_dir: str, concat_tokens: int
     Returns:
         The dataset manifest (also ``{out_dir}/manifest.json``): ``splits.{train,val}.{samples, tokens,
         documents, empty_documents, dropped_tokens, units: [unit record, ...]}``, ``concat_tokens``, ``eos_ids``,
-        ``columns``, ``converted_units`` / ``reused_units`` (this run), ``started_at`` (epoch s), ``seconds``;
+        ``columns``, ``converted_units`` / ``reused_units`` / ``workers`` (this run), ``started_at`` (epoch s), ``seconds``;
         each unit record carries its ``timings`` (see :func:`convert_unit`).
 
     Raises:
@@ -549,14 +591,17 @@ def convert_dataset(corpus_manifest: str, tokenizer_dir: str, concat_tokens: int
     from llmpipe.data.corpus import _check_gzip_magic, load_manifest
     from llmpipe.dispatch import _executor_kind, _say, map_steps
 
+    from llmpipe.config import validate_data_prep
+
     t0 = time.time()
     concat = int(concat_tokens)
     if concat < 1:
         raise DataError(f"concat_tokens must be positive, got {concat_tokens!r}.")
+    validate_data_prep(config, concat)
     cm = load_manifest(corpus_manifest)
     dp = config.get("data_prep") or {}
     compression = dp.get("compression") or None
-    size_limit = int(dp.get("size_limit") or (1 << 26))
+    size_limit = int(dp.get("size_limit", 1 << 26) or 0) or None  # 0 / null: one shard per unit
     os.makedirs(out_dir, exist_ok=True)
     out_dir = os.path.abspath(out_dir)
     remove_if_exists(os.path.join(out_dir, "manifest.json"))
@@ -644,6 +689,7 @@ def convert_dataset(corpus_manifest: str, tokenizer_dir: str, concat_tokens: int
         "concat_tokens": concat, "eos_text": eos_text, "eos_ids": list(eos_ids), "columns": COLUMNS,
         "dtype": TOKEN_DTYPE, "compression": compression, "size_limit": size_limit,
         "splits": {}, "converted_units": [f"{s['split']}/{s['name']}" for s in todo], "reused_units": reused,
+        "workers": n_workers if todo else 0,
     }
     if not specs:
         raise DataError(f"{corpus_manifest} lists no input files. Fix: prepare the corpus again.")
@@ -709,21 +755,33 @@ def _scan_shards(split_dir: str, index: dict, concat: int, vocab_size: int) -> d
             raise DataError(f"{where} has columns {shard.get('column_names')} / {shard.get('column_encodings')}, "
                             f"not tokens / {COLUMNS['tokens']}. Fix: convert the dataset again.")
         zip_info, raw_info = shard.get("zip_data"), shard["raw_data"]
-        try:
-            if zip_info and os.path.exists(os.path.join(split_dir, zip_info["basename"])):
-                with open(os.path.join(split_dir, zip_info["basename"]), "rb") as fh:
+        unit = raw_info["basename"].split("/")[0]
+        fix = (f"Fix: delete {os.path.join(split_dir, unit)} and run the conversion again (only that unit is "
+               f"converted again)." if unit.startswith("unit-") else "Fix: convert the dataset again.")
+        raw_path = os.path.join(split_dir, raw_info["basename"])
+        zip_path = os.path.join(split_dir, zip_info["basename"]) if zip_info else None
+        data = None
+        if zip_path and os.path.exists(zip_path):
+            try:
+                with open(zip_path, "rb") as fh:
                     data = decompress(shard["compression"], fh.read())
-            else:
-                with open(os.path.join(split_dir, raw_info["basename"]), "rb") as fh:
-                    data = fh.read()
-        except FileNotFoundError as exc:
-            raise DataError(f"{where}: file missing ({exc.filename}). Fix: convert the dataset again.") from exc
-        except Exception as exc:  # noqa: BLE001 - zstd / other codec errors
-            raise DataError(f"{where} ({(zip_info or raw_info)['basename']}) cannot be decompressed: {exc}. "
-                            f"Fix: delete the dataset and convert it again.") from exc
+            except Exception as exc:  # noqa: BLE001 - zstd / other codec errors
+                raise DataError(f"{where} ({zip_info['basename']}) cannot be decompressed: {exc}. {fix}") from exc
+        if os.path.exists(raw_path):
+            # streaming reads the uncompressed file when it exists (it writes one when it decompresses a shard):
+            # that is what training sees, so it is checked too, and must be the compressed shard's content
+            with open(raw_path, "rb") as fh:
+                raw = fh.read()
+            if data is not None and raw != data:
+                raise DataError(f"{where}: {raw_info['basename']} (read by training) differs from the "
+                                f"decompressed {zip_info['basename']}. Fix: delete {raw_path}; streaming "
+                                f"decompresses the shard again.")
+            data = raw
+        if data is None:
+            raise DataError(f"{where}: file missing ({zip_path or raw_path}). {fix}")
         if len(data) != raw_info["bytes"]:
             raise DataError(f"{where} ({raw_info['basename']}) has {len(data)} bytes, its index says "
-                            f"{raw_info['bytes']}. Fix: convert the dataset again.")
+                            f"{raw_info['bytes']}. {fix}")
         n = int(np.frombuffer(data[:4], np.uint32)[0])
         if n != shard["samples"]:
             raise DataError(f"{where} holds {n} samples, its index says {shard['samples']}.")
@@ -767,13 +825,28 @@ def _fragment(text: str, eos_text: str) -> str:
     return best.strip()
 
 
-def _find_in_source(path: str, fragments: list[str]) -> set[int]:
+def _text_canon(tok: Any) -> Any:
+    """How source text and decoded text are compared: NFC, the tokenizer's own normalizer (lower-casing, NFKC,
+    ... for tokenizers that have one: their decoded text is normalized text) and runs of whitespace collapsed."""
+    normalizer = getattr(getattr(tok, "backend_tokenizer", None), "normalizer", None)
+
+    def canon(text: str) -> str:
+        text = unicodedata.normalize("NFC", text)
+        if normalizer is not None:
+            text = normalizer.normalize_str(text)
+        return " ".join(text.split())
+
+    return canon
+
+
+def _find_in_source(path: str, fragments: list[str], canon: Any = None) -> set[int]:
     from llmpipe.data.corpus import iter_documents
 
-    want = {i: unicodedata.normalize("NFC", f) for i, f in enumerate(fragments)}
+    canon = canon or (lambda t: unicodedata.normalize("NFC", t))
+    want = {i: canon(f) for i, f in enumerate(fragments)}
     found: set[int] = set()
     for doc in iter_documents(path):
-        text = unicodedata.normalize("NFC", doc["text"])
+        text = canon(doc["text"])
         for i, frag in want.items():
             if i not in found and frag in text:
                 found.add(i)
@@ -804,7 +877,8 @@ def verify_dataset(out_dir: str, tokenizer_dir: str, concat_tokens: int, vocab_s
     manifest's; every sample of every shard holds exactly ``concat_tokens`` ids of dtype int32, all in
     ``[0, vocab_size)`` (vectorized scan of each decompressed shard); streaming's ``StreamingDataset`` (the reader
     training uses) sees the same number of samples and returns int32 arrays of shape (concat_tokens,); three
-    samples (first, middle, last) decode to text found verbatim (NFC) in the source file of their unit.
+    samples (first, middle, last) decode to text found in the source file of their unit (compared after NFC, the
+    tokenizer's own normalizer and whitespace collapsing).
 
     Args:
         out_dir: the dataset folder written by :func:`convert_dataset`.
@@ -880,7 +954,7 @@ def verify_dataset(out_dir: str, tokenizer_dir: str, concat_tokens: int, vocab_s
             if len(frag) >= 8:
                 by_source.setdefault(unit["input"], []).append(len(examples) - 1)
         for src, ex_ids in by_source.items():
-            found = _find_in_source(src, [examples[i]["fragment"] for i in ex_ids])
+            found = _find_in_source(src, [examples[i]["fragment"] for i in ex_ids], _text_canon(tok))
             for j, ei in enumerate(ex_ids):
                 examples[ei]["found_in_source"] = j in found
                 if j not in found:

@@ -9,7 +9,7 @@ worker paid it. A conversion worker only needs to write one column, so it writes
 * the bytes are exactly those of ``streaming.MDSWriter(columns={"tokens": "ndarray:int32"}, compression=...,
   size_limit=..., hashes=None)`` fed the same rows one by one (``tests/test_data_mds_writer.py`` compares the
   files byte for byte, index included, for several compressions, shard splits and row lengths);
-* the format facts used (MDS "version 2", read from streaming 0.13's ``format/mds/writer.py``,
+* the format facts used (MDS "version 2", read from streaming 0.12's ``format/mds/writer.py``,
   ``format/base/writer.py`` and ``format/mds/encodings.py``): a shard is ``uint32 n``, ``uint32 offsets[n+1]``
   (absolute byte offsets of the samples), the writer's JSON config (sorted keys), then the samples; a sample with
   one variable-size column is ``uint32 size`` + the column's bytes; an ``ndarray:int32`` value without a fixed
@@ -32,26 +32,27 @@ from typing import Any
 
 import numpy as np
 
+#: Every ``compression`` value mosaicml-streaming 0.12 accepts (``streaming.base.compression.get_compressions()``,
+#: checked against it in tests/test_data_mds_writer.py), so a bad ``data_prep.compression`` fails at plan time.
+STREAMING_COMPRESSIONS = frozenset(
+    [None, "br", "bz2", "gz", "snappy", "zstd"] + [f"br:{i}" for i in range(12)] + [f"bz2:{i}" for i in range(1, 10)]
+    + [f"gz:{i}" for i in range(10)] + [f"zstd:{i}" for i in range(1, 23)])
+#: Shards hold uint32 byte offsets: a shard (and so ``size_limit``) must stay below 4 GiB.
+MAX_SHARD_BYTES = (1 << 32) - 1
+
 #: The column this writer writes (what llm-foundry's text dataloader reads).
 COLUMN_NAME = "tokens"
 COLUMN_ENCODING = "ndarray:int32"
-_ZSTD_LEVELS = range(1, 23)
 
 
 def _zstd_level(compression: str | None) -> int | None:
     """0 for no compression, the zstd level for ``zstd`` / ``zstd:N``, None when unsupported here."""
     if not compression:
         return 0
-    algo, _, level = str(compression).partition(":")
-    if algo != "zstd":
-        return None
-    if not level:
-        return 3
-    try:
-        n = int(level)
-    except ValueError:
-        return None
-    return n if n in _ZSTD_LEVELS else None
+    if compression not in STREAMING_COMPRESSIONS or not str(compression).startswith("zstd"):
+        return None  # exactly streaming's spellings: "zstd:03" or "ZSTD" would give an index it cannot read
+    _, _, level = str(compression).partition(":")
+    return int(level) if level else 3
 
 
 def supports(compression: str | None) -> bool:
@@ -92,6 +93,8 @@ class TokenMDSWriter:
         self.compression = compression or None
         self.level = level
         self.size_limit = int(size_limit) if size_limit else None
+        if self.size_limit is not None and not 0 < self.size_limit <= MAX_SHARD_BYTES:
+            raise ValueError(f"size_limit must be in 1..{MAX_SHARD_BYTES} bytes (uint32 offsets), got {size_limit}")
         config = {"version": 2, "format": "mds", "compression": self.compression, "hashes": [],
                   "size_limit": self.size_limit, "column_names": [COLUMN_NAME],
                   "column_encodings": [COLUMN_ENCODING], "column_sizes": [None]}
@@ -139,6 +142,9 @@ class TokenMDSWriter:
     def _flush(self) -> None:
         rows = np.concatenate(self._pending) if len(self._pending) > 1 else self._pending[0]
         n = len(rows)
+        if 4 + 4 * (n + 1) + len(self.config_data) + n * self.sample_bytes > MAX_SHARD_BYTES:
+            raise ValueError(f"a shard of {n} rows would exceed 4 GiB (MDS offsets are uint32). Fix: set "
+                             f"data_prep.size_limit (e.g. 67108864) instead of 0.")
         self._pending, self._pending_rows = [], 0
         body = np.empty((n, self.sample_bytes), np.uint8)
         body[:, : len(self.prefix)] = self.prefix

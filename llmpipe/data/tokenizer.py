@@ -203,8 +203,7 @@ def prepare_tokenizer(tok_cfg: dict, out_dir: str, corpus_manifest: str | None =
         "bos_token_id": tokenizer.bos_token_id,
         "pad_token_id": tokenizer.pad_token_id,
         **eos,
-        "probes": [{"text": t, "ids": list(ids)} for t, ids in
-                   zip(PROBE_TEXTS, tokenizer(PROBE_TEXTS, add_special_tokens=True)["input_ids"])],
+        "probes": make_probes(tokenizer),
         **extra,
     }
     atomic_write_json(os.path.join(out_dir, "manifest.json"), manifest)
@@ -226,6 +225,20 @@ def load_tokenizer(tokenizer_dir: str):
                         f"Fix: run the tokenizer step again (prepare_tokenizer).") from exc
     tok.model_max_length = int(1e30)
     return tok
+
+
+def make_probes(tokenizer) -> list[dict]:
+    """Probe strings and the ids the transformers ``tokenizer`` gives them (``add_special_tokens=True``).
+
+    :data:`PROBE_TEXTS`, plus strings holding the text of every special and added token between ordinary
+    characters (50 tokens per string), so a tokenizer whose Python class changes how those are split
+    (``split_special_tokens``) or adds tokens outside ``tokenizer.json`` fails the check in :func:`load_backend`.
+    """
+    special = list(dict.fromkeys(list(tokenizer.all_special_tokens) + sorted(tokenizer.get_added_vocab())))
+    texts = list(PROBE_TEXTS) + [" ".join(f"a{t}b {t}" for t in special[i:i + 50])
+                                 for i in range(0, len(special), 50)]
+    return [{"text": t, "ids": list(ids)} for t, ids in
+            zip(texts, tokenizer(texts, add_special_tokens=True, truncation=False, padding=False)["input_ids"])]
 
 
 def load_backend(tokenizer_dir: str):
