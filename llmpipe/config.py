@@ -224,8 +224,9 @@ def fused_loss_settings(train: dict, where: str = "train") -> dict | None:
 
     ``fused_loss`` is ``false``/``null`` (off), ``true`` (on, default chunk), or a mapping with ``chunk_size``
     (tokens per chunk, a positive integer or null for the default) and ``compile`` (torch.compile the per-chunk
-    softmax on CUDA, default false). Strings as ``snakemake --config`` passes nested values (``'True'``,
-    ``'4096'``) are read the same way.
+    softmax on CUDA, default false). ``train`` comes from :func:`run_config`, which already reads
+    ``'True'``/``'null'`` strings from ``snakemake --config`` as YAML; a ``chunk_size`` given as a digit string
+    (``'4096'``) is read as that number.
 
     Returns:
         None when off, else ``{"chunk_size": int | None, "compile": bool}``.
@@ -233,19 +234,19 @@ def fused_loss_settings(train: dict, where: str = "train") -> dict | None:
     Raises:
         ConfigError: any other value, naming ``{where}.fused_loss``.
     """
-    value = _yaml_scalar(train.get("fused_loss", False))
+    value = train.get("fused_loss", False)
     if value is None or value is False:
         return None
     if value is True:
         return {"chunk_size": None, "compile": False}
     if isinstance(value, dict) and set(value) <= {"chunk_size", "compile"}:
-        chunk = _yaml_scalar(value.get("chunk_size"))
+        chunk = value.get("chunk_size")
         if isinstance(chunk, str) and chunk.strip().isdigit():
             chunk = int(chunk)
         if chunk is not None and (isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1):
             raise ConfigError(f"{where}.fused_loss.chunk_size must be a positive integer (tokens per chunk) or "
                               f"null (default: ~512 MiB of fp32 logits per chunk), got {chunk!r}.")
-        compile_ = _yaml_scalar(value.get("compile", False))
+        compile_ = value.get("compile", False)
         if compile_ is None:
             compile_ = False
         if not isinstance(compile_, bool):
@@ -331,7 +332,11 @@ def tokenizer_identity(config: dict, tok: str) -> str:
 
 
 def validate_data_prep(config: dict, concat: int, concat_where: str = "concat_tokens") -> dict:
-    """Check ``data_prep`` for datasets of ``concat`` tokens per sample; return it.
+    """Check ``data_prep`` for datasets of ``concat`` tokens per sample.
+
+    Returns:
+        The shard settings as the writers take them: ``{"compression": str | None, "size_limit": int | None}``
+        (``size_limit`` None = one shard per unit).
 
     Raises:
         ConfigError: ``compression`` is not a value mosaicml-streaming accepts (exact spelling, e.g. ``zstd`` or
@@ -360,14 +365,14 @@ def validate_data_prep(config: dict, concat: int, concat_where: str = "concat_to
         raise ConfigError(f"data_prep.size_limit ({size_limit} bytes per MDS shard) cannot hold one sample of "
                           f"{concat_where}={concat} int32 ids ({4 * int(concat)} bytes + headers). Fix: "
                           f"raise data_prep.size_limit (default 67108864) or set it to 0 (one shard per unit).")
-    return dp
+    return {"compression": comp, "size_limit": size_limit or None}
 
 
 def mds_identity(config: dict, corpus: str, tok: str, concat: int) -> str:
     """What determines an MDS dataset: corpus, tokenizer, concat length and shard format."""
-    dp = validate_data_prep(config, concat)
+    shards = validate_data_prep(config, concat)
     return _identity("mds", corpus=corpus_identity(config, corpus), tokenizer=tokenizer_identity(config, tok),
-                     concat_tokens=int(concat), compression=dp.get("compression"))
+                     concat_tokens=int(concat), compression=shards["compression"])
 
 
 def train_identity(config: dict, run: str) -> str:

@@ -122,8 +122,9 @@ def _read_unit(unit_dir: str) -> dict | None:
 
     Damaged means: ``index.json`` does not parse, lists another number of samples than ``unit.json``, or a shard
     file it names (the compressed one when the shard is compressed) is missing or has another size, or
-    streaming's decompressed copy of a compressed shard (which training reads when present) has another size. Such a unit
-    is converted again by the next run (the sample bytes themselves are checked by :func:`verify_dataset`).
+    streaming's decompressed copy of a compressed shard (which training reads when present) has another size.
+    Such a unit is converted again by the next run (the sample bytes themselves are checked by
+    :func:`verify_dataset`).
     """
     try:
         with open(os.path.join(unit_dir, "unit.json")) as fh:
@@ -587,21 +588,18 @@ def convert_dataset(corpus_manifest: str, tokenizer_dir: str, concat_tokens: int
         llmpipe.dispatch.StepFailed: a unit's job failed (message: the job's error and log tail, which name
             the file for bad input).
     """
-    from llmpipe.config import step_resources
+    from llmpipe.config import step_resources, validate_data_prep
     from llmpipe.data.corpus import _check_gzip_magic, load_manifest
     from llmpipe.dispatch import _executor_kind, _say, map_steps
-
-    from llmpipe.config import validate_data_prep
 
     t0 = time.time()
     concat = int(concat_tokens)
     if concat < 1:
         raise DataError(f"concat_tokens must be positive, got {concat_tokens!r}.")
-    validate_data_prep(config, concat)
+    shards = validate_data_prep(config, concat)
+    compression, size_limit = shards["compression"], shards["size_limit"]  # size_limit None: one shard per unit
     cm = load_manifest(corpus_manifest)
     dp = config.get("data_prep") or {}
-    compression = dp.get("compression") or None
-    size_limit = int(dp.get("size_limit", 1 << 26) or 0) or None  # 0 / null: one shard per unit
     os.makedirs(out_dir, exist_ok=True)
     out_dir = os.path.abspath(out_dir)
     remove_if_exists(os.path.join(out_dir, "manifest.json"))

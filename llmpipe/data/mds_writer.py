@@ -2,9 +2,9 @@
 
 Why this exists: ``import streaming`` runs the package's ``__init__``, which imports torch, transformers, scipy,
 sympy and torchvision (its dataset, vision and text modules). Measured with ``python -X importtime`` that is 5.5 s
-on this project's 2-core CI machine and 8.5-14 s per process on the 16-core H200 host of the device tool
-(benchmarks/README.md, "MDS conversion"), which is more than converting a 24 MB input file, and every conversion
-worker paid it. A conversion worker only needs to write one column, so it writes the shards itself:
+on this project's 2-core CI machine; timed in fresh processes it took 8.5-19 s per process on the 16-core H200
+host of the device tool (benchmarks/README.md, "MDS conversion"), which is more than converting a 24 MB input
+file, and every conversion worker paid it. A conversion worker only needs to write one column, so it writes the shards itself:
 
 * the bytes are exactly those of ``streaming.MDSWriter(columns={"tokens": "ndarray:int32"}, compression=...,
   size_limit=..., hashes=None)`` fed the same rows one by one (``tests/test_data_mds_writer.py`` compares the
