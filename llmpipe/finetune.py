@@ -348,7 +348,7 @@ def step_instructions(smk) -> None:
 
 def step_finetune(smk) -> None:
     """Rule ``finetune``: finetune on ``nodes x tasks_per_node`` ranks; write train.json from rank 0."""
-    from llmpipe.steps import _key, _log_dir, _logged, _start_log, write_json
+    from llmpipe.steps import _key, _log_dir, _logged, _start_log, check_all_steps, write_json
 
     @_logged
     def run(smk):
@@ -363,10 +363,7 @@ def step_finetune(smk) -> None:
         result = dispatch.run_step(task, step=f"finetune {run_name}", resources=step_resources(config, "train", run_name),
                                    config=config, log_dir=_log_dir(smk, "finetune", run_name),
                                    key=_key(smk, "finetune"), log_file=log_file)
-        want = int(rc["train"]["max_duration_batches"])
-        if result is None or result.get("steps") != want:
-            raise RuntimeError(f"finetune {run_name}: training ended at step "
-                               f"{None if result is None else result.get('steps')} instead of {want}")
+        check_all_steps(result, rc, f"finetune {run_name}")
         write_json(smk.output[0], result)
 
     run(smk)

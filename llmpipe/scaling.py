@@ -190,9 +190,8 @@ def train_step(smk) -> None:
     res = step_resources(config, "train", run)
     rc = validate_run(config, run)
     tok_manifest = steps.read_json(smk.input.tokenizer)
-    if not is_finetune(config, run) and int(tok_manifest["vocab_size"]) > int(rc["arch"]["vocab_size"]):
-        raise ValueError(f"the tokenizer {rc['data']['tokenizer']} has {tok_manifest['vocab_size']} tokens but "
-                         f"models.{run}.arch.vocab_size is {rc['arch']['vocab_size']}. Fix: raise vocab_size.")
+    if not is_finetune(config, run):
+        steps.check_vocab_fits(tok_manifest, rc, run)
     run_dir = os.path.dirname(smk.output[0])
     if is_finetune(config, run):  # the finetune's own task (instruction set, base model), like rule finetune
         from llmpipe.finetune import FinetuneTask, base_model_path, require_peft
@@ -205,10 +204,7 @@ def train_step(smk) -> None:
     result = dispatch.run_step(task, step=f"scaling {run} nodes{nodes}", resources=res, config=config,
                                log_dir=steps._log_dir(smk, "scaling", f"{run}-nodes{nodes}"),
                                key=steps._key(smk, "scaling_train"), log_file=log_file)
-    want = int(rc["train"]["max_duration_batches"])
-    if result is None or result.get("steps") != want:
-        raise RuntimeError(f"scaling {run} nodes{nodes}: training ended at step "
-                           f"{None if result is None else result.get('steps')} instead of {want}")
+    steps.check_all_steps(result, rc, f"scaling {run} nodes{nodes}")
     if int(result.get("devices", 0)) != world_size(res):
         raise RuntimeError(f"scaling {run} nodes{nodes}: trained on {result.get('devices')} devices, expected "
                            f"{world_size(res)} ({nodes} nodes)")

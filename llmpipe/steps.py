@@ -52,6 +52,21 @@ def _start_log(smk) -> str:
     return log_file
 
 
+def check_vocab_fits(tok_manifest: dict, rc: dict, run: str) -> None:
+    """Raise ValueError (naming the setting and the fix) when the tokenizer has more tokens than the model."""
+    if int(tok_manifest["vocab_size"]) > int(rc["arch"]["vocab_size"]):
+        raise ValueError(f"the tokenizer {rc['data']['tokenizer']} has {tok_manifest['vocab_size']} tokens but "
+                         f"models.{run}.arch.vocab_size is {rc['arch']['vocab_size']}. Fix: raise vocab_size.")
+
+
+def check_all_steps(result: dict | None, rc: dict, label: str) -> None:
+    """Raise RuntimeError unless a training ``result`` reached ``train.max_duration_batches`` steps."""
+    want = int(rc["train"]["max_duration_batches"])
+    if result is None or result.get("steps") != want:
+        raise RuntimeError(f"{label}: training ended at step {None if result is None else result.get('steps')} "
+                           f"instead of {want}")
+
+
 def _key(smk, step: str) -> str:
     return dispatch.job_key(step, list(smk.output), list(smk.params))
 
@@ -134,17 +149,13 @@ def train(smk) -> None:
     res = step_resources(config, "train", run)
     tok_manifest = read_json(smk.input.tokenizer)
     rc = run_config(config, run)
-    if int(tok_manifest["vocab_size"]) > int(rc["arch"]["vocab_size"]):
-        raise ValueError(f"the tokenizer {rc['data']['tokenizer']} has {tok_manifest['vocab_size']} tokens but "
-                         f"models.{run}.arch.vocab_size is {rc['arch']['vocab_size']}. Fix: raise vocab_size.")
+    check_vocab_fits(tok_manifest, rc, run)
     run_dir = os.path.dirname(smk.output[0])
     task = TrainTask(config, run, os.path.join(os.path.dirname(smk.input.data), "mds"),
                      os.path.dirname(smk.input.tokenizer), run_dir, smk.params.identity)
     result = dispatch.run_step(task, step=f"train {run}", resources=res, config=config,
                                log_dir=_log_dir(smk, "train", run), key=_key(smk, "train"), log_file=log_file)
-    if result is None or result.get("steps") != int(rc["train"]["max_duration_batches"]):
-        raise RuntimeError(f"train {run}: training ended at step {None if result is None else result.get('steps')} "
-                           f"instead of {rc['train']['max_duration_batches']}")
+    check_all_steps(result, rc, f"train {run}")
     write_json(smk.output[0], result)
 
 
