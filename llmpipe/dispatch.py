@@ -16,12 +16,15 @@ submitting a duplicate (the Snakemake process may have been killed while the job
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
 import os
 import re
+import signal
 import sys
+import threading
 import time
 from typing import Any, Callable, Sequence
 
@@ -213,6 +216,42 @@ def _slurm_where(job) -> tuple[str, str]:
     return (info.get("State") or "").split(" ")[0], "" if nodes in ("None assigned", "(null)") else nodes
 
 
+@contextlib.contextmanager
+def _local_jobs_die_with_us(jobs: Sequence[Any], what: str, log_file: str | None = None):
+    """While waiting for ``jobs``: if this process is interrupted (Ctrl-C, or SIGTERM, e.g. ``kill`` of the step or
+    Snakemake stopping its jobs), cancel the local ones that are still running before re-raising.
+
+    submitit's ``LocalJob.cancel`` sends SIGINT to the job's controller, which interrupts its task processes and
+    kills them a second later; a unit being converted then removes its temporary folder. Without this, ``kill`` of
+    the step process left its local workers running (they were started in the same session but not killed with it),
+    and a rerun's workers could race them for the same units. Slurm jobs are left alone: they survive the Snakemake
+    process by design and a rerun re-attaches to them (:func:`run_step`). SIGTERM becomes ``SystemExit`` only while
+    waiting, and only in the main thread (the only place Python runs signal handlers).
+    """
+    local = [j for j in jobs if not _is_slurm(j)]
+    previous = None
+    if local and threading.current_thread() is threading.main_thread():
+        def on_sigterm(signum, frame):
+            raise SystemExit(f"{what}: terminated by signal {signum}")
+        previous = signal.signal(signal.SIGTERM, on_sigterm)
+    try:
+        yield
+    except BaseException:
+        running = [j for j in local if not j.done()]
+        for job in running:
+            try:
+                job.cancel()
+            except Exception:  # noqa: BLE001 - best effort while unwinding
+                pass
+        if running:
+            _say(f"{what}: interrupted; cancelled {len(running)} local job(s) still running "
+                 f"({', '.join(str(j.job_id) for j in running[:8])}{' ...' if len(running) > 8 else ''})", log_file)
+        raise
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
+
+
 def _wait(job, log_file: str | None, poll_s: float, what: str, slurm_poll_s: float = 30.0) -> list:
     """Block until ``job`` ends; return the results of all its tasks. Raise StepFailed with state and log.
 
@@ -332,7 +371,8 @@ def run_step(fn: Callable, *args: Any, step: str, resources: dict, config: dict,
              f"{resources.get('tasks_per_node', 1)} task(s), {resources.get('gpus_per_node', 0)} GPU(s)/node); "
              f"log: {getattr(job.paths, 'stderr', log_dir)}", log_file)
     try:
-        results = _wait(job, log_file, poll_s, step, _slurm_poll_s(config))
+        with _local_jobs_die_with_us([job], step, log_file):
+            results = _wait(job, log_file, poll_s, step, _slurm_poll_s(config))
     finally:
         if job.done():
             try:
@@ -369,21 +409,24 @@ def map_steps(fn: Callable, items: Sequence[Any], *, step: str, resources: dict,
     failures = []
     slurm_poll_s = _slurm_poll_s(config)
     last_force = time.time()
-    while pending:
-        if _is_slurm(jobs[0]) and time.time() - last_force >= slurm_poll_s:
-            jobs[0].watcher.update()  # one sacct for all of them; submitit's own backs off to 10 minutes
-            last_force = time.time()
-        for i in sorted(pending):
-            if jobs[i].done():
-                pending.discard(i)
-                try:
-                    results[i] = jobs[i].result()
-                    if on_result:
-                        on_result(i, results[i])
-                except Exception as exc:  # noqa: BLE001 - collected and re-raised below
-                    failures.append(f"job {jobs[i].job_id} ({jobs[i].state}): {exc}\n{_log_tail(jobs[i], 15)}")
-        if pending:
-            time.sleep(min(poll_s, 1.0))
+    with _local_jobs_die_with_us(jobs, step, log_file):
+        while pending:
+            if _is_slurm(jobs[0]) and time.time() - last_force >= slurm_poll_s:
+                jobs[0].watcher.update()  # one sacct for all of them; submitit's own backs off to 10 minutes
+                last_force = time.time()
+            for i in sorted(pending):
+                if jobs[i].done():
+                    pending.discard(i)
+                    try:
+                        results[i] = jobs[i].result()
+                        if on_result:
+                            on_result(i, results[i])
+                    except Exception as exc:  # noqa: BLE001 - collected and re-raised below
+                        failures.append(f"job {jobs[i].job_id} ({jobs[i].state}): {exc}\n{_log_tail(jobs[i], 15)}")
+            if pending:
+                # local jobs: done() only polls a child process, so look often (a short run's last unit is
+                # noticed within 0.1 s, not up to 1 s later); Slurm: the watcher's cached sacct state, every 1 s
+                time.sleep(min(poll_s, 1.0 if _is_slurm(jobs[0]) else 0.1))
     if failures:
         raise StepFailed(f"{step}: {len(failures)} of {len(jobs)} job(s) failed:\n" + "\n".join(failures))
     return results

@@ -1,0 +1,84 @@
+"""Local dispatch (submitit's LocalExecutor): jobs started by a step die with the step.
+
+A step process that is killed (SIGTERM: ``kill``, or Snakemake stopping its jobs) or interrupted must not leave its
+local worker processes running: they would keep converting units behind the back of the next run.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+from tests.conftest import REPO
+
+STEP = textwrap.dedent("""
+    import os, sys, time
+    sys.path.insert(0, {repo!r})
+    from llmpipe import dispatch
+
+    def sleeper(i):
+        with open(os.path.join({tmp!r}, f"worker-{{i}}.pid"), "w") as fh:
+            fh.write(str(os.getpid()))
+        time.sleep(120)
+        return i
+
+    config = {{"dispatch": {{"executor": "local", "state_dir": os.path.join({tmp!r}, "state"), "poll_s": 1}}}}
+    if sys.argv[1] == "map":
+        dispatch.map_steps(sleeper, [0, 1], step="probe map", resources={{"time_min": 5}}, config=config,
+                           log_dir=os.path.join({tmp!r}, "logs"))
+    else:
+        dispatch.run_step(sleeper, 0, step="probe run", resources={{"time_min": 5}}, config=config,
+                          log_dir=os.path.join({tmp!r}, "logs"), key="probe")
+""")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/status") as fh:
+            state = next(line for line in fh if line.startswith("State:"))
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+    return " Z " not in state and "zombie" not in state   # a zombie has exited; only its parent has not reaped it
+
+
+def _wait_for(cond, timeout: float) -> bool:
+    end = time.time() + timeout
+    while time.time() < end:
+        if cond():
+            return True
+        time.sleep(0.1)
+    return cond()
+
+
+@pytest.mark.parametrize("mode,workers", [("map", 2), ("run", 1)])
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_killed_step_takes_its_local_workers_with_it(tmp_path, mode, workers, sig):
+    script = tmp_path / "step.py"
+    script.write_text(STEP.format(repo=str(REPO), tmp=str(tmp_path)))
+    # a session of its own: the signal reaches the step process only, as with `kill <pid>`, not its process group
+    proc = subprocess.Popen([sys.executable, str(script), mode], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, start_new_session=True)
+    try:
+        pid_files = [tmp_path / f"worker-{i}.pid" for i in range(workers)]
+        assert _wait_for(lambda: all(p.exists() and p.read_text() for p in pid_files), 90), proc.communicate()
+        pids = [int(p.read_text()) for p in pid_files]
+        assert all(_alive(p) for p in pids)
+        os.kill(proc.pid, sig)
+        out, _ = proc.communicate(timeout=60)
+        assert proc.returncode != 0
+        assert "interrupted; cancelled" in out, out
+        assert _wait_for(lambda: not any(_alive(p) for p in pids), 20), f"workers still running: {pids}\n{out}"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        for p in tmp_path.glob("worker-*.pid"):
+            try:
+                os.kill(int(p.read_text()), signal.SIGKILL)
+            except (ProcessLookupError, ValueError):
+                pass
