@@ -216,7 +216,70 @@ def validate_run(config: dict, run: str) -> dict:
     if int(train["max_duration_batches"]) <= 0:
         raise ConfigError(f"{where}.train.max_duration_batches must be positive.")
     fused_loss_settings(train, f"{where}.train")
+    compile_settings(train, f"{where}.train")
     return rc
+
+
+def compile_settings(train: dict, where: str = "train") -> dict | None:
+    """The torch.compile settings of a run's ``train`` section.
+
+    ``compile`` is ``false``/``null`` (eager), ``true`` (composer's ``compile_config: {}``: ``torch.compile`` of the
+    whole model's forward, after the distributed wrapping), ``blocks`` (each MPT transformer block compiled in place
+    with ``nn.Module.compile`` before FSDP wraps it; embedding, final norm and loss stay eager:
+    :func:`llmpipe.speedups.compile_blocks`), or a mapping of ``torch.compile`` keyword arguments with an optional
+    ``scope: model | blocks`` (default ``model``), e.g. ``{scope: blocks, mode: max-autotune-no-cudagraphs}``; an
+    empty mapping is ``true``. The arguments are checked here, at plan time, against ``torch.compile``'s signature
+    (keys ``mode``, ``fullgraph``, ``dynamic``, ``backend``, ``options``, ``disable``; ``mode`` one of torch's four;
+    ``mode`` and ``options`` not both).
+
+    Returns:
+        None when off, else ``{"scope": "model" | "blocks", "options": dict}`` (``options``: torch.compile kwargs).
+
+    Raises:
+        ConfigError: any other value, naming ``{where}.compile`` (or the offending key under it).
+    """
+    value = train.get("compile", False)
+    if value is None or value is False:
+        return None
+    if value is True:
+        return {"scope": "model", "options": {}}
+    if isinstance(value, str) and value.strip().lower() in ("blocks", "model"):
+        return {"scope": value.strip().lower(), "options": {}}
+    if not isinstance(value, dict):
+        raise ConfigError(f"{where}.compile is {value!r}; it must be false, true (whole model through composer), "
+                          f"'blocks' (each transformer block), or a mapping of torch.compile arguments with an "
+                          f"optional scope: model | blocks.")
+    options = dict(value)
+    scope = options.pop("scope", None)
+    scope = "model" if scope is None else str(scope).strip().lower()
+    if scope not in ("model", "blocks"):
+        raise ConfigError(f"{where}.compile.scope must be 'model' or 'blocks', got {value.get('scope')!r}.")
+    unknown = sorted(set(options) - set(_COMPILE_KWARGS))
+    if unknown:
+        raise ConfigError(f"{where}.compile has unknown key(s) {', '.join(map(repr, unknown))}; torch.compile takes "
+                          f"{', '.join(_COMPILE_KWARGS)} (plus our scope: model | blocks).")
+    for key in ("fullgraph", "dynamic", "disable"):
+        if key in options and options[key] is not None and not isinstance(options[key], bool):
+            raise ConfigError(f"{where}.compile.{key} must be true, false or null, got {options[key]!r}.")
+    if "mode" in options and options["mode"] is not None and options["mode"] not in _COMPILE_MODES:
+        raise ConfigError(f"{where}.compile.mode is {options['mode']!r}; torch.compile's modes are "
+                          f"{', '.join(_COMPILE_MODES)}.")
+    if "backend" in options and not isinstance(options["backend"], str):
+        raise ConfigError(f"{where}.compile.backend must be a backend name (e.g. inductor), got "
+                          f"{options['backend']!r}.")
+    if "options" in options and options["options"] is not None and not isinstance(options["options"], dict):
+        raise ConfigError(f"{where}.compile.options must be a mapping of Inductor settings, got "
+                          f"{options['options']!r}.")
+    if options.get("mode") is not None and options.get("options") is not None:
+        raise ConfigError(f"{where}.compile sets both mode and options; torch.compile takes one of them. Fix: drop "
+                          f"one (mode names a preset of options).")
+    return {"scope": scope, "options": options}
+
+
+#: ``torch.compile`` keyword arguments a ``train.compile`` mapping may set (torch 2.7's signature, less ``model``).
+_COMPILE_KWARGS = ("mode", "fullgraph", "dynamic", "backend", "options", "disable")
+#: ``torch.compile``'s modes (torch 2.7).
+_COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 
 
 def fused_loss_settings(train: dict, where: str = "train") -> dict | None:
@@ -245,7 +308,7 @@ def fused_loss_settings(train: dict, where: str = "train") -> dict | None:
             chunk = int(chunk)
         if chunk is not None and (isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1):
             raise ConfigError(f"{where}.fused_loss.chunk_size must be a positive integer (tokens per chunk) or "
-                              f"null (default: ~512 MiB of fp32 logits per chunk), got {chunk!r}.")
+                              f"null (default: 8192, fewer if one chunk's fp32 logits would exceed 2 GiB), got {chunk!r}.")
         compile_ = value.get("compile", False)
         if compile_ is None:
             compile_ = False
@@ -626,6 +689,7 @@ def validate_finetune(config: dict, run: str) -> dict:
         if per_device % mb and mb < per_device:
             raise ConfigError(f"{where}.train.microbatch_size ({mb}) does not divide the per-device batch at "
                               f"{nodes} node(s) ({per_device} = {gbs} / {ws}). Fix: pick a divisor of {per_device}.")
+    compile_settings(train, f"{where}.train")
     return rc
 
 

@@ -24,7 +24,7 @@ the number of non-ignored targets, and the plain sum (0) when every target is ig
 The gradients are computed in the forward pass, chunk by chunk, while the chunk's logits exist (so the logits are
 never recomputed); the backward only multiplies the saved ``dh`` and ``dW`` by the incoming scalar gradient. Peak
 extra memory is one chunk of logits plus its fp32 log-softmax (``chunk_size x V x (2 + 4)`` bytes under bf16; the
-default chunk keeps the fp32 part near 512 MiB), plus ``dh`` ``[N, d]`` and ``dW`` ``[V, d]``. The three matmuls
+default chunk, 8,192 tokens, is ~1.5 GiB of fp32 at MPT's vocabulary), plus ``dh`` ``[N, d]`` and ``dW`` ``[V, d]``. The three matmuls
 are the ones the stock path runs (forward, grad input, grad weight): no extra FLOPs. Per chunk the eager
 elementwise work is two passes over ``[C, V]`` (one log-softmax kernel reading the bf16 logits and writing fp32,
 one exp writing the gradient in the matmul dtype into the logits' buffer); with ``compile=True`` on CUDA that part
@@ -98,15 +98,19 @@ FUSED_LOSS_MODEL_NAME = 'mpt_causal_lm_fused_loss'
 #: llm-foundry's ``CROSS_ENTROPY_IGNORE_INDEX``.
 IGNORE_INDEX = -100
 
-#: The default chunk holds about this many logits (2**27: 512 MiB in fp32).
-_DEFAULT_CHUNK_ELEMENTS = 2**27
+#: Default rows (tokens) per chunk: measured on one H200 against 2,560 (benchmarks/README.md, #11): fewer chunk
+#: launches and casts; +0.6..+2% on MPT-125M/350M/760M with torch.compile, +1.4 GB peak memory at 125M.
+_DEFAULT_CHUNK_ROWS = 8192
+#: ... unless one chunk of fp32 log-probabilities would exceed this many elements (2**29: 2 GiB).
+_MAX_CHUNK_ELEMENTS = 2**29
 
 
 def default_chunk_size(vocab_size: int) -> int:
-    """Rows (tokens) per chunk such that one chunk of fp32 log-probabilities is at most about 512 MiB
-    (``2**27 / vocab_size``, rounded down to a multiple of 256 when larger than 256, for the matmul tiles).
-    E.g. 2560 rows for MPT's vocabulary of 50,368 (26 chunks for 65,536 tokens)."""
-    rows = max(1, _DEFAULT_CHUNK_ELEMENTS // max(1, int(vocab_size)))
+    """Rows (tokens) per chunk: 8,192, or fewer so that one chunk of fp32 log-probabilities stays within 2 GiB
+    (``2**29 / vocab_size``, rounded down to a multiple of 256 when larger than 256, for the matmul tiles).
+    E.g. 8,192 rows (1.54 GiB fp32) for MPT's vocabulary of 50,368 (8 chunks for 65,536 tokens), 3,328 for a
+    152,064-token vocabulary."""
+    rows = min(_DEFAULT_CHUNK_ROWS, max(1, _MAX_CHUNK_ELEMENTS // max(1, int(vocab_size))))
     return rows - rows % 256 if rows > 256 else rows
 
 

@@ -6,6 +6,8 @@ Each was measured on one H200 with ``scripts/bench_train_throughput.py`` (see be
   composer's ``DecoupledAdamW`` (decoupled weight decay scaled by lr_t / lr_0) run by ``torch.optim.AdamW`` with
   ``fused=True`` on CUDA, instead of composer's per-parameter loop that synchronises with the GPU.
 * :func:`dynamo_catalogue_fix` makes composer's ``compile_config`` (torch.compile) work with llm-foundry 0.22.
+* :func:`compile_blocks` / the callback ``llmpipe_compile_blocks`` (train setting ``compile: blocks``) compile each
+  transformer block in place instead of the whole model's forward.
 
 The chunked fused linear + cross-entropy loss (train setting ``fused_loss``; the model ``mpt_causal_lm_fused_loss``
 in llm-foundry's model registry) lives in :mod:`llmpipe.fused_loss`: per chunk of tokens ``z = h_c W^T``,
@@ -63,3 +65,61 @@ def dynamo_catalogue_fix() -> None:
         wrapped = torch.compiler.disable(catalogue.Registry.__contains__)
         wrapped._llmpipe_eager = True
         catalogue.Registry.__contains__ = wrapped
+
+
+def compile_blocks(model: Any, **options: Any) -> int:
+    """Compile every MPT transformer block of ``model`` in place (``nn.Module.compile``), as torchtitan does.
+
+    Each MPT block found in ``model.modules()`` (composer wrapper, HF wrapper and PEFT wrappers included) gets
+    ``block.compile(**options)``. Blocks are recognised by class name, ``MPTBlock``: llm-foundry's own class, and
+    the copy in an exported checkpoint's remote code that a finetune loads with ``trust_remote_code``: its ``__call__`` runs a ``torch.compile``'d
+    forward, while parameter names, ``state_dict`` keys and checkpoints stay those of the eager model (no
+    ``_orig_mod`` prefix). Call it before FSDP/activation-checkpointing wrap the blocks; nothing is traced until
+    the first forward. The blocks share one code object, so dynamo compiles one graph and reuses it for every
+    block of the same shapes. Embedding, final norm and loss stay eager (the fused loss has its own chunk loop).
+
+    Args:
+        model: any ``nn.Module`` containing MPT blocks.
+        options: ``torch.compile`` keyword arguments (``mode``, ``fullgraph``, ``dynamic``, ``backend``, ...).
+
+    Returns:
+        The number of blocks compiled.
+
+    Raises:
+        ValueError: ``model`` contains no MPT block (this setting applies to MPT models only).
+    """
+    dynamo_catalogue_fix()
+    blocks = [m for m in model.modules() if type(m).__name__ == 'MPTBlock']
+    if not blocks:
+        raise ValueError(f"train.compile: blocks found no MPT transformer block in {type(model).__name__}; "
+                         f"use compile: true (whole model) or false for this model.")
+    for block in blocks:
+        block.compile(**options)
+    return len(blocks)
+
+
+def register_compile_blocks() -> None:
+    """Register the composer callback ``llmpipe_compile_blocks`` in llm-foundry's callbacks registry (idempotent).
+
+    At ``Event.INIT`` (before composer wraps the model in FSDP/DDP and loads checkpoints) it calls
+    :func:`compile_blocks` on ``state.model`` with the callback's keyword arguments as ``torch.compile`` options.
+    The training step adds it for ``train.compile: blocks`` (:func:`llmpipe.config.compile_settings`).
+    """
+    from composer.core import Callback, State
+    from composer.loggers import Logger
+    from llmfoundry.registry import callbacks
+
+    if 'llmpipe_compile_blocks' in callbacks.get_all():
+        return
+
+    class CompileBlocks(Callback):
+        """torch.compile each MPT transformer block in place at Event.INIT (:func:`compile_blocks`)."""
+
+        def __init__(self, **options: Any) -> None:
+            self.options = options
+            self.n_blocks = 0
+
+        def init(self, state: State, logger: Logger) -> None:
+            self.n_blocks = compile_blocks(state.model, **self.options)
+
+    callbacks.register('llmpipe_compile_blocks', func=CompileBlocks)

@@ -26,7 +26,8 @@ import tempfile
 import time
 from typing import Any
 
-from llmpipe.config import canonical, fused_loss_settings, run_config, step_resources, world_size
+from llmpipe.config import (canonical, compile_settings, fused_loss_settings, is_finetune, run_config,
+                            step_resources, world_size)
 
 log = logging.getLogger("llmpipe.train")
 
@@ -140,13 +141,27 @@ def foundry_train_config(config: dict, run: str, *, data_dir: str | None, save_f
         cfg["fsdp_config"] = {"sharding_strategy": "FULL_SHARD", "mixed_precision": "PURE",
                               "activation_checkpointing": False, "activation_checkpointing_reentrant": False,
                               "activation_cpu_offload": False, "limit_all_gathers": True, **fsdp}
-    if train.get("compile"):
-        cfg["compile_config"] = {} if train["compile"] is True else dict(train["compile"])
+    apply_compile(cfg, train, f"{'finetunes' if is_finetune(config, run) else 'models'}.{run}.train")
     if save_folder is not None:
         cfg["save_folder"] = save_folder
         cfg["save_interval"] = f"{int(train['save_interval_batches'])}ba"
         cfg["save_num_checkpoints_to_keep"] = int(train.get("checkpoints_to_keep", 2))
     return cfg
+
+
+def apply_compile(cfg: dict, train: dict, where: str) -> None:
+    """Put the train setting ``compile`` (:func:`llmpipe.config.compile_settings`) into llm-foundry config ``cfg``:
+    composer's ``compile_config`` for the whole model, or the ``llmpipe_compile_blocks`` callback for
+    ``compile: blocks``; removes both first, so a config built for another run does not leak into this one."""
+    cfg.pop("compile_config", None)
+    cfg["callbacks"].pop("llmpipe_compile_blocks", None)
+    settings = compile_settings(train, where)
+    if settings is None:
+        return
+    if settings["scope"] == "blocks":
+        cfg["callbacks"]["llmpipe_compile_blocks"] = dict(settings["options"])
+    else:
+        cfg["compile_config"] = dict(settings["options"])
 
 
 def _attn_config(attn_config: dict, attn_impl: str) -> dict:
@@ -172,6 +187,7 @@ def register_extensions(compile_enabled: bool = False) -> None:
     attention.register()
     fused_loss.register()
     speedups.register_fused_adamw()
+    speedups.register_compile_blocks()
     register()
     if compile_enabled:
         speedups.dynamo_catalogue_fix()
@@ -446,7 +462,7 @@ class TrainTask:
         self.before_start()
         dist_env = export_dist_env()
         os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-        register_extensions(bool(run_config(self.config, self.run)["train"].get("compile")))
+        register_extensions(compile_settings(run_config(self.config, self.run)["train"]) is not None)
         from llmfoundry.command_utils import train
         from omegaconf import OmegaConf
 

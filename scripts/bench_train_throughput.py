@@ -40,14 +40,17 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
+from llmpipe.config import compile_settings  # noqa: E402
 from llmpipe.mfu import detect_peak_flops, flops_per_token, mfu  # noqa: E402
-from llmpipe.speedups import dynamo_catalogue_fix, register_fused_adamw  # noqa: E402
+from llmpipe.speedups import dynamo_catalogue_fix, register_compile_blocks, register_fused_adamw  # noqa: E402
 
 #: What each variant changes on top of the project's default train config. Keys:
 #:   attn_impl: 'sdpa' | 'torch' (MPT attention; 'sdpa' = llmpipe.attention)
 #:   drop_mask: add/remove the drop_full_attention_mask callback
 #:   optimizer: 'fused_adamw' (torch.optim.AdamW(fused=True), decoupled weight decay) | 'decoupled_adamw'
-#:   compile: True -> compile_config {} (torch.compile through composer) | False -> none
+#:   compile: True -> compile_config {} (torch.compile of the whole model through composer) | a dict -> that
+#:       compile_config (torch.compile kwargs, e.g. mode) | 'blocks' -> each MPT
+#:       block compiled in place (train setting `compile: blocks`, llmpipe.speedups.compile_blocks) | False -> none
 #:   compile_fix: apply dynamo_catalogue_fix() first (without it compile fails on Python 3.12); when a variant does
 #:       not name `compile` but the project config compiles (e.g. `default` for mpt-350m), the fix is applied, as
 #:       the training step does
@@ -99,6 +102,18 @@ VARIANTS: dict[str, dict[str, Any]] = {
     'compile_nometrics_nofl': {**_BEST, 'compile': True, 'compile_fix': True, 'fused_loss': False},
     'fused_loss_compile': {**_BEST, 'compile': True, 'compile_fix': True, 'fused_loss': True},
     'fused_loss_compile_mb_x2': {**_BEST, 'compile': True, 'compile_fix': True, 'fused_loss': True, 'mb_scale': 2},
+    'fused_loss_compile_chunk8k_mb_x2': {**_BEST, 'compile': True, 'compile_fix': True,
+                                         'fused_loss': {'chunk_size': 8192}, 'mb_scale': 2},
+    'fused_loss_compile_chunk1k_mb_x2': {**_BEST, 'compile': True, 'compile_fix': True,
+                                         'fused_loss': {'chunk_size': 1024}, 'mb_scale': 2},
+    'fused_loss_autotune_mb_x2': {**_BEST, 'compile': {'mode': 'max-autotune-no-cudagraphs'}, 'compile_fix': True,
+                                  'fused_loss': True, 'mb_scale': 2},
+    # each transformer block compiled in place (embedding, final norm and the fused loss eager)
+    'fused_loss_blocks': {**_BEST, 'compile': 'blocks', 'compile_fix': True, 'fused_loss': True},
+    'fused_loss_blocks_mb_x2': {**_BEST, 'compile': 'blocks', 'compile_fix': True, 'fused_loss': True,
+                                'mb_scale': 2},
+    'fused_loss_blocks_mb_x4': {**_BEST, 'compile': 'blocks', 'compile_fix': True, 'fused_loss': True,
+                                'mb_scale': 4},
 }
 
 CSV_FIELDS = [
@@ -336,7 +351,7 @@ def build_train_config(config: dict, run: str, variant: dict, *, steps: int, mb_
     cfg['python_log_level'] = 'warning'
     cfg['run_name'] = f'bench-{run}'
     callbacks = {k: v for k, v in (cfg.get('callbacks') or {}).items()
-                 if k in ('drop_full_attention_mask',)}  # keep speed-relevant callbacks only
+                 if k in ('drop_full_attention_mask', 'llmpipe_compile_blocks')}  # keep speed-relevant callbacks only
     # knobs
     model = cfg['model']
     attn_config = dict(model.get('attn_config') or {})
@@ -352,8 +367,17 @@ def build_train_config(config: dict, run: str, variant: dict, *, steps: int, mb_
     if 'optimizer' in variant:
         cfg['optimizer']['name'] = variant['optimizer']
     if 'compile' in variant:
-        cfg['compile_config'] = {} if variant['compile'] else None
-    compiled = cfg.get('compile_config') is not None
+        cfg.pop('compile_config', None)
+        callbacks.pop('llmpipe_compile_blocks', None)
+        settings = compile_settings({'compile': variant['compile']}, 'variant')   # the train setting's reader
+        if settings is not None and settings['scope'] == 'blocks':
+            callbacks['llmpipe_compile_blocks'] = dict(settings['options'])
+        elif settings is not None:
+            cfg['compile_config'] = dict(settings['options'])
+    compile_scope = ('blocks' if 'llmpipe_compile_blocks' in callbacks
+                     else 'model' if cfg.get('compile_config') is not None else '')
+    compiled = bool(compile_scope)
+    compile_mode = (callbacks.get('llmpipe_compile_blocks') or cfg.get('compile_config') or {}).get('mode')
     compile_fix = bool(variant.get('compile_fix', compiled and 'compile' not in variant))
     if 'train_metrics' in variant:
         model['use_train_metrics'] = bool(variant['train_metrics'])
@@ -367,7 +391,8 @@ def build_train_config(config: dict, run: str, variant: dict, *, steps: int, mb_
         'sdpa_backend': variant.get('sdpa_backend', os.environ.get('LLMPIPE_SDPA_BACKEND', '')) or 'auto',
         'drop_mask': 'drop_full_attention_mask' in callbacks,
         'optimizer': cfg['optimizer']['name'],
-        'compile': compiled and ('fix' if compile_fix else 'nofix'),
+        'compile': compiled and (('blocks,' if compile_scope == 'blocks' else '') + ('fix' if compile_fix else 'nofix')
+                                 + (f',{compile_mode}' if compile_mode else '')),
         'compile_fix': compile_fix,
         'microbatch': mb,
         'seq_len': seq_len,
@@ -528,6 +553,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     attention.register()  # sdpa attention classes + drop_full_attention_mask callback
     _register_synthetic_loader()
     register_fused_adamw()
+    register_compile_blocks()
     from llmpipe.fused_loss import register as register_fused_loss
     register_fused_loss()  # mpt_causal_lm_fused_loss (the train config names it when fused_loss is on)
 
