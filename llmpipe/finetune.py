@@ -344,18 +344,14 @@ def step_instructions(smk) -> None:
 
 def step_finetune(smk) -> None:
     """Rule ``finetune``: finetune on ``nodes x tasks_per_node`` ranks; write train.json from rank 0."""
-    from llmpipe.steps import _key, _log_dir, _logged, _start_log, check_all_steps, write_json
+    from llmpipe.steps import _key, _log_dir, _logged, _start_log, check_all_steps, training_task, write_json
 
     @_logged
     def run(smk):
         log_file = _start_log(smk)
         run_name, config = smk.wildcards.run, smk.config
-        require_peft(config, run_name)  # fail here, before a job waits in the queue
         rc = run_config(config, run_name)
-        run_dir = os.path.dirname(smk.output[0])
-        task = FinetuneTask(config, run_name, os.path.dirname(smk.input.instructions),
-                            os.path.dirname(smk.input.tokenizer), run_dir, smk.params.identity,
-                            base_model_path(config, run_name))
+        task = training_task(smk, config, run_name, rc)  # checks peft here, before a job waits in the queue
         result = dispatch.run_step(task, step=f"finetune {run_name}", resources=step_resources(config, "train", run_name),
                                    config=config, log_dir=_log_dir(smk, "finetune", run_name),
                                    key=_key(smk, "finetune"), log_file=log_file)

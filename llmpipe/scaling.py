@@ -19,7 +19,8 @@ import os
 from typing import Any
 
 from llmpipe.plots import finish_and_save
-from llmpipe.config import ConfigError, deep_merge, train_identity, validate_run, world_size, step_resources
+from llmpipe.config import (ConfigError, deep_merge, is_finetune, step_resources, train_identity, validate_run,
+                            world_size)
 
 #: Defaults of the ``scaling:`` section.
 DEFAULTS: dict[str, Any] = {"nodes": [1, 2, 4, 8], "runs": [], "max_duration_batches": None}
@@ -56,11 +57,6 @@ def study_config(config: dict, run: str, nodes: int) -> dict:
     if mdb:
         over["train"] = {"max_duration_batches": int(mdb)}
     return deep_merge(config, {"finetunes" if is_finetune(config, run) else "models": {run: over}})
-
-
-def is_finetune(config: dict, run: str) -> bool:
-    """True when ``run`` is a finetune (``finetunes:``); its study trains with llmpipe.finetune.FinetuneTask."""
-    return run in (config.get("finetunes") or {})
 
 
 def study_identity(config: dict, run: str) -> str:
@@ -181,7 +177,6 @@ def _steps():
 def train_step(smk) -> None:
     """Rule ``scaling_train``: :class:`llmpipe.train.TrainTask` on ``{nodes}`` nodes into the study's folder."""
     from llmpipe import dispatch
-    from llmpipe.train import TrainTask
     steps = _steps()
 
     log_file = steps._start_log(smk)
@@ -189,18 +184,7 @@ def train_step(smk) -> None:
     config = study_config(smk.config, run, nodes)
     res = step_resources(config, "train", run)
     rc = validate_run(config, run)
-    tok_manifest = steps.read_json(smk.input.tokenizer)
-    if not is_finetune(config, run):
-        steps.check_vocab_fits(tok_manifest, rc, run)
-    run_dir = os.path.dirname(smk.output[0])
-    if is_finetune(config, run):  # the finetune's own task (instruction set, base model), like rule finetune
-        from llmpipe.finetune import FinetuneTask, base_model_path, require_peft
-        require_peft(config, run)
-        task = FinetuneTask(config, run, os.path.dirname(smk.input.instructions), os.path.dirname(smk.input.tokenizer),
-                            run_dir, smk.params.identity, base_model_path(config, run))
-    else:
-        task = TrainTask(config, run, os.path.join(os.path.dirname(smk.input.data), "mds"),
-                         os.path.dirname(smk.input.tokenizer), run_dir, smk.params.identity)
+    task = steps.training_task(smk, config, run, rc)  # the same task as rule train / finetune builds
     result = dispatch.run_step(task, step=f"scaling {run} nodes{nodes}", resources=res, config=config,
                                log_dir=steps._log_dir(smk, "scaling", f"{run}-nodes{nodes}"),
                                key=steps._key(smk, "scaling_train"), log_file=log_file)

@@ -16,7 +16,7 @@ from typing import Any
 
 from llmpipe import dispatch
 from llmpipe.atomic import atomic_write_json as write_json
-from llmpipe.config import run_config, step_resources
+from llmpipe.config import is_finetune, run_config, step_resources
 
 
 def read_json(path: str) -> Any:
@@ -65,6 +65,31 @@ def check_all_steps(result: dict | None, rc: dict, label: str) -> None:
     if result is None or result.get("steps") != want:
         raise RuntimeError(f"{label}: training ended at step {None if result is None else result.get('steps')} "
                            f"instead of {want}")
+
+
+def training_task(smk, config: dict, run: str, rc: dict):
+    """The task a training rule (``train``, ``finetune``, ``scaling_train``) dispatches for ``run``.
+
+    A finetune gets :class:`llmpipe.finetune.FinetuneTask` (instruction set ``smk.input.instructions``, its base
+    model; ``peft`` is checked first when LoRA is on), a pretraining run :class:`llmpipe.train.TrainTask` (the MDS
+    dataset beside ``smk.input.data``; the tokenizer must fit the model's vocabulary). Both write into the folder of
+    ``smk.output[0]`` under the identity ``smk.params.identity``.
+
+    Raises:
+        ValueError / ConfigError: the tokenizer does not fit, or LoRA is on without ``peft`` (before any job waits
+            in a queue).
+    """
+    run_dir = os.path.dirname(smk.output[0])
+    tok_dir = os.path.dirname(smk.input.tokenizer)
+    if is_finetune(config, run):
+        from llmpipe.finetune import FinetuneTask, base_model_path, require_peft
+        require_peft(config, run)
+        return FinetuneTask(config, run, os.path.dirname(smk.input.instructions), tok_dir, run_dir,
+                            smk.params.identity, base_model_path(config, run))
+    from llmpipe.train import TrainTask
+    check_vocab_fits(read_json(smk.input.tokenizer), rc, run)
+    return TrainTask(config, run, os.path.join(os.path.dirname(smk.input.data), "mds"), tok_dir, run_dir,
+                     smk.params.identity)
 
 
 def _key(smk, step: str) -> str:
@@ -142,17 +167,12 @@ def icl_task(smk) -> None:
 @_logged
 def train(smk) -> None:
     """Rule ``train``: pretrain one run on ``nodes x tasks_per_node`` ranks; write train.json from rank 0."""
-    from llmpipe.train import TrainTask
     log_file = _start_log(smk)
     run = smk.wildcards.run
     config = smk.config
     res = step_resources(config, "train", run)
-    tok_manifest = read_json(smk.input.tokenizer)
     rc = run_config(config, run)
-    check_vocab_fits(tok_manifest, rc, run)
-    run_dir = os.path.dirname(smk.output[0])
-    task = TrainTask(config, run, os.path.join(os.path.dirname(smk.input.data), "mds"),
-                     os.path.dirname(smk.input.tokenizer), run_dir, smk.params.identity)
+    task = training_task(smk, config, run, rc)
     result = dispatch.run_step(task, step=f"train {run}", resources=res, config=config,
                                log_dir=_log_dir(smk, "train", run), key=_key(smk, "train"), log_file=log_file)
     check_all_steps(result, rc, f"train {run}")

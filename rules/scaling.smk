@@ -42,7 +42,7 @@ def scaling_gate_input(wildcards):
 
 def scaling_inputs(wildcards):
     """A pretraining run's dataset and tokenizer, or a finetune's inputs (rules/finetune.smk), and the gate."""
-    if scaling_mod.is_finetune(config, wildcards.run):
+    if cfg.is_finetune(config, wildcards.run):
         inputs = {k: v for k, v in globals()["finetune_inputs"](wildcards).items() if k != "gate"}
     else:
         inputs = {"data": dataset_path(wildcards, "verified.json"), "tokenizer": tokenizer_manifest_of_run(wildcards)}
