@@ -226,18 +226,24 @@ def make_executor(config: dict, resources: dict, folder: str, name: str):
 
 # ---------------------------------------------------------------------------------------------- cluster queries
 
+#: Appended to the errors of a cluster query that failed: how to dry-run the Slurm plan without a cluster.
+OFFLINE_PLAN_HINT = (" To see the Slurm plan away from the cluster: snakemake -n --profile profiles/slurm <target> "
+                     "--config 'slurm={preflight: false}'.")
+
+
 def _run(cmd: list[str], timeout: float) -> str:
     try:
         out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
     except FileNotFoundError as exc:
         raise ConfigError(f"`{cmd[0]}` is not on PATH. Fix: run on a Slurm login node (or load the slurm "
-                          f"module), or drop --profile slurm to run locally.") from exc
+                          f"module), or drop --profile slurm to run locally.{OFFLINE_PLAN_HINT}") from exc
     except subprocess.TimeoutExpired as exc:
         raise ConfigError(f"`{' '.join(cmd)}` did not answer within {timeout:.0f} s: the Slurm controller is not "
-                          f"reachable. Fix: check `sinfo` works here (SLURM_CONF, munge).") from exc
+                          f"reachable. Fix: check `sinfo` works here (SLURM_CONF, munge).{OFFLINE_PLAN_HINT}") from exc
     if out.returncode != 0:
         raise ConfigError(f"`{' '.join(cmd)}` failed (exit {out.returncode}): {out.stderr.strip()[-500:]}. "
-                          f"Fix: check `sinfo` works here (SLURM_CONF, munge), or drop --profile slurm.")
+                          f"Fix: check `sinfo` works here (SLURM_CONF, munge), or drop --profile slurm."
+                          f"{OFFLINE_PLAN_HINT}")
     return out.stdout
 
 
@@ -359,7 +365,8 @@ def preflight(config: dict, resources: dict, where: str = "resources") -> dict:
     for tool in ("sbatch", "sinfo", "scontrol"):
         if shutil.which(tool) is None:
             raise ConfigError(f"dispatch.executor is slurm but `{tool}` is not on PATH. Fix: run snakemake on a "
-                              f"Slurm login node (or load the slurm module), or drop --profile slurm to run locally.")
+                              f"Slurm login node (or load the slurm module), or drop --profile slurm to run locally."
+                              f"{OFFLINE_PLAN_HINT}")
     parts = _partitions(_conf_key(), timeout)
     pname = site.get("partition")
     if pname:

@@ -26,10 +26,7 @@ def allreduce_res(key):
 
 
 def allreduce_threads(wildcards):
-    if config["dispatch"]["executor"] != "local":
-        return 1
-    r = allreduce_mod.bench_resources(config, int(wildcards.nodes))
-    return max(1, int(r["cpus_per_task"]) * int(r["tasks_per_node"]))
+    return dispatch_threads(lambda: allreduce_mod.bench_resources(config, int(wildcards.nodes)))
 
 
 def allreduce_gate_input(wildcards):

@@ -66,13 +66,21 @@ def res(step, key, default=0):
     return get
 
 
+def dispatch_threads(resources):
+    """Cores a dispatching rule takes from Snakemake's --cores: all the CPUs of its job when the job runs here
+    (``resources()``: the step's resources), none when the rule only waits on Slurm. With none, the Slurm profile's
+    ``jobs`` alone bounds how many rules wait at once; ``cores: all`` of profiles/default (which wins over the Slurm
+    profile's keys) would otherwise cap them at the login node's core count."""
+    if config["dispatch"]["executor"] != "local":
+        return 0
+    r = resources()
+    return max(1, int(r["cpus_per_task"]) * int(r["tasks_per_node"]))
+
+
 def step_threads(step):
-    """Cores a step takes from Snakemake's --cores: all its CPUs when local, 1 when it only waits on Slurm."""
+    """``threads:`` of a rule that dispatches ``step`` (:func:`dispatch_threads`)."""
 
     def get(wildcards):
-        if config["dispatch"]["executor"] != "local":
-            return 1
-        r = cfg.step_resources(config, step, getattr(wildcards, "run", None))
-        return max(1, int(r["cpus_per_task"]) * int(r["tasks_per_node"]))
+        return dispatch_threads(lambda: cfg.step_resources(config, step, getattr(wildcards, "run", None)))
 
     return get

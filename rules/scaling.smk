@@ -27,10 +27,7 @@ def scaling_res(key):
 
 
 def scaling_threads(wildcards):
-    if config["dispatch"]["executor"] != "local":
-        return 1
-    r = cfg.step_resources(config, "train", wildcards.run)
-    return max(1, int(r["cpus_per_task"]) * int(r["tasks_per_node"]))
+    return dispatch_threads(lambda: cfg.step_resources(config, "train", wildcards.run))
 
 
 def scaling_gate_input(wildcards):
