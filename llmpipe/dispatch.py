@@ -90,9 +90,25 @@ def make_executor(config: dict, resources: dict, folder: str, name: str):
         return ex
     if kind == "slurm":
         from llmpipe import slurm
+        normalize_thread_env()
         return slurm.make_executor(config, resources, folder, name)
     raise ValueError(f"dispatch.executor is {kind!r}; it must be local, slurm or debug. "
                      f"Fix: use --profile slurm for Slurm, or no profile for local.")
+
+
+#: The variables Snakemake sets from a rule's ``threads`` in the job's environment.
+_SNAKEMAKE_THREAD_VARS = ("OMP_NUM_THREADS", "GOTO_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS",
+                          "VECLIB_MAXIMUM_THREADS", "NUMEXPR_NUM_THREADS")
+
+
+def normalize_thread_env() -> None:
+    """Rules that only wait on Slurm take ``threads: 0`` (rules/common.smk ``dispatch_threads``), so Snakemake sets
+    ``OMP_NUM_THREADS=0`` and the like in the rule's process; sbatch exports the environment to the job, and 0
+    threads is invalid for OpenMP/BLAS there and here. Set them to 1, what the rules and jobs had before (when those
+    rules took 1 thread). Called by every rule script (:func:`llmpipe.steps._logged`) and before a Slurm submission."""
+    for var in _SNAKEMAKE_THREAD_VARS:
+        if os.environ.get(var) == "0":
+            os.environ[var] = "1"
 
 
 def _slurm_poll_s(config: dict) -> float:

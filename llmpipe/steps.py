@@ -29,6 +29,7 @@ def _logged(step_fn):
 
     @functools.wraps(step_fn)
     def wrapper(smk):
+        dispatch.normalize_thread_env()  # threads: 0 of Slurm-waiting rules -> OMP_NUM_THREADS=0 from Snakemake
         try:
             return step_fn(smk)
         except Exception as exc:

@@ -49,3 +49,31 @@ def test_dataset_shared_between_models(workdir):
     """Two models on the same corpus/tokenizer/concat length share one data preparation."""
     jobs = planned_jobs(snakemake(workdir, "-n", "results/mpt-125m/train.json", "results/mpt-350m/train.json"))
     assert jobs["mds"] == 1 and jobs["corpus"] == 1 and jobs["train"] == 2, jobs
+
+
+def test_slurm_plan_rules_wait_without_local_cores(workdir, no_torch):
+    """Under the Slurm profile, rules that only wait on Slurm take no local cores (threads 0), so the login node's
+    core count (profiles/default: cores: all) does not cap how many wait at once; locally they take their CPUs."""
+    proc = snakemake(workdir, "-n", "--profile", str(REPO / "profiles/slurm"), "results/mpt-1b/eval.json",
+                     "--config", "slurm={preflight: false}", env=no_torch)
+    out = proc.stdout
+    train_block = out[out.index("rule train:"):]
+    train_block = train_block[: train_block.index("\n\n")] if "\n\n" in train_block else train_block
+    assert "threads: 0" in train_block, train_block
+    local = snakemake(workdir, "-n", "results/mpt-1b/eval.json", env=no_torch).stdout
+    block = local[local.index("rule train:"):]
+    import re
+    threads = int(re.search(r"threads: (\d+)", block).group(1))
+    assert threads >= 1, block[:800]   # 8 tasks x 8 CPUs asked, capped by Snakemake at this machine's --cores
+
+
+def test_thread_env_of_slurm_waiting_rules_is_made_valid(monkeypatch):
+    """Snakemake exports OMP_NUM_THREADS=0 (and the BLAS variants) for threads: 0; the rule script and the Slurm
+    job it submits (sbatch exports the environment) get 1 instead; other values stay."""
+    from llmpipe import dispatch
+    monkeypatch.setenv("OMP_NUM_THREADS", "0")
+    monkeypatch.setenv("MKL_NUM_THREADS", "0")
+    monkeypatch.setenv("OPENBLAS_NUM_THREADS", "4")
+    dispatch.normalize_thread_env()
+    assert os.environ["OMP_NUM_THREADS"] == "1" and os.environ["MKL_NUM_THREADS"] == "1"
+    assert os.environ["OPENBLAS_NUM_THREADS"] == "4"
