@@ -217,7 +217,23 @@ def validate_run(config: dict, run: str) -> dict:
         raise ConfigError(f"{where}.train.max_duration_batches must be positive.")
     fused_loss_settings(train, f"{where}.train")
     compile_settings(train, f"{where}.train")
+    check_attn_impl(train, f"{where}.train")
     return rc
+
+
+#: ``train.attn_impl`` values: ours (llmpipe.attention, PyTorch SDPA) and llm-foundry's two.
+ATTN_IMPLS = ("sdpa", "torch", "flash")
+
+
+def check_attn_impl(train: dict, where: str = "train") -> None:
+    """Raise ConfigError (naming ``{where}.attn_impl`` and the choices) unless it is one of :data:`ATTN_IMPLS`
+    (missing means llm-foundry's ``torch``). Checked at plan time: the job itself would only fail when it built
+    the model."""
+    value = train.get("attn_impl", "torch")
+    if value not in ATTN_IMPLS:
+        raise ConfigError(f"{where}.attn_impl is {value!r}; it must be one of {', '.join(ATTN_IMPLS)} (sdpa: PyTorch "
+                          f"scaled_dot_product_attention through llmpipe.attention, the fast default; flash needs "
+                          f"flash-attn installed).")
 
 
 def compile_settings(train: dict, where: str = "train") -> dict | None:
@@ -690,6 +706,7 @@ def validate_finetune(config: dict, run: str) -> dict:
             raise ConfigError(f"{where}.train.microbatch_size ({mb}) does not divide the per-device batch at "
                               f"{nodes} node(s) ({per_device} = {gbs} / {ws}). Fix: pick a divisor of {per_device}.")
     compile_settings(train, f"{where}.train")
+    check_attn_impl(train, f"{where}.train")
     return rc
 
 

@@ -101,3 +101,9 @@ def test_config_strings_from_the_command_line_read_as_yaml():
               "models": {"m": {"train": {"compile": "False", "train_metrics": "true", "fsdp": "null"}}}}
     train = run_config(config, "m")["train"]
     assert train["compile"] is False and train["train_metrics"] is True and train["fsdp"] is None
+
+
+def test_unknown_attention_implementation(workdir):
+    out = dry_fail(workdir, "results/mpt-125m/train.json", "--config",
+                   "models={'mpt-125m': {'train': {'attn_impl': 'sdpaa'}}}")
+    assert "models.mpt-125m.train.attn_impl is 'sdpaa'; it must be one of sdpa, torch, flash" in out
