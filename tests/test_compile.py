@@ -17,6 +17,20 @@ from llmpipe.config import ConfigError, compile_settings, deep_merge, validate_r
 from tests import test_fused_loss as TFL  # noqa: E402
 
 
+def _counting_backend(runs: list, graphs: list | None = None):
+    """A torch.compile backend that runs dynamo's graph eagerly and appends to ``runs`` at every graph run (and each
+    compiled graph to ``graphs``): proof that a call went through compiled code."""
+    def backend(gm, example_inputs):
+        if graphs is not None:
+            graphs.append(gm)
+
+        def run(*args):
+            runs.append(1)
+            return gm.forward(*args)
+        return run
+    return backend
+
+
 @pytest.mark.parametrize('value,want', [
     (False, None), (None, None), (True, {'scope': 'model', 'options': {}}),
     ('blocks', {'scope': 'blocks', 'options': {}}), ('Blocks', {'scope': 'blocks', 'options': {}}),
@@ -96,17 +110,9 @@ def test_compile_blocks_runs_the_blocks_through_dynamo_with_eager_names_and_resu
     names = list(fused.state_dict())
     graphs, runs = [], []
 
-    def counting_backend(gm, example_inputs):
-        graphs.append(gm)
-
-        def run(*args):
-            runs.append(len(graphs))
-            return gm.forward(*args)
-        return run
-
     steps = 2
     try:
-        assert speedups.compile_blocks(fused, backend=counting_backend) == TFL.MPT_KW['n_layers']
+        assert speedups.compile_blocks(fused, backend=_counting_backend(runs, graphs)) == TFL.MPT_KW['n_layers']
         stock.train()
         fused.train()
         for _ in range(steps):
@@ -146,15 +152,9 @@ def test_compile_blocks_finds_the_blocks_of_an_exported_checkpoint(tmp_path):
     assert len(blocks) == 2 and not any(isinstance(b, MPTBlock) for b in blocks)   # the export's own class
     runs = []
 
-    def counting_backend(gm, example_inputs):
-        def run(*args):
-            runs.append(1)
-            return gm.forward(*args)
-        return run
-
     torch._dynamo.reset()
     try:
-        assert speedups.compile_blocks(hf, backend=counting_backend) == 2
+        assert speedups.compile_blocks(hf, backend=_counting_backend(runs)) == 2
         ids = torch.randint(0, 64, (2, 16))
         hf(input_ids=ids, labels=ids).loss.backward()
     finally:
@@ -251,16 +251,10 @@ def _fsdp_compiled_blocks_worker(rank: int, world: int, port: int, out_path: str
     dist.init_process_group('gloo', rank=rank, world_size=world)
     runs = []
 
-    def counting_backend(gm, example_inputs):
-        def run(*args):
-            runs.append(1)
-            return gm.forward(*args)
-        return run
-
     try:
         stock, fused = TFL._models(fused_loss_chunk_size=11)
         # what the llmpipe_compile_blocks callback does at Event.INIT, before composer wraps the model in FSDP
-        speedups.compile_blocks(fused, backend=counting_backend)
+        speedups.compile_blocks(fused, backend=_counting_backend(runs))
 
         def policy(m):  # composer's: modules marked _fsdp_wrap (wte, norm_f, ...) and MPT's blocks
             return bool(getattr(m, '_fsdp_wrap', False)) or fused.model.fsdp_wrap_fn(m)
