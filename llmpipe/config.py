@@ -59,6 +59,18 @@ SPEED_ONLY_TRAIN_KEYS = frozenset({
     "fused_loss",
 })
 
+#: Every key a model's or finetune's ``train:`` may have: the speed-only ones plus those that define the run.
+KNOWN_TRAIN_KEYS = SPEED_ONLY_TRAIN_KEYS | frozenset({
+    "global_batch_size",
+    "max_duration_batches",
+    "precision",
+    "optimizer",
+    "scheduler",
+    "seed",
+    "grad_clip_norm",
+    "loss_fn",
+})
+
 #: Names that cannot be run names because they are folders of their own under results/.
 RESERVED_RUN_NAMES = frozenset({"data", "tokenizers", "report", "scaling", "bench", "logs"})
 
@@ -218,7 +230,21 @@ def validate_run(config: dict, run: str) -> dict:
     fused_loss_settings(train, f"{where}.train")
     compile_settings(train, f"{where}.train")
     check_attn_impl(train, f"{where}.train")
+    check_train_keys(train, f"{where}.train")
     return rc
+
+
+def check_train_keys(train: dict, where: str = "train") -> None:
+    """Raise ConfigError for a key under ``train:`` that nothing reads (a typo such as ``microbatch: 8`` would
+    otherwise be ignored, and, not being speed-only, would change the run's identity and retrain it), naming the
+    key and the closest known one."""
+    import difflib
+
+    for key in sorted(set(train) - KNOWN_TRAIN_KEYS - {"name"}):
+        close = difflib.get_close_matches(key, sorted(KNOWN_TRAIN_KEYS), n=1)
+        hint = f"did you mean {close[0]}? " if close else ""
+        raise ConfigError(f"{where}.{key} is not a train setting; {hint}Known ones: "
+                          f"{', '.join(sorted(KNOWN_TRAIN_KEYS))}.")
 
 
 #: ``train.attn_impl`` values: ours (llmpipe.attention, PyTorch SDPA) and llm-foundry's two.
@@ -707,6 +733,7 @@ def validate_finetune(config: dict, run: str) -> dict:
                               f"{nodes} node(s) ({per_device} = {gbs} / {ws}). Fix: pick a divisor of {per_device}.")
     compile_settings(train, f"{where}.train")
     check_attn_impl(train, f"{where}.train")
+    check_train_keys(train, f"{where}.train")
     return rc
 
 

@@ -107,3 +107,13 @@ def test_unknown_attention_implementation(workdir):
     out = dry_fail(workdir, "results/mpt-125m/train.json", "--config",
                    "models={'mpt-125m': {'train': {'attn_impl': 'sdpaa'}}}")
     assert "models.mpt-125m.train.attn_impl is 'sdpaa'; it must be one of sdpa, torch, flash" in out
+
+
+def test_misspelled_train_setting(workdir):
+    """A typo under train: is an error (ignored, it would also have changed the run's identity and retrained it)."""
+    out = dry_fail(workdir, "results/mpt-125m/train.json", "--config",
+                   "models={'mpt-125m': {'train': {'microbatch': 8}}}")
+    assert "models.mpt-125m.train.microbatch is not a train setting; did you mean microbatch_size?" in out
+    out = dry_fail(workdir, "results/mpt-tiny-sft/eval.json", "--config",
+                   "finetunes={'mpt-tiny-sft': {'train': {'compiles': True}}}")
+    assert "finetunes.mpt-tiny-sft.train.compiles is not a train setting; did you mean compile?" in out
