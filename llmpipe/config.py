@@ -240,7 +240,7 @@ def check_train_keys(train: dict, where: str = "train") -> None:
     key and the closest known one."""
     import difflib
 
-    for key in sorted(set(train) - KNOWN_TRAIN_KEYS - {"name"}):
+    for key in sorted(set(train) - KNOWN_TRAIN_KEYS):
         close = difflib.get_close_matches(key, sorted(KNOWN_TRAIN_KEYS), n=1)
         hint = f"did you mean {close[0]}? " if close else ""
         raise ConfigError(f"{where}.{key} is not a train setting; {hint}Known ones: "

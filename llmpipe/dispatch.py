@@ -90,7 +90,6 @@ def make_executor(config: dict, resources: dict, folder: str, name: str):
         return ex
     if kind == "slurm":
         from llmpipe import slurm
-        normalize_thread_env()
         return slurm.make_executor(config, resources, folder, name)
     raise ValueError(f"dispatch.executor is {kind!r}; it must be local, slurm or debug. "
                      f"Fix: use --profile slurm for Slurm, or no profile for local.")
@@ -105,7 +104,8 @@ def normalize_thread_env() -> None:
     """Rules that only wait on Slurm take ``threads: 0`` (rules/common.smk ``dispatch_threads``), so Snakemake sets
     ``OMP_NUM_THREADS=0`` and the like in the rule's process; sbatch exports the environment to the job, and 0
     threads is invalid for OpenMP/BLAS there and here. Set them to 1, what the rules and jobs had before (when those
-    rules took 1 thread). Called by every rule script (:func:`llmpipe.steps._logged`) and before a Slurm submission."""
+    rules took 1 thread). Called first by every rule script (:func:`llmpipe.steps._logged`, the entry of all of
+    them), so the rule's own libraries and every job it submits see the fixed values."""
     for var in _SNAKEMAKE_THREAD_VARS:
         if os.environ.get(var) == "0":
             os.environ[var] = "1"

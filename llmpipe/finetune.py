@@ -26,7 +26,7 @@ from typing import Any
 from llmpipe import dispatch
 from llmpipe.config import ConfigError, run_config, step_resources
 from llmpipe.data.instructions import SPLIT_FILES
-from llmpipe.train import TrainTask, apply_compile, foundry_train_config
+from llmpipe.train import TrainTask, foundry_train_config
 
 #: Attention implementations a Hugging Face MPT (hub code or our export) knows; ours (sdpa) map to ``torch``.
 HF_ATTN_IMPLS = ("torch", "flash", "triton")
@@ -113,7 +113,6 @@ def foundry_finetune_config(config: dict, run: str, *, instructions_dir: str | N
                         "kwargs": {"model_max_length": seq}}
     # padding is real in finetuning batches: keep the attention mask (no drop_full_attention_mask callback)
     cfg["callbacks"] = {k: v for k, v in cfg["callbacks"].items() if k != "drop_full_attention_mask"}
-    apply_compile(cfg, train, f"finetunes.{run}.train")
     if "fsdp_config" in cfg:
         cfg["fsdp_config"]["sync_module_states"] = True
     if instructions_dir is not None:

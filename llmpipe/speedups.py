@@ -71,10 +71,10 @@ def compile_blocks(model: Any, **options: Any) -> int:
     """Compile every MPT transformer block of ``model`` in place (``nn.Module.compile``), as torchtitan does.
 
     Each MPT block found in ``model.modules()`` (composer wrapper, HF wrapper and PEFT wrappers included) gets
-    ``block.compile(**options)``. Blocks are recognised by class name, ``MPTBlock``: llm-foundry's own class, and
-    the copy in an exported checkpoint's remote code that a finetune loads with ``trust_remote_code``: its ``__call__`` runs a ``torch.compile``'d
-    forward, while parameter names, ``state_dict`` keys and checkpoints stay those of the eager model (no
-    ``_orig_mod`` prefix). Call it before FSDP/activation-checkpointing wrap the blocks; nothing is traced until
+    ``block.compile(**options)``: its ``__call__`` runs a ``torch.compile``'d forward, while parameter names,
+    ``state_dict`` keys and checkpoints stay those of the eager model (no ``_orig_mod`` prefix). Blocks are
+    recognised by class name, ``MPTBlock``: llm-foundry's own class, and the copy in an exported checkpoint's
+    remote code that a finetune loads with ``trust_remote_code``. Call it before FSDP/activation-checkpointing wrap the blocks; nothing is traced until
     the first forward. The blocks share one code object, so dynamo compiles one graph and reuses it for every
     block of the same shapes. Embedding, final norm and loss stay eager (the fused loss has its own chunk loop).
 
@@ -117,9 +117,8 @@ def register_compile_blocks() -> None:
 
         def __init__(self, **options: Any) -> None:
             self.options = options
-            self.n_blocks = 0
 
         def init(self, state: State, logger: Logger) -> None:
-            self.n_blocks = compile_blocks(state.model, **self.options)
+            compile_blocks(state.model, **self.options)
 
     callbacks.register('llmpipe_compile_blocks', func=CompileBlocks)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import time
 
 import pytest
@@ -10,6 +11,12 @@ import pytest
 from tests.conftest import REPO, planned_jobs, snakemake
 
 ALL_RULES = {"corpus", "tokenizer", "mds", "verify_mds", "icl_task", "train", "convert", "generate", "eval"}
+
+
+def _rule_block(dry_run_stdout: str, rule: str) -> str:
+    """The lines a dry run prints for the first job of ``rule`` (up to the next blank line)."""
+    block = dry_run_stdout[dry_run_stdout.index(f"rule {rule}:"):]
+    return block[: block.index("\n\n")] if "\n\n" in block else block
 
 
 @pytest.fixture
@@ -31,9 +38,7 @@ def test_dry_run_plans_whole_chain_fast_without_torch(workdir, no_torch, model):
     # hub tokenizer: no tokenizer training on a corpus, but every stage is there
     assert set(jobs) == ALL_RULES - {"generate"}, jobs
     assert elapsed < 5.0, f"dry run took {elapsed:.1f} s"
-    out = proc.stdout
-    train_block = out[out.index("rule train:"):]
-    train_block = train_block[: train_block.index("\n\n")] if "\n\n" in train_block else train_block
+    train_block = _rule_block(proc.stdout, "train")
     nodes = {"mpt-1b": 1, "mpt-70b": 8}[model]
     assert f"nodes={nodes}" in train_block and "gpus_per_node=8" in train_block and "runtime=1440" in train_block
 
@@ -56,15 +61,11 @@ def test_slurm_plan_rules_wait_without_local_cores(workdir, no_torch):
     core count (profiles/default: cores: all) does not cap how many wait at once; locally they take their CPUs."""
     proc = snakemake(workdir, "-n", "--profile", str(REPO / "profiles/slurm"), "results/mpt-1b/eval.json",
                      "--config", "slurm={preflight: false}", env=no_torch)
-    out = proc.stdout
-    train_block = out[out.index("rule train:"):]
-    train_block = train_block[: train_block.index("\n\n")] if "\n\n" in train_block else train_block
+    train_block = _rule_block(proc.stdout, "train")
     assert "threads: 0" in train_block, train_block
-    local = snakemake(workdir, "-n", "results/mpt-1b/eval.json", env=no_torch).stdout
-    block = local[local.index("rule train:"):]
-    import re
+    block = _rule_block(snakemake(workdir, "-n", "results/mpt-1b/eval.json", env=no_torch).stdout, "train")
     threads = int(re.search(r"threads: (\d+)", block).group(1))
-    assert threads >= 1, block[:800]   # 8 tasks x 8 CPUs asked, capped by Snakemake at this machine's --cores
+    assert threads >= 1, block   # 8 tasks x 8 CPUs asked, capped by Snakemake at this machine's --cores
 
 
 def test_thread_env_of_slurm_waiting_rules_is_made_valid(monkeypatch):

@@ -837,10 +837,9 @@ def _text_canon(tok: Any) -> Any:
     return canon
 
 
-def _find_in_source(path: str, fragments: list[str], canon: Any = None) -> set[int]:
+def _find_in_source(path: str, fragments: list[str], canon: Any) -> set[int]:
     from llmpipe.data.corpus import iter_documents
 
-    canon = canon or (lambda t: unicodedata.normalize("NFC", t))
     want = {i: canon(f) for i, f in enumerate(fragments)}
     found: set[int] = set()
     for doc in iter_documents(path):
