@@ -98,8 +98,9 @@ FUSED_LOSS_MODEL_NAME = 'mpt_causal_lm_fused_loss'
 #: llm-foundry's ``CROSS_ENTROPY_IGNORE_INDEX``.
 IGNORE_INDEX = -100
 
-#: Default rows (tokens) per chunk: measured on one H200 against 2,560 (benchmarks/README.md, #11): fewer chunk
-#: launches and casts; +0.6..+2% on MPT-125M/350M/760M with torch.compile, +1.4 GB peak memory at 125M.
+#: Default rows (tokens) per chunk: measured on one H200 against 2,560 (benchmarks/README.md, #12): fewer chunk
+#: launches and casts; with torch.compile +2..6% at MPT-125M, +0.6..1.9% at 350M, +1.5% at 760M, +1.4 GB peak
+#: memory at 125M (single runs, device calls 7-11).
 _DEFAULT_CHUNK_ROWS = 8192
 #: ... unless one chunk of fp32 log-probabilities would exceed this many elements (2**29: 2 GiB).
 _MAX_CHUNK_ELEMENTS = 2**29
