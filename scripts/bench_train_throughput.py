@@ -56,6 +56,10 @@ from llmpipe.speedups import dynamo_catalogue_fix, register_compile_blocks, regi
 #:       the training step does
 #:   sdpa_backend: pin SDPA's backend (flash | cudnn | efficient | math; llmpipe.attention.set_sdpa_backend)
 #:   mb_scale: multiply the model's microbatch
+#:   cpu_threads: torch.set_num_threads(n) in the training process for the run (default: torch's, one per core;
+#:       the row's cpu_threads column says what it was)
+#:   num_workers: dataloader worker processes (default: the model's train setting num_workers, 4 for the MPT
+#:       models; rows up to device call 15 ran the synthetic loader in the training process, i.e. 0)
 #:   train_metrics: False -> model.use_train_metrics False (no per-step LanguageCrossEntropy/Perplexity/TokenAccuracy
 #:       over the logits; the loss itself is unchanged)
 #:   fused_loss: the project's train setting `fused_loss` (llmpipe.fused_loss: chunked linear + cross-entropy
@@ -108,6 +112,19 @@ VARIANTS: dict[str, dict[str, Any]] = {
                                          'fused_loss': {'chunk_size': 1024}, 'mb_scale': 2},
     'fused_loss_autotune_mb_x2': {**_BEST, 'compile': {'mode': 'max-autotune-no-cudagraphs'}, 'compile_fix': True,
                                   'fused_loss': True, 'mb_scale': 2},
+    # CUDA graphs of the compiled forward/backward (torch.compile mode reduce-overhead: cudagraph trees)
+    'fused_loss_cudagraphs_mb_x2': {**_BEST, 'compile': {'mode': 'reduce-overhead'}, 'compile_fix': True,
+                                    'fused_loss': True, 'mb_scale': 2},
+    'fused_loss_compile_mb_x4': {**_BEST, 'compile': True, 'compile_fix': True, 'fused_loss': True, 'mb_scale': 4},
+    'fused_loss_compile_mb_x2_w0': {**_BEST, 'compile': True, 'compile_fix': True, 'fused_loss': True,
+                                    'mb_scale': 2, 'num_workers': 0},
+    'default_w0': {'num_workers': 0},
+    # one intra-op CPU thread in the training process (torchrun's default OMP_NUM_THREADS=1 for several processes)
+    'default_t1': {'cpu_threads': 1},
+    'fused_loss_compile_mb_x2_t1': {**_BEST, 'compile': True, 'compile_fix': True, 'fused_loss': True,
+                                    'mb_scale': 2, 'cpu_threads': 1},
+    'fused_loss_compile_mb_x4_t1': {**_BEST, 'compile': True, 'compile_fix': True, 'fused_loss': True,
+                                    'mb_scale': 4, 'cpu_threads': 1},
     # each transformer block compiled in place (embedding, final norm and the fused loss eager)
     'fused_loss_blocks': {**_BEST, 'compile': 'blocks', 'compile_fix': True, 'fused_loss': True},
     'fused_loss_blocks_mb_x2': {**_BEST, 'compile': 'blocks', 'compile_fix': True, 'fused_loss': True,
@@ -118,7 +135,7 @@ VARIANTS: dict[str, dict[str, Any]] = {
 
 CSV_FIELDS = [
     'timestamp', 'model', 'variant', 'status', 'config_source', 'shims', 'attn_impl', 'attn_type', 'sdpa_backend',
-    'drop_mask', 'optimizer', 'compile', 'train_metrics', 'fused_loss', 'microbatch', 'seq_len', 'steps', 'timed_steps',
+    'drop_mask', 'optimizer', 'compile', 'train_metrics', 'fused_loss', 'num_workers', 'cpu_threads', 'microbatch', 'seq_len', 'steps', 'timed_steps',
     'tokens_per_s',
     'step_ms', 'mfu', 'flops_per_token', 'flops_per_token_foundry', 'peak_flops', 'peak_mem_allocated_gb',
     'peak_mem_reserved_gb', 'n_params', 'gpu', 'torch', 'cuda', 'composer', 'llmfoundry', 'python', 'error',
@@ -153,10 +170,12 @@ def _register_synthetic_loader() -> None:
     def build(tokenizer: Any, device_batch_size: int, *, seq_len: int, vocab_size: int, num_samples: int = 4096,
               seed: int = 17, num_workers: int = 0, **_: Any) -> DataSpec:
         """Random token ids in the format of llm-foundry's text collator (input_ids, attention_mask of ones,
-        labels = input_ids; the model shifts them)."""
+        labels = input_ids; the model shifts them), loaded by ``num_workers`` worker processes as the project's
+        train loader is (0: in the training process)."""
         ds = _Tokens(num_samples, seq_len, vocab_size, seed)
+        extra = {'persistent_workers': True, 'prefetch_factor': 2} if num_workers > 0 else {}
         dl = torch.utils.data.DataLoader(ds, batch_size=int(device_batch_size), shuffle=False, drop_last=True,
-                                         num_workers=num_workers, pin_memory=True)
+                                         num_workers=num_workers, pin_memory=True, **extra)
         return DataSpec(dataloader=dl, get_num_tokens_in_batch=get_tokens_per_batch_func())
 
     dataloaders.register('llmpipe_synthetic_tokens', func=build)
@@ -217,10 +236,76 @@ _KERNEL_CATEGORIES = [
 ]
 
 
-def _make_profiler(first: int, n: int, out_dir: str, tag: str) -> Any:
+def gpu_idle_report(trace: dict, *, min_gap_us: float = 50.0, top: int = 45) -> str:
+    """Where the GPU waits: the gaps between CUDA kernels of a torch.profiler Chrome trace, attributed to the Python
+    frames the host was in meanwhile.
+
+    Args:
+        trace: the parsed JSON of ``torch.profiler.profile(with_stack=True).export_chrome_trace`` (its
+            ``traceEvents``: complete events with ``ts``/``dur`` in microseconds; kernels have ``cat`` 'kernel',
+            Python frames ``cat`` 'python_function').
+        min_gap_us: gaps shorter than this (launch latency between back-to-back kernels) are not attributed.
+        top: how many frames to list.
+
+    Returns:
+        Text: the span from the first kernel's start to the last kernel's end, kernel-busy and idle microseconds
+        (overlapping kernels on several streams counted once), the number of gaps >= ``min_gap_us`` and their
+        sum, then the Python frames of the thread that launched the kernels (the one with most CUDA runtime
+        calls), ranked by how many microseconds of those gaps they overlapped (a frame and its callers all count,
+        so the outer loop tops the list; the first specific frames are the answer).
+        'no CUDA kernels in the trace' when there are none (a CPU run).
+    """
+    events = [e for e in trace.get('traceEvents', []) if e.get('ph') == 'X' and 'dur' in e]
+    kernels = sorted((float(e['ts']), float(e['ts']) + float(e['dur'])) for e in events
+                     if e.get('cat') in ('kernel', 'gpu_memcpy', 'gpu_memset'))
+    if not kernels:
+        return 'no CUDA kernels in the trace\n'
+    busy, gaps, cur_s, cur_e = 0.0, [], kernels[0][0], kernels[0][1]
+    for s, e in kernels[1:]:
+        if s > cur_e:
+            busy += cur_e - cur_s
+            if s - cur_e >= min_gap_us:
+                gaps.append((cur_e, s))
+            cur_s, cur_e = s, e
+        else:
+            cur_e = max(cur_e, e)
+    busy += cur_e - cur_s
+    span = kernels[-1][1] - kernels[0][0]
+    gap_sum = sum(e - s for s, e in gaps)
+    import bisect
+    import collections
+    # the host thread that drives the GPU: the one that made most CUDA runtime calls (else most Python frames)
+    launches = collections.Counter(e.get('tid') for e in events if e.get('cat') == 'cuda_runtime')
+    py_threads = collections.Counter(e.get('tid') for e in events if e.get('cat') == 'python_function')
+    main_tid = (launches or py_threads or {None: 0}).most_common(1)[0][0] if (launches or py_threads) else None
+    starts = [g[0] for g in gaps]
+    frames: dict[str, float] = {}
+    for ev in events:
+        if ev.get('cat') != 'python_function' or ev.get('tid') != main_tid:
+            continue
+        s0, e0 = float(ev['ts']), float(ev['ts']) + float(ev['dur'])
+        i = max(0, bisect.bisect_right(starts, s0) - 1)  # gaps are disjoint and sorted: scan from the one before s0
+        ov = 0.0
+        while i < len(gaps) and gaps[i][0] < e0:
+            ov += max(0.0, min(e0, gaps[i][1]) - max(s0, gaps[i][0]))
+            i += 1
+        if ov > 0:
+            frames[ev['name']] = frames.get(ev['name'], 0.0) + ov
+    lines = [f'kernel span {span / 1e3:.1f} ms, GPU busy {busy / 1e3:.1f} ms, idle {(span - busy) / 1e3:.1f} ms '
+             f'({100 * (span - busy) / span:.1f}%); {len(gaps)} gaps >= {min_gap_us:.0f} us sum {gap_sum / 1e3:.1f} ms',
+             'largest gaps (ms): ' + ', '.join(f'{(e - s) / 1e3:.2f}' for s, e in sorted(gaps, key=lambda g: g[0] - g[1])[:12]),
+             'python frames of the launching thread overlapping those gaps (ms; callers included):']
+    for name, t in sorted(frames.items(), key=lambda kv: -kv[1])[:top]:
+        lines.append(f'{t / 1e3:9.2f}  {name[:150]}')
+    return '\n'.join(lines) + '\n'
+
+
+def _make_profiler(first: int, n: int, out_dir: str, tag: str, trace: bool = False) -> Any:
     """A Composer callback profiling batches ``first`` .. ``first + n - 1`` (0-based) with torch.profiler; on stop it
     writes ``{tag}-kernels.txt`` (top CUDA kernels) and ``{tag}-categories.txt`` (kernel time by category, and the
-    share of wall time the GPU had a kernel running) into ``out_dir``."""
+    share of wall time the GPU had a kernel running) into ``out_dir``. With ``trace``, Python stacks are recorded
+    too and it also writes ``{tag}-trace.json.gz`` (the Chrome trace) and ``{tag}-gaps.txt``
+    (:func:`gpu_idle_report`: what the host did while the GPU waited)."""
     from composer.core import Callback
 
     class Prof(Callback):
@@ -235,7 +320,7 @@ def _make_profiler(first: int, n: int, out_dir: str, tag: str) -> Any:
                 if torch.cuda.is_available():
                     torch.cuda.synchronize()
                     acts.append(torch.profiler.ProfilerActivity.CUDA)
-                self.prof = torch.profiler.profile(activities=acts)
+                self.prof = torch.profiler.profile(activities=acts, with_stack=trace)
                 self.prof.__enter__()
                 self.t0 = time.perf_counter()
 
@@ -278,6 +363,19 @@ def _make_profiler(first: int, n: int, out_dir: str, tag: str) -> Any:
                 for name, (t, cnt) in sorted(by_name.items(), key=lambda kv: -kv[1][0])[:60]:
                     f.write(f'{t / 1e3:10.2f} ms {cnt:6d}x  {100 * t / total:5.1f}%  {name[:160]}\n')
             print(open(os.path.join(out_dir, f'{tag}-categories.txt')).read(), flush=True)
+            if trace:
+                import gzip
+                raw = os.path.join(out_dir, f'{tag}-trace.json')
+                self.prof.export_chrome_trace(raw)
+                with open(raw) as f:
+                    data = json.load(f)
+                with gzip.open(raw + '.gz', 'wt') as f:
+                    json.dump(data, f)
+                os.remove(raw)
+                report = gpu_idle_report(data)
+                with open(os.path.join(out_dir, f'{tag}-gaps.txt'), 'w') as f:
+                    f.write(report)
+                print(report, flush=True)
 
     return Prof()
 
@@ -328,9 +426,11 @@ def build_train_config(config: dict, run: str, variant: dict, *, steps: int, mb_
     mb = int(mb_override or cfg.get('device_train_microbatch_size') or rc['train']['microbatch_size'])
     mb *= int(variant.get('mb_scale', 1))
 
-    # data: synthetic tokens instead of the MDS dataset; no eval
+    # data: synthetic tokens instead of the MDS dataset, with the project's loader worker count; no eval
+    workers = int(variant.get('num_workers', rc['train'].get('num_workers', 0)))
     cfg['train_loader'] = {'name': 'llmpipe_synthetic_tokens', 'seq_len': seq_len,
-                           'vocab_size': int(arch['vocab_size']), 'num_samples': mb * 8, 'seed': 17}
+                           'vocab_size': int(arch['vocab_size']), 'num_samples': mb * 8, 'seed': 17,
+                           'num_workers': workers}
     for k in ('eval_loader', 'eval_loaders', 'icl_tasks', 'eval_gauntlet'):
         cfg.pop(k, None)
     cfg['eval_interval'] = 1  # unused without an eval loader
@@ -394,6 +494,7 @@ def build_train_config(config: dict, run: str, variant: dict, *, steps: int, mb_
         'compile': compiled and (('blocks,' if compile_scope == 'blocks' else '') + ('fix' if compile_fix else 'nofix')
                                  + (f',{compile_mode}' if compile_mode else '')),
         'compile_fix': compile_fix,
+        'num_workers': workers,
         'microbatch': mb,
         'seq_len': seq_len,
         'train_metrics': model.get('use_train_metrics', True),
@@ -436,7 +537,7 @@ def _free_port() -> int:
 
 
 def run_one(config: dict, run: str, vname: str, variant: dict, *, steps: int, skip: int, mb_override: Optional[int],
-            tok_dir: str, profile_dir: Optional[str] = None) -> dict:
+            tok_dir: str, profile_dir: Optional[str] = None, trace: bool = False) -> dict:
     """Train one (model, variant) for ``steps`` steps; return its CSV row (status 'ok' or the error)."""
     import torch
     from omegaconf import OmegaConf
@@ -457,10 +558,14 @@ def run_one(config: dict, run: str, vname: str, variant: dict, *, steps: int, sk
         timer = _make_timer()
         extra = [timer]
         if profile_dir:  # profile 3 steps after the timed window's start (timing of those steps is then perturbed)
-            extra.append(_make_profiler(skip + 2, 3, profile_dir, f'{run}-{vname}'))
+            extra.append(_make_profiler(skip + 2, 3, profile_dir, f'{run}-{vname}', trace=trace))
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats()
+        threads_before = torch.get_num_threads()
+        if variant.get('cpu_threads'):
+            torch.set_num_threads(int(variant['cpu_threads']))
+        row['cpu_threads'] = torch.get_num_threads()
 
         # train() builds the callbacks from the config; add the timer through the registry-free path: wrap
         # Trainer.__init__ to append it (the config itself stays the project's).
@@ -476,6 +581,7 @@ def run_one(config: dict, run: str, vname: str, variant: dict, *, steps: int, sk
             trainer = train(OmegaConf.create(cfg))
         finally:
             composer.Trainer.__init__ = orig_init
+            torch.set_num_threads(threads_before)
         t = timer.times
         if len(t) < steps or steps <= skip + 1:
             raise RuntimeError(f'only {len(t)} of {steps} steps timed')
@@ -536,6 +642,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument('--append', action='store_true', help='append to --out instead of overwriting')
     ap.add_argument('--profile', default='', help='folder: also profile 3 steps with torch.profiler (kernel '
                     'time by category); those rows are marked profiled and their timing is perturbed')
+    ap.add_argument('--trace', action='store_true', help='with --profile: record Python stacks, write the Chrome '
+                    'trace (.json.gz) and a report of what the host did while the GPU was idle (-gaps.txt)')
     args = ap.parse_args(argv)
     if args.steps < 30 or args.skip < 10:
         print('note: the method asks for >= 30 steps with the first 10 excluded', file=sys.stderr)
@@ -586,7 +694,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                 t0 = time.time()
                 row = run_one(config, run, v, VARIANTS[v], steps=args.steps, skip=args.skip,
                               mb_override=int(mb_over[run]) if run in mb_over else None, tok_dir=tok_dir,
-                              profile_dir=args.profile or None)
+                              profile_dir=args.profile or None, trace=args.trace)
                 if args.profile:
                     row['variant'] = f'{v}+profiled'
                 row.update(versions)

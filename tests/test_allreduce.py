@@ -142,3 +142,18 @@ def test_two_node_sweep_on_the_slurm_cluster(slurm_cluster, tmp_path):
     assert "(slurm, 2 node(s) x 1 task(s)" in log, log
     assert os.path.getsize(tmp_path / "results/bench/allreduce/busbw.png") > 10_000
     assert math.isfinite(df["ip_busbw_gbps"].iloc[-1]) and df["ip_busbw_gbps"].iloc[-1] > 0
+
+
+def test_standalone_driver_runs_the_rule_code(tmp_path):
+    """scripts/allreduce_standalone.py (the rule's bench_step without Snakemake, as run on the device machine):
+    a 2-task gloo sweep through the local executor writes the nccl-tests table with no wrong elements."""
+    import subprocess
+    import sys
+    out = tmp_path / "ar"
+    proc = subprocess.run([sys.executable, str(REPO / "scripts" / "allreduce_standalone.py"), str(out), "--gpus", "0",
+                           "--set", "{allreduce: {max_bytes: 4096, warmup: 1, iters: 2, resources: "
+                           "{tasks_per_node: 2, cpus_per_task: 1}}}"],
+                          cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    check_sweep(pd.read_csv(out / "nodes1.csv"), ranks=2, max_bytes=4096)
+    assert "| size (B) |" in (out / "nodes1.md").read_text() and "2 ranks, gloo" in proc.stdout

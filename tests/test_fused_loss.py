@@ -348,6 +348,7 @@ def test_model_refuses_megablocks_ffn(monkeypatch):
 # ------------------------------------------------------------------------------------------ under FSDP (2 CPU ranks)
 
 def _fsdp_worker(rank: int, world: int, port: int, out_path: str) -> None:
+    import datetime
     import functools
 
     import torch.distributed as dist
@@ -356,36 +357,36 @@ def _fsdp_worker(rank: int, world: int, port: int, out_path: str) -> None:
     from torch.distributed.fsdp.wrap import lambda_auto_wrap_policy
 
     os.environ.update(MASTER_ADDR='127.0.0.1', MASTER_PORT=str(port))
-    dist.init_process_group('gloo', rank=rank, world_size=world)
+    # a bounded timeout: a rank that fails leaves the other in a collective for 5 minutes, not gloo's 30
+    dist.init_process_group('gloo', rank=rank, world_size=world, timeout=datetime.timedelta(minutes=5))
     results = {}
-    try:
-        for mixed in (False, True):
-            stock, fused = _models(fused_loss_chunk_size=11)
+    for mixed in (False, True):
+        stock, fused = _models(fused_loss_chunk_size=11)
 
-            def policy(m):  # composer's: modules marked _fsdp_wrap (wte, norm_f, ...) and MPT's blocks
-                return bool(getattr(m, '_fsdp_wrap', False)) or fused.model.fsdp_wrap_fn(m)
+        def policy(m):  # composer's: modules marked _fsdp_wrap (wte, norm_f, ...) and MPT's blocks
+            return bool(getattr(m, '_fsdp_wrap', False)) or fused.model.fsdp_wrap_fn(m)
 
-            mp = MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if mixed else None
-            fused.model = FSDP(fused.model, use_orig_params=True, device_id=torch.device('cpu'), mixed_precision=mp,
-                               auto_wrap_policy=functools.partial(lambda_auto_wrap_policy, lambda_fn=policy))
-            fused.train()
-            stock.train()
-            torch.manual_seed(1)   # every rank the same batches: the FSDP average equals one process' gradient
-            batches = [_batch(b=4), _batch(b=4)]
-            for batch in batches:   # two microbatches: gradients accumulate
-                out = fused(batch)
-                assert isinstance(out, FL.FusedLossOutput)
-                (fused.loss(out, batch) * 0.5).backward()
-            for batch in batches:
-                (stock.loss(stock(batch), batch) * 0.5).backward()
-            with FSDP.summon_full_params(fused.model, with_grads=True):
-                results[mixed] = {
-                    n: float((p.grad.float() - q.grad).abs().max() / q.grad.abs().max())
-                    for (n, p), (_, q) in zip(fused.model.named_parameters(), stock.model.named_parameters())}
-        if rank == 0:
-            torch.save(results, out_path)
-    finally:
-        dist.destroy_process_group()
+        mp = MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if mixed else None
+        fused.model = FSDP(fused.model, use_orig_params=True, device_id=torch.device('cpu'), mixed_precision=mp,
+                           auto_wrap_policy=functools.partial(lambda_auto_wrap_policy, lambda_fn=policy))
+        fused.train()
+        stock.train()
+        torch.manual_seed(1)   # every rank the same batches: the FSDP average equals one process' gradient
+        batches = [_batch(b=4), _batch(b=4)]
+        for batch in batches:   # two microbatches: gradients accumulate
+            out = fused(batch)
+            assert isinstance(out, FL.FusedLossOutput)
+            (fused.loss(out, batch) * 0.5).backward()
+        for batch in batches:
+            (stock.loss(stock(batch), batch) * 0.5).backward()
+        with FSDP.summon_full_params(fused.model, with_grads=True):
+            results[mixed] = {
+                n: float((p.grad.float() - q.grad).abs().max() / q.grad.abs().max())
+                for (n, p), (_, q) in zip(fused.model.named_parameters(), stock.model.named_parameters())}
+    if rank == 0:
+        torch.save(results, out_path)
+    # no destroy_process_group(): gloo's can block forever once the other rank has exited (this test hung
+    # for 15 minutes that way once); the spawned process ends right after, which closes gloo's sockets
 
 
 def _free_port() -> int:
@@ -497,6 +498,13 @@ def test_bench_builds_every_variant(tmp_path):
     cfg, knobs = bench.build_train_config(config, 'mpt-125m', bench.VARIANTS['default'], steps=3,
                                           mb_override=None, tok_dir=str(tmp_path))
     assert knobs['fused_loss'] == 'chunk=8192' and knobs['compile'] == 'fix'      # follows config.yaml
+    # the synthetic loader runs with the model's own loader worker count (config.yaml: 4), unless a variant says
+    assert knobs['num_workers'] == cfg['train_loader']['num_workers'] == 4
+    assert config['model_defaults']['train']['num_workers'] == 4 and 'num_workers' not in config['models'][
+        'mpt-125m']['train']
+    cfg, knobs = bench.build_train_config(config, 'mpt-125m', bench.VARIANTS['default_w0'], steps=3,
+                                          mb_override=None, tok_dir=str(tmp_path))
+    assert knobs['num_workers'] == cfg['train_loader']['num_workers'] == 0
     cfg, knobs = bench.build_train_config(config, 'mpt-350m', bench.VARIANTS['default'], steps=3,
                                           mb_override=None, tok_dir=str(tmp_path))
     assert knobs['compile'] == 'fix'   # compiled by default: the catalogue fix, as in the training step
@@ -553,3 +561,22 @@ def test_llm_foundry_train_with_the_fused_model_matches_stock(tmp_path, monkeypa
     assert stock_losses[-1] < stock_losses[0]
     for name, p in stock['params'].items():
         torch.testing.assert_close(fused['params'][name], p, atol=2e-5, rtol=1e-4, msg=lambda m: f'{name}: {m}')
+
+
+def test_gpu_idle_report_attributes_gaps_to_frames():
+    """The profiler's idle report: busy time merges overlapping kernels, only gaps >= min_gap_us count, and each
+    Python frame is credited with the gap time it overlapped (the frame outside every gap gets nothing)."""
+    bench = _bench()
+    k = lambda ts, dur: {'ph': 'X', 'cat': 'kernel', 'name': 'k', 'ts': ts, 'dur': dur}  # noqa: E731
+    f = lambda name, ts, dur: {'ph': 'X', 'cat': 'python_function', 'name': name, 'ts': ts, 'dur': dur,  # noqa: E731
+                               'tid': 1}
+    launch = {'ph': 'X', 'cat': 'cuda_runtime', 'name': 'cudaLaunchKernel', 'ts': 5, 'dur': 1, 'tid': 1}
+    trace = {'traceEvents': [k(0, 100), k(50, 60), k(300, 100), k(410, 90),      # gaps: 110..300 (190 us), 400..410
+                             f('outer', 0, 600), f('inner', 150, 100), f('elsewhere', 420, 60), launch,
+                             dict(f('other_thread', 100, 300), tid=2)]}        # not the launching thread: left out
+    report = bench.gpu_idle_report(trace, min_gap_us=50)
+    lines = report.splitlines()
+    assert lines[0].startswith('kernel span 0.5 ms, GPU busy 0.3 ms, idle 0.2 ms (40.0%); 1 gaps >= 50 us sum 0.2 ms')
+    frames = {ln.split()[1]: float(ln.split()[0]) for ln in lines[3:]}
+    assert frames == {'outer': 0.19, 'inner': 0.1}
+    assert bench.gpu_idle_report({'traceEvents': [f('x', 0, 5)]}) == 'no CUDA kernels in the trace\n'
