@@ -25,7 +25,10 @@ threads a side uses), ``unit_s_sum`` (ours: the sum of the units' own conversion
 start-up, merge and polling; llm-foundry: its wall time), ``tokens_per_unit_s`` (= tokens / unit_s_sum),
 ``spawn_s`` (ours: from the call until the first unit starts in a worker process), ``tokenizer_s`` (mean time a
 unit takes to load its tokenizer), ``tail_s`` (from the end of the last
-unit until the call returns: worker exit, index merge, manifest),
+unit until the call returns: worker exit, index merge, manifest), ``encode_s_sum, pack_s_sum, write_s_sum,
+read_s_sum`` (ours: the units' own seconds split by phase and summed over units: tokenizer calls, packing ids into
+samples, shard writing with compression, and the rest: reading, gunzip, JSON; compare them across worker counts
+to see which phase slows down side by side),
 ``speedup`` (ours: wall at 1 worker / wall at N), ``efficiency`` (= speedup / N), ``per_core_vs_foundry``,
 ``conversion_vs_foundry`` (ours / llm-foundry, per core and per conversion second), ``cpus`` (CPUs available),
 ``host``. At the end a markdown table and the full-C4 estimate are printed.
@@ -166,9 +169,15 @@ def run_ours(args: argparse.Namespace) -> dict:
         "tokenizer_s": sum(t["tokenizer_ready"] - t["start"] for t in tm) / len(tm),
         "tail_s": e1 - max(t["end"] for t in tm),  # last unit ends -> call returns (exit, merge, manifest)
     }
+    # the units' own seconds by phase (summed over units): which part slows down when workers run side by side
+    for ph in ("encode", "pack", "write"):
+        phases[f"{ph}_s_sum"] = sum((u.get("phase_seconds") or {}).get(ph, 0.0) for u in tr["units"])
+    unit_s_sum = sum(u["seconds"] for u in tr["units"])
+    phases["read_s_sum"] = unit_s_sum - sum(phases[f"{ph}_s_sum"] for ph in ("encode", "pack", "write")) - sum(
+        t["tokenizer_ready"] - t["start"] for t in tm)
     return {"wall_s": wall, "cpu_s": _cpu_s() - c0, "tokens": tr["tokens"], "samples": tr["samples"],
             "documents": tr["documents"], "files": len(tr["units"]),
-            "unit_s_sum": sum(u["seconds"] for u in tr["units"]), "workers_used": m["workers"], **phases}
+            "unit_s_sum": unit_s_sum, "workers_used": m["workers"], **phases}
 
 
 def run_foundry(args: argparse.Namespace) -> dict:
@@ -222,7 +231,7 @@ def child(kind: str, manifest: str, tok: str, concat: int, n: int, out_dir: str,
 # ---------------------------------------------------------------------------------------------- main
 
 FIELDS = ["impl", "workers", "files", "documents", "text_mb", "tokens", "samples", "wall_s", "cpu_s",
-          "tokens_per_s", "tokens_per_s_per_core", "text_mb_per_s_per_core", "tokens_per_cpu_s", "unit_s_sum", "tokens_per_unit_s", "spawn_s", "tokenizer_s", "tail_s", "speedup", "efficiency", "per_core_vs_foundry", "conversion_vs_foundry", "cpus", "host"]
+          "tokens_per_s", "tokens_per_s_per_core", "text_mb_per_s_per_core", "tokens_per_cpu_s", "unit_s_sum", "tokens_per_unit_s", "spawn_s", "tokenizer_s", "tail_s", "encode_s_sum", "pack_s_sum", "write_s_sum", "read_s_sum", "speedup", "efficiency", "per_core_vs_foundry", "conversion_vs_foundry", "cpus", "host"]
 
 
 def sorted_rows(rows: list[dict]) -> list[dict]:
@@ -298,7 +307,8 @@ def main() -> None:
                 "text_mb_per_s_per_core": round(r["text_bytes"] / 1e6 / (r["wall_s"] * n), 3),
                 "tokens_per_cpu_s": round(r["tokens"] / r["cpu_s"]) if r["cpu_s"] else "",
                 "unit_s_sum": round(r["unit_s_sum"], 3), "tokens_per_unit_s": round(r["tokens"] / r["unit_s_sum"]),
-                **{k_: round(r[k_], 3) if k_ in r else "" for k_ in ("spawn_s", "tokenizer_s", "tail_s")},
+                **{k_: round(r[k_], 3) if k_ in r else "" for k_ in ("spawn_s", "tokenizer_s", "tail_s", "encode_s_sum",
+                                                                   "pack_s_sum", "write_s_sum", "read_s_sum")},
                 "speedup": "", "efficiency": "", "per_core_vs_foundry": "", "conversion_vs_foundry": "",
                 "cpus": cpus, "host": host}
 

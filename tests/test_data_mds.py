@@ -187,6 +187,18 @@ def test_merge_counts_and_verify(tok, converted, tmp_path):
     assert len(ex) == 3 and all(e["found_in_source"] for e in ex)
 
 
+def test_unit_records_split_their_seconds_by_phase(converted):
+    """Each unit record (manifest and unit.json) carries the seconds spent in the tokenizer, packing and shard
+    writing (scripts/bench_mds.py sums them per worker count); together they fit inside the unit's own seconds."""
+    out, m, _ = converted
+    for split in ("train", "val"):
+        for u in m["splits"][split]["units"]:
+            ph = u["phase_seconds"]
+            assert set(ph) == {"encode", "pack", "write"} and all(v >= 0 for v in ph.values())
+            assert ph["encode"] > 0 and ph["write"] > 0 and sum(ph.values()) <= u["seconds"] + 1e-3
+            assert json.load(open(out / split / u["name"] / "unit.json"))["phase_seconds"] == ph
+
+
 def _copy(out, dst):
     shutil.copytree(out, dst)
     return dst

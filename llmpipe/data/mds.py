@@ -334,7 +334,9 @@ def convert_unit(spec: dict) -> dict:
         The unit record (also stored as ``unit.json``): ``samples``, ``tokens`` (= samples x concat_tokens),
         ``documents``, ``empty_documents``, ``dropped_tokens``, ``seconds`` (this call), ``timings`` (epoch
         seconds: ``process_start``, ``start`` of this call, ``tokenizer_ready``, ``written`` (last shard
-        and index), ``end``), ``identity``, ...
+        and index), ``end``), ``phase_seconds`` (seconds in the tokenizer (``encode``), packing ids into
+        samples (``pack``) and writing shards with their compression (``write``); the rest of ``seconds`` is
+        reading, gunzip and JSON), ``identity``, ...
 
     Raises:
         DataError: the input is not gzip / truncated / not C4 JSON (message names the file).
@@ -361,20 +363,31 @@ def convert_unit(spec: dict) -> dict:
     bar = tqdm(total=spec["input_bytes"], unit="B", unit_scale=True, desc=f"{spec['split']}/{spec['name']}",
                mininterval=0.5 if tty else 60, file=sys.stderr, disable=spec.get("quiet", False))
     last_progress = 0.0
+    # seconds per phase of this unit (perf_counter): tokenizer calls, packing ids into samples, shard writing
+    # (compression included); the rest of the unit's time is reading, gunzip and JSON parsing
+    phase = {"encode": 0.0, "pack": 0.0, "write": 0.0}
+    clock = time.perf_counter
     try:
         writer = open_writer(tmp_dir, concat, spec["compression"], spec["size_limit"])
         docs_before = 0
         for texts in _iter_text_batches(spec["input"], stats):
+            c0 = clock()
             id_lists = _encode_or_explain(encode, texts, spec["input"], docs_before)
+            c1 = clock()
             docs_before = stats["documents"]
             total = sum(map(len, id_lists)) + neos * len(id_lists)
             flat = np.fromiter(chain(x for ids in id_lists for x in (ids, eos)), dtype=np.int32, count=total)
             buf = np.concatenate((carry, flat)) if len(carry) else flat
             n = len(buf) // concat
+            c2 = clock()
             if n:
                 writer.write(buf[: n * concat].reshape(n, concat))
                 samples += n
             carry = buf[n * concat:].copy()
+            c3 = clock()
+            phase["encode"] += c1 - c0
+            phase["pack"] += c2 - c1
+            phase["write"] += c3 - c2
             bar.update(stats["bytes_read"] - bar.n)
             now = time.time()
             if now - last_progress > 1.0:
@@ -382,7 +395,9 @@ def convert_unit(spec: dict) -> dict:
                 _write_progress(spec.get("progress"), {"bytes_done": stats["bytes_read"],
                                                        "bytes_total": spec["input_bytes"],
                                                        "tokens": samples * concat, "done": False})
+        c0 = clock()
         writer.finish()
+        phase["write"] += clock() - c0
         timings["written"] = time.time()
         bar.update(spec["input_bytes"] - bar.n)
         bar.close()
@@ -398,6 +413,7 @@ def convert_unit(spec: dict) -> dict:
             "empty_documents": stats["empty_documents"], "dropped_tokens": int(len(carry)),
             "seconds": round(timings["end"] - t0, 3), "host": os.uname().nodename, "pid": os.getpid(),
             "timings": {k: (round(v, 3) if v is not None else None) for k, v in timings.items()},
+            "phase_seconds": {k: round(v, 6) for k, v in phase.items()},
             "identity": _unit_identity(spec),
         }
         with open(os.path.join(tmp_dir, "unit.json"), "w") as fh:  # the completion marker: written last
@@ -701,7 +717,7 @@ def convert_dataset(corpus_manifest: str, tokenizer_dir: str, concat_tokens: int
                                 f"Fix: rerun; see the logs in {log_dir}.")
             recs.append({**{k: rec[k] for k in ("name", "input", "samples", "tokens", "documents",
                                                 "empty_documents", "dropped_tokens", "seconds")},
-                         "timings": rec.get("timings")})
+                         "timings": rec.get("timings"), "phase_seconds": rec.get("phase_seconds")})
         split_dir = os.path.join(out_dir, msplit)
         n = _merge_split(split_dir, [s["name"] for s in split_specs])
         total = {k: sum(r[k] for r in recs) for k in ("samples", "tokens", "documents", "empty_documents",
