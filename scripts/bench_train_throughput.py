@@ -29,6 +29,7 @@ import datetime as _dt
 import gc
 import json
 import os
+import re
 import socket
 import sys
 import tempfile
@@ -134,7 +135,7 @@ VARIANTS: dict[str, dict[str, Any]] = {
 }
 
 CSV_FIELDS = [
-    'timestamp', 'model', 'variant', 'status', 'config_source', 'shims', 'attn_impl', 'attn_type', 'sdpa_backend',
+    'device_call', 'machine', 'timestamp', 'model', 'variant', 'status', 'config_source', 'shims', 'attn_impl', 'attn_type', 'sdpa_backend',
     'drop_mask', 'optimizer', 'compile', 'train_metrics', 'fused_loss', 'num_workers', 'cpu_threads', 'microbatch', 'seq_len', 'steps', 'timed_steps',
     'tokens_per_s',
     'step_ms', 'mfu', 'flops_per_token', 'flops_per_token_foundry', 'peak_flops', 'peak_mem_allocated_gb',
@@ -236,6 +237,50 @@ _KERNEL_CATEGORIES = [
 ]
 
 
+def is_profiler_range(name: str) -> bool:
+    """True for the profiler's own GPU ranges, e.g. ``Optimizer.step#FusedAdamW.step`` (a user annotation spanning
+    the optimizer's kernels, which would count them twice) or ``ProfilerStep#3``; False for kernels, whose names
+    may contain '#' too (PyTorch's elementwise kernels name C++ lambdas: ``...::{lambda()#3}...``)."""
+    return name.startswith('ProfilerStep') or re.fullmatch(r'[\w.]+#[\w.]+', name) is not None
+
+
+def kernel_time_report(kernels: list[tuple[str, float]], n_steps: int, wall_us: float) -> tuple[str, str]:
+    """Kernel time by category and by name.
+
+    Args:
+        kernels: ``(name, microseconds)`` per kernel execution.
+        n_steps: steps the kernels cover; wall_us: their wall time (µs).
+
+    Returns:
+        ``(categories text, top-60 kernels text)``; categories by :data:`_KERNEL_CATEGORIES` (first match of a
+        lower-case substring; else 'other').
+    """
+    by_name: dict[str, list] = {}
+    for name, t in kernels:
+        d = by_name.setdefault(name, [0.0, 0])
+        d[0] += t
+        d[1] += 1
+    total = sum(v[0] for v in by_name.values()) or 1e-9
+    cats: dict[str, float] = {}
+    for name, (t, _) in by_name.items():
+        low = name.lower()
+        cat = next((c for c, subs in _KERNEL_CATEGORIES if any(x in low for x in subs)), 'other')
+        cats[cat] = cats.get(cat, 0.0) + t
+    head = (f'{n_steps} steps, wall {wall_us / 1e3:.1f} ms, CUDA kernel time {total / 1e3:.1f} ms '
+            f'({100 * total / wall_us:.1f}% of wall)\n')
+    cat_txt = head + ''.join(f'{c:22s} {t / 1e3:10.2f} ms  {100 * t / total:5.1f}%\n'
+                             for c, t in sorted(cats.items(), key=lambda kv: -kv[1]))
+    top_txt = ''.join(f'{t / 1e3:10.2f} ms {cnt:6d}x  {100 * t / total:5.1f}%  {name[:160]}\n'
+                      for name, (t, cnt) in sorted(by_name.items(), key=lambda kv: -kv[1][0])[:60])
+    return cat_txt, top_txt
+
+
+def trace_kernels(trace: dict) -> list[tuple[str, float]]:
+    """``(name, microseconds)`` of every GPU kernel, memcpy and memset in a torch.profiler Chrome trace."""
+    return [(e['name'], float(e['dur'])) for e in trace.get('traceEvents', [])
+            if e.get('ph') == 'X' and 'dur' in e and e.get('cat') in ('kernel', 'gpu_memcpy', 'gpu_memset')]
+
+
 def gpu_idle_report(trace: dict, *, min_gap_us: float = 50.0, top: int = 45) -> str:
     """Where the GPU waits: the gaps between CUDA kernels of a torch.profiler Chrome trace, attributed to the Python
     frames the host was in meanwhile.
@@ -250,8 +295,8 @@ def gpu_idle_report(trace: dict, *, min_gap_us: float = 50.0, top: int = 45) -> 
     Returns:
         Text: the span from the first kernel's start to the last kernel's end, kernel-busy and idle microseconds
         (overlapping kernels on several streams counted once), the number of gaps >= ``min_gap_us`` and their
-        sum, then the Python frames of the thread that launched the kernels (the one with most CUDA runtime
-        calls), ranked by how many microseconds of those gaps they overlapped (a frame and its callers all count,
+        sum, then the Python frames of the main thread (the one running the script's ``<module>`` frame, else the
+        one with most Python frames), ranked by how many microseconds of those gaps they overlapped (a frame and its callers all count,
         so the outer loop tops the list; the first specific frames are the answer).
         'no CUDA kernels in the trace' when there are none (a CPU run).
     """
@@ -270,31 +315,41 @@ def gpu_idle_report(trace: dict, *, min_gap_us: float = 50.0, top: int = 45) -> 
         else:
             cur_e = max(cur_e, e)
     busy += cur_e - cur_s
-    span = kernels[-1][1] - kernels[0][0]
+    span = cur_e - kernels[0][0]   # the last merged interval ends at the latest kernel end
     gap_sum = sum(e - s for s, e in gaps)
     import bisect
     import collections
-    # the host thread that drives the GPU: the one that made most CUDA runtime calls (else most Python frames)
-    launches = collections.Counter(e.get('tid') for e in events if e.get('cat') == 'cuda_runtime')
+    # the main Python thread (the one running the script's <module> frame; else the one with most Python frames):
+    # it runs the training loop between steps. (Not the thread with most CUDA launches: on CUDA the backward runs
+    # in autograd's own device thread.)
     py_threads = collections.Counter(e.get('tid') for e in events if e.get('cat') == 'python_function')
-    main_tid = (launches or py_threads or {None: 0}).most_common(1)[0][0] if (launches or py_threads) else None
+    module_tids = [e.get('tid') for e in events if e.get('cat') == 'python_function' and '<module>' in e['name']]
+    main_tid = module_tids[0] if module_tids else (py_threads.most_common(1)[0][0] if py_threads else None)
     starts = [g[0] for g in gaps]
-    frames: dict[str, float] = {}
+    spans: dict[str, list] = {}
     for ev in events:
-        if ev.get('cat') != 'python_function' or ev.get('tid') != main_tid:
-            continue
-        s0, e0 = float(ev['ts']), float(ev['ts']) + float(ev['dur'])
-        i = max(0, bisect.bisect_right(starts, s0) - 1)  # gaps are disjoint and sorted: scan from the one before s0
+        if ev.get('cat') == 'python_function' and ev.get('tid') == main_tid:
+            spans.setdefault(ev['name'], []).append((float(ev['ts']), float(ev['ts']) + float(ev['dur'])))
+    frames: dict[str, float] = {}
+    for name, ivs in spans.items():
+        merged: list[list[float]] = []   # a frame nested in itself (recursion) counts once
+        for s0, e0 in sorted(ivs):
+            if merged and s0 <= merged[-1][1]:
+                merged[-1][1] = max(merged[-1][1], e0)
+            else:
+                merged.append([s0, e0])
         ov = 0.0
-        while i < len(gaps) and gaps[i][0] < e0:
-            ov += max(0.0, min(e0, gaps[i][1]) - max(s0, gaps[i][0]))
-            i += 1
+        for s0, e0 in merged:
+            i = max(0, bisect.bisect_right(starts, s0) - 1)  # gaps are disjoint and sorted
+            while i < len(gaps) and gaps[i][0] < e0:
+                ov += max(0.0, min(e0, gaps[i][1]) - max(s0, gaps[i][0]))
+                i += 1
         if ov > 0:
-            frames[ev['name']] = frames.get(ev['name'], 0.0) + ov
+            frames[name] = ov
     lines = [f'kernel span {span / 1e3:.1f} ms, GPU busy {busy / 1e3:.1f} ms, idle {(span - busy) / 1e3:.1f} ms '
              f'({100 * (span - busy) / span:.1f}%); {len(gaps)} gaps >= {min_gap_us:.0f} us sum {gap_sum / 1e3:.1f} ms',
              'largest gaps (ms): ' + ', '.join(f'{(e - s) / 1e3:.2f}' for s, e in sorted(gaps, key=lambda g: g[0] - g[1])[:12]),
-             'python frames of the launching thread overlapping those gaps (ms; callers included):']
+             'python frames of the main thread overlapping those gaps (ms; callers included):']
     for name, t in sorted(frames.items(), key=lambda kv: -kv[1])[:top]:
         lines.append(f'{t / 1e3:9.2f}  {name[:150]}')
     return '\n'.join(lines) + '\n'
@@ -337,32 +392,16 @@ def _make_profiler(first: int, n: int, out_dir: str, tag: str, trace: bool = Fal
         def _write(self, wall_us: float) -> None:
             import torch
             cuda = torch.cuda.is_available()  # on a CPU (smoke test) the CPU self time of operators stands in
-            # kernels only: leave out the profiler's own GPU ranges (e.g. 'Optimizer.step#FusedAdamW.step', a
-            # user annotation spanning the optimizer step, which would count its kernels twice)
             events = [e for e in self.prof.events() if (e.device_type.name == 'CUDA') == cuda
-                      and not getattr(e, 'is_user_annotation', False) and '#' not in e.name
-                      and not e.name.startswith('ProfilerStep')]
-            by_name: dict[str, list] = {}
-            for e in events:
-                d = by_name.setdefault(e.name, [0.0, 0])
-                d[0] += e.device_time if cuda else e.self_cpu_time_total
-                d[1] += 1
-            total = sum(v[0] for v in by_name.values())
-            cats: dict[str, float] = {}
-            for name, (t, _) in by_name.items():
-                low = name.lower()
-                cat = next((c for c, subs in _KERNEL_CATEGORIES if any(x in low for x in subs)), 'other')
-                cats[cat] = cats.get(cat, 0.0) + t
+                      and not getattr(e, 'is_user_annotation', False) and not is_profiler_range(e.name)]
+            kernels = [(e.name, e.device_time if cuda else e.self_cpu_time_total) for e in events]
+            cat_txt, top_txt = kernel_time_report(kernels, n, wall_us)
             os.makedirs(out_dir, exist_ok=True)
             with open(os.path.join(out_dir, f'{tag}-categories.txt'), 'w') as f:
-                f.write(f'{n} steps, wall {wall_us / 1e3:.1f} ms, CUDA kernel time {total / 1e3:.1f} ms '
-                        f'({100 * total / wall_us:.1f}% of wall)\n')
-                for c, t in sorted(cats.items(), key=lambda kv: -kv[1]):
-                    f.write(f'{c:22s} {t / 1e3:10.2f} ms  {100 * t / total:5.1f}%\n')
+                f.write(cat_txt)
             with open(os.path.join(out_dir, f'{tag}-kernels.txt'), 'w') as f:
-                for name, (t, cnt) in sorted(by_name.items(), key=lambda kv: -kv[1][0])[:60]:
-                    f.write(f'{t / 1e3:10.2f} ms {cnt:6d}x  {100 * t / total:5.1f}%  {name[:160]}\n')
-            print(open(os.path.join(out_dir, f'{tag}-categories.txt')).read(), flush=True)
+                f.write(top_txt)
+            print(cat_txt, flush=True)
             if trace:
                 import gzip
                 raw = os.path.join(out_dir, f'{tag}-trace.json')
@@ -562,10 +601,6 @@ def run_one(config: dict, run: str, vname: str, variant: dict, *, steps: int, sk
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats()
-        threads_before = torch.get_num_threads()
-        if variant.get('cpu_threads'):
-            torch.set_num_threads(int(variant['cpu_threads']))
-        row['cpu_threads'] = torch.get_num_threads()
 
         # train() builds the callbacks from the config; add the timer through the registry-free path: wrap
         # Trainer.__init__ to append it (the config itself stays the project's).
@@ -577,7 +612,11 @@ def run_one(config: dict, run: str, vname: str, variant: dict, *, steps: int, sk
             return orig_init(self, *a, **k)
 
         composer.Trainer.__init__ = init
+        threads_before = torch.get_num_threads()
         try:
+            if variant.get('cpu_threads'):
+                torch.set_num_threads(int(variant['cpu_threads']))
+            row['cpu_threads'] = torch.get_num_threads()
             trainer = train(OmegaConf.create(cfg))
         finally:
             composer.Trainer.__init__ = orig_init
@@ -642,6 +681,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument('--append', action='store_true', help='append to --out instead of overwriting')
     ap.add_argument('--profile', default='', help='folder: also profile 3 steps with torch.profiler (kernel '
                     'time by category); those rows are marked profiled and their timing is perturbed')
+    ap.add_argument('--machine', default='', help="written to the rows' machine column (e.g. nvidia-h200)")
+    ap.add_argument('--device-call', default='', help="written to the rows' device_call column")
     ap.add_argument('--trace', action='store_true', help='with --profile: record Python stacks, write the Chrome '
                     'trace (.json.gz) and a report of what the host did while the GPU was idle (-gaps.txt)')
     args = ap.parse_args(argv)
@@ -698,7 +739,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                 if args.profile:
                     row['variant'] = f'{v}+profiled'
                 row.update(versions)
-                row['command'] = command
+                row.update(command=command, machine=args.machine, device_call=args.device_call)
                 w.writerow(row)
                 f.flush()
                 rows.append(row)

@@ -570,13 +570,38 @@ def test_gpu_idle_report_attributes_gaps_to_frames():
     k = lambda ts, dur: {'ph': 'X', 'cat': 'kernel', 'name': 'k', 'ts': ts, 'dur': dur}  # noqa: E731
     f = lambda name, ts, dur: {'ph': 'X', 'cat': 'python_function', 'name': name, 'ts': ts, 'dur': dur,  # noqa: E731
                                'tid': 1}
-    launch = {'ph': 'X', 'cat': 'cuda_runtime', 'name': 'cudaLaunchKernel', 'ts': 5, 'dur': 1, 'tid': 1}
+    main = f('script.py(1): <module>', 0, 2000)   # marks tid 1 as the main thread
     trace = {'traceEvents': [k(0, 100), k(50, 60), k(300, 100), k(410, 90),      # gaps: 110..300 (190 us), 400..410
-                             f('outer', 0, 600), f('inner', 150, 100), f('elsewhere', 420, 60), launch,
-                             dict(f('other_thread', 100, 300), tid=2)]}        # not the launching thread: left out
+                             f('outer', 0, 600), f('inner', 150, 100), f('elsewhere', 420, 60), main,
+                             dict(f('other_thread', 100, 300), tid=2)]}        # not the main thread: left out
     report = bench.gpu_idle_report(trace, min_gap_us=50)
     lines = report.splitlines()
     assert lines[0].startswith('kernel span 0.5 ms, GPU busy 0.3 ms, idle 0.2 ms (40.0%); 1 gaps >= 50 us sum 0.2 ms')
     frames = {ln.split()[1]: float(ln.split()[0]) for ln in lines[3:]}
-    assert frames == {'outer': 0.19, 'inner': 0.1}
+    assert frames == {'outer': 0.19, 'inner': 0.1, 'script.py(1):': 0.19}
     assert bench.gpu_idle_report({'traceEvents': [f('x', 0, 5)]}) == 'no CUDA kernels in the trace\n'
+    # a long kernel that ends after a later-starting one sets the span; a frame nested in itself counts once
+    trace = {'traceEvents': [k(0, 1000), k(10, 10), k(1500, 100), main, f('rec', 1000, 500), f('rec', 1100, 200),
+                             f('step', 900, 800)]}
+    lines = bench.gpu_idle_report(trace, min_gap_us=50).splitlines()
+    assert lines[0].startswith('kernel span 1.6 ms, GPU busy 1.1 ms, idle 0.5 ms (31.2%); 1 gaps >= 50 us sum 0.5')
+    assert {ln.split()[1]: float(ln.split()[0]) for ln in lines[3:]} == {'rec': 0.5, 'step': 0.5, 'script.py(1):': 0.5}
+
+
+def test_kernel_report_keeps_lambda_kernels_and_drops_profiler_ranges():
+    """PyTorch's elementwise kernels name C++ lambdas ('{lambda()#3}'); they are kernels and must be counted
+    (an earlier filter on '#' dropped them: 20 ms a step of casts went missing); the profiler's own ranges
+    ('Optimizer.step#FusedAdamW.step', 'ProfilerStep#3') are not."""
+    bench = _bench()
+    copy = 'void at::native::unrolled_elementwise_kernel<at::native::direct_copy_kernel_cuda(at::TensorIteratorBase&)::{lambda()#3}>'
+    assert not bench.is_profiler_range(copy) and not bench.is_profiler_range('nvjet_sm90_tst_192x192')
+    assert bench.is_profiler_range('Optimizer.step#FusedAdamW.step') and bench.is_profiler_range('ProfilerStep#3')
+    cats, top = bench.kernel_time_report([(copy, 3000.0), ('nvjet_sm90_x', 6000.0), ('mystery', 1000.0)], 2, 20000.0)
+    assert cats.splitlines()[0] == '2 steps, wall 20.0 ms, CUDA kernel time 10.0 ms (50.0% of wall)'
+    assert {ln.split()[0]: float(ln.split()[-3]) for ln in cats.splitlines()[1:]} == {
+        'matmul': 6.0, 'copy/cast': 3.0, 'other': 1.0}
+    assert top.splitlines()[0].split()[:2] == ['6.00', 'ms']
+    kern = bench.trace_kernels({'traceEvents': [{'ph': 'X', 'cat': 'kernel', 'name': copy, 'ts': 0, 'dur': 7},
+                                                {'ph': 'X', 'cat': 'cpu_op', 'name': 'aten::copy_', 'ts': 0, 'dur': 9},
+                                                {'ph': 'X', 'cat': 'gpu_memset', 'name': 'Memset', 'ts': 9, 'dur': 1}]})
+    assert kern == [(copy, 7.0), ('Memset', 1.0)]
