@@ -32,6 +32,7 @@ from typing import Any
 
 from llmpipe.plots import finish_and_save
 from llmpipe.config import ConfigError, step_resources, world_size
+from llmpipe.dispatch import check_executor  # noqa: F401 - used here and by rules/bench.smk
 from llmpipe.steps import _logged
 
 #: Columns of ``results/bench/allreduce/nodes{N}.csv``, in nccl-tests' order, then where it ran.
@@ -136,18 +137,6 @@ def bench_resources(config: dict, nodes: int) -> dict:
     s = settings(config)
     res = step_resources({"allreduce": {"resources": dict(s["resources"], nodes=int(nodes))}}, "allreduce")
     return res
-
-
-def check_executor(config: dict, nodes: int, what: str) -> None:
-    """Refuse more than one node on the local or debug executor (they run one machine).
-
-    Raises:
-        ConfigError: naming ``what`` and the fix (``--profile slurm``).
-    """
-    kind = (config.get("dispatch") or {}).get("executor", "local")
-    if int(nodes) > 1 and kind != "slurm":
-        raise ConfigError(f"{what} needs {nodes} nodes but dispatch.executor is {kind!r}, which runs on this one "
-                          f"machine. Fix: run with --profile slurm (or profiles/slurm), or use 1 node.")
 
 
 # ------------------------------------------------------------------------------------------- the task

@@ -64,6 +64,21 @@ def with_executor(config: dict, executor: str | None) -> dict:
     return {**config, "dispatch": {**(config.get("dispatch") or {}), "executor": executor}}
 
 
+def check_executor(config: dict, nodes: int, what: str) -> None:
+    """Refuse more than one node on the local or debug executor: they run on this one machine, and submitit's
+    LocalExecutor would run the job on one node (another world size than the config asks for).
+
+    Raises:
+        ConfigError: naming ``what`` and the fix (``--profile profiles/slurm``, or 1 node).
+    """
+    from llmpipe.config import ConfigError
+
+    kind = _executor_kind(config)
+    if int(nodes) > 1 and kind != "slurm":
+        raise ConfigError(f"{what} needs {nodes} nodes but dispatch.executor is {kind!r}, which runs on this one "
+                          f"machine. Fix: run with --profile profiles/slurm (or --profile slurm), or use 1 node.")
+
+
 def make_executor(config: dict, resources: dict, folder: str, name: str):
     """Build a submitit executor for one step.
 

@@ -87,7 +87,7 @@ def check_study(config: dict, run: str, nodes: list[int] | None = None) -> dict[
                           f"count:\n" + "\n".join(problems) +
                           "\nFix: drop those counts from scaling.nodes, or choose a global_batch_size (and "
                           "microbatch_size) that divides at every count.")
-    from llmpipe.allreduce import check_executor
+    from llmpipe.dispatch import check_executor
     for n in nodes:
         check_executor(config, n, f"the node-scaling study of {run} at {n} nodes")
     return out

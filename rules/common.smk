@@ -22,8 +22,21 @@ wildcard_constraints:
 
 
 def run_cfg(wildcards):
-    """Validated settings of the run in the target path (clear ConfigError if it is wrong)."""
-    return cfg.validate_run(config, wildcards.run)
+    """Validated settings of the run in the target path (clear ConfigError if it is wrong). On the local executor a
+    real run (not a dry run, which still shows the multi-node plan) also refuses a training on more than one node
+    here, while the DAG is built: the local executor runs one machine, so nothing upstream should run first."""
+    rc = cfg.validate_run(config, wildcards.run)
+    if config["dispatch"]["executor"] != "slurm" and not workflow.dryrun and wildcards.run not in _LOCAL_NODES_OK:
+        from llmpipe.dispatch import check_executor
+
+        where = f"{'finetunes' if wildcards.run in (config.get('finetunes') or {}) else 'models'}.{wildcards.run}"
+        check_executor(config, int(cfg.step_resources(config, "train", wildcards.run).get("nodes", 1) or 1),
+                       f"{where}.resources (training {wildcards.run})")
+        _LOCAL_NODES_OK.add(wildcards.run)
+    return rc
+
+
+_LOCAL_NODES_OK = set()
 
 
 def dataset_path(wildcards, leaf):

@@ -117,3 +117,18 @@ def test_misspelled_train_setting(workdir):
     out = dry_fail(workdir, "results/mpt-tiny-sft/eval.json", "--config",
                    "finetunes={'mpt-tiny-sft': {'train': {'compiles': True}}}")
     assert "finetunes.mpt-tiny-sft.train.compiles is not a train setting; did you mean compile?" in out
+
+
+def test_local_run_refuses_multi_node_training_before_anything_runs(workdir):
+    """The local executor runs on this one machine: a real run whose training asks for 2 nodes stops while the DAG
+    is built (nothing converted or trained, the message names the setting and the fix); a dry run still shows the
+    2-node plan (README: dry runs of cluster configs on a laptop)."""
+    over = "models={'mpt-tiny': {'resources': {'nodes': 2}}}"
+    proc = snakemake(workdir, "--cores", "1", "results/mpt-tiny/train.json", "--config", over, check=False)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0, out[-2000:]
+    assert "models.mpt-tiny.resources (training mpt-tiny) needs 2 nodes but dispatch.executor is 'local'" in out, out[-3000:]
+    assert "--profile profiles/slurm" in out
+    assert not (workdir / "results").exists() or not [p for p in (workdir / "results").rglob("*") if p.is_file()]
+    dry = snakemake(workdir, "-n", "results/mpt-tiny/train.json", "--config", over)
+    assert "nodes=2" in dry.stdout + dry.stderr
