@@ -328,13 +328,14 @@ def fused_loss_settings(train: dict, where: str = "train") -> dict | None:
     """The fused linear + cross-entropy settings of a run's ``train`` section (:mod:`llmpipe.fused_loss`).
 
     ``fused_loss`` is ``false``/``null`` (off), ``true`` (on, default chunk), or a mapping with ``chunk_size``
-    (tokens per chunk, a positive integer or null for the default) and ``compile`` (torch.compile the per-chunk
-    softmax on CUDA, default false). ``train`` comes from :func:`run_config`, which already reads
+    (tokens per chunk, a positive integer or null for the default), ``compile`` (torch.compile the per-chunk
+    softmax on CUDA, default false) and ``softmax_grad`` (compute each chunk's gradient with one softmax kernel
+    from the logits instead of exp of the fp32 log-probabilities; default false, see :mod:`llmpipe.fused_loss`). ``train`` comes from :func:`run_config`, which already reads
     ``'True'``/``'null'`` strings from ``snakemake --config`` as YAML; a ``chunk_size`` given as a digit string
     (``'4096'``) is read as that number.
 
     Returns:
-        None when off, else ``{"chunk_size": int | None, "compile": bool}``.
+        None when off, else ``{"chunk_size": int | None, "compile": bool, "softmax_grad": bool}``.
 
     Raises:
         ConfigError: any other value, naming ``{where}.fused_loss``.
@@ -343,22 +344,25 @@ def fused_loss_settings(train: dict, where: str = "train") -> dict | None:
     if value is None or value is False:
         return None
     if value is True:
-        return {"chunk_size": None, "compile": False}
-    if isinstance(value, dict) and set(value) <= {"chunk_size", "compile"}:
+        return {"chunk_size": None, "compile": False, "softmax_grad": False}
+    if isinstance(value, dict) and set(value) <= {"chunk_size", "compile", "softmax_grad"}:
         chunk = value.get("chunk_size")
         if isinstance(chunk, str) and chunk.strip().isdigit():
             chunk = int(chunk)
         if chunk is not None and (isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1):
             raise ConfigError(f"{where}.fused_loss.chunk_size must be a positive integer (tokens per chunk) or "
                               f"null (default: 8192, fewer if one chunk's fp32 logits would exceed 2 GiB), got {chunk!r}.")
-        compile_ = value.get("compile", False)
-        if compile_ is None:
-            compile_ = False
-        if not isinstance(compile_, bool):
-            raise ConfigError(f"{where}.fused_loss.compile must be true or false, got {value.get('compile')!r}.")
-        return {"chunk_size": chunk, "compile": compile_}
+        flags = {}
+        for key in ("compile", "softmax_grad"):
+            flag = value.get(key, False)
+            if flag is None:
+                flag = False
+            if not isinstance(flag, bool):
+                raise ConfigError(f"{where}.fused_loss.{key} must be true or false, got {value.get(key)!r}.")
+            flags[key] = flag
+        return {"chunk_size": chunk, **flags}
     raise ConfigError(f"{where}.fused_loss is {value!r}; it must be true, false, or a mapping "
-                      f"{{chunk_size: <tokens or null>, compile: <true|false>}}.")
+                      f"{{chunk_size: <tokens or null>, compile: <true|false>, softmax_grad: <true|false>}}.")
 
 
 def _yaml_scalar(value: Any) -> Any:

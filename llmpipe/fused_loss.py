@@ -26,9 +26,11 @@ never recomputed); the backward only multiplies the saved ``dh`` and ``dW`` by t
 extra memory is one chunk of logits plus its fp32 log-softmax (``chunk_size x V x (2 + 4)`` bytes under bf16; the
 default chunk, 8,192 tokens, is ~1.5 GiB of fp32 at MPT's vocabulary), plus ``dh`` ``[N, d]`` and ``dW`` ``[V, d]``. The three matmuls
 are the ones the stock path runs (forward, grad input, grad weight): no extra FLOPs. Per chunk the eager
-elementwise work is two passes over ``[C, V]`` (one log-softmax kernel reading the bf16 logits and writing fp32,
-one exp writing the gradient in the matmul dtype into the logits' buffer); with ``compile=True`` on CUDA that part
-is a torch.compile'd function (Inductor fuses it further).
+elementwise work is a log-softmax kernel reading the bf16 logits and writing fp32, then an exp writing the
+gradient in the matmul dtype into the logits' buffer, which PyTorch runs as an fp32 exp into a temporary plus a
+cast (the H200 profile of MPT-125M: 25 + 15 + 20 ms of a 287 ms step). With ``softmax_grad=True`` the gradient
+comes instead from one ``torch.softmax`` kernel over the bf16 logits (fewer bytes moved; not yet measured on a
+GPU, so not the default); with ``compile=True`` on CUDA the per-chunk work is a torch.compile'd function.
 
 Precision under autocast (amp_bf16): the matmuls run in the autocast dtype, like the stock ``F.linear``; softmax,
 loss and the ``exp(lsm) - 1`` entry of the target run in fp32 as in the stock path (which upcasts before the loss).
@@ -118,25 +120,35 @@ def default_chunk_size(vocab_size: int) -> int:
 # ------------------------------------------------------------------------------------------ the math
 
 def _chunk_loss_and_grad(logits: torch.Tensor, targets: torch.Tensor, valid: torch.Tensor,
-                         need_grad: bool) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+                         need_grad: bool, softmax_grad: bool = False) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """Loss sum and unscaled logits gradient of one chunk (eager; the tested path).
 
     Args:
-        logits: ``[C, V]`` in the matmul dtype; overwritten with the gradient when ``need_grad``.
+        logits: ``[C, V]`` in the matmul dtype; overwritten with the gradient when ``need_grad`` (and not
+            ``softmax_grad``).
         targets: ``[C]`` int64 in ``[0, V)`` (ignored rows already replaced by 0).
         valid: ``[C]`` bool, False for ignored rows.
+        softmax_grad: compute the softmax with one ``torch.softmax`` kernel from the logits (fp32 inside, output
+            in the logits' dtype, a new buffer) instead of ``exp`` of the fp32 log-probabilities written over the
+            logits, which PyTorch runs as an fp32 exp into a temporary plus a cast (on the H200 profile of
+            MPT-125M: 35 ms of a 287 ms step; benchmarks/README.md). Same values up to the rounding of the
+            result to the logits' dtype.
 
     Returns:
         ``(sum over valid rows of -log_softmax(logits)[i, t_i]`` as an fp32 scalar, ``G = softmax - onehot(t)``
-        (onehot only on valid rows) in the logits' dtype and buffer, or None)``.
+        (onehot only on valid rows) in the logits' dtype, or None)``.
     """
     lsm = torch.log_softmax(logits, dim=-1, dtype=torch.float32)
     tgt = lsm.gather(1, targets[:, None]).squeeze(1)
     loss_sum = torch.where(valid, -tgt, torch.zeros_like(tgt)).sum()
     if not need_grad:
         return loss_sum, None
-    grad = torch.exp(lsm, out=logits)  # softmax, written over the logits (no new [C, V] buffer)
-    del lsm
+    if softmax_grad:
+        del lsm  # before the new [C, V] buffer: peak is logits + gradient
+        grad = torch.softmax(logits, dim=-1)
+    else:
+        grad = torch.exp(lsm, out=logits)  # softmax, written over the logits (no new [C, V] buffer)
+        del lsm
     # the target entry in fp32 (exp(lsm_t) - 1), as the stock path computes softmax - onehot before any downcast
     grad.scatter_(1, targets[:, None], (tgt.exp() - valid.to(tgt.dtype)).to(grad.dtype)[:, None])
     return loss_sum, grad
@@ -169,7 +181,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, ignore_index: int,
                 chunk_size: int, compute_dtype: torch.dtype, use_compiled: bool,
-                need_grad: bool) -> torch.Tensor:
+                need_grad: bool, softmax_grad: bool = False) -> torch.Tensor:
         n_rows, _ = hidden.shape
         need_h = need_grad and ctx.needs_input_grad[0]
         need_w = need_grad and ctx.needs_input_grad[1]
@@ -189,7 +201,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
             if (need_h or need_w) and use_compiled:
                 part, grad = _compiled_chunk_fn()(logits, t_c, v_c)
             else:
-                part, grad = _chunk_loss_and_grad(logits, t_c, v_c, need_h or need_w)
+                part, grad = _chunk_loss_and_grad(logits, t_c, v_c, need_h or need_w, softmax_grad)
             loss_sum = loss_sum + part
             if grad is None:
                 continue
@@ -215,12 +227,12 @@ class _LinearCrossEntropy(torch.autograd.Function):
         grad_h, grad_w = ctx.saved_tensors
         gh = grad_h * grad_out.to(grad_h.dtype) if grad_h is not None else None
         gw = grad_w * grad_out.to(grad_w.dtype) if grad_w is not None else None
-        return gh, gw, None, None, None, None, None, None
+        return gh, gw, None, None, None, None, None, None, None
 
 
 def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, *,
                          ignore_index: int = IGNORE_INDEX, chunk_size: Optional[int] = None,
-                         compile: bool = False) -> torch.Tensor:
+                         compile: bool = False, softmax_grad: bool = False) -> torch.Tensor:
     """Mean cross-entropy of ``hidden @ weight.T`` against ``targets``, without materializing the logits.
 
     Equal to ``nn.CrossEntropyLoss(ignore_index=ignore_index, reduction='none')(hidden @ weight.T, targets)``
@@ -239,6 +251,8 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: to
         ignore_index: targets with this value add nothing to the loss or the count.
         chunk_size: rows per chunk (tokens); None: :func:`default_chunk_size` of ``V``.
         compile: run the per-chunk softmax/gradient through ``torch.compile`` (only on CUDA; ignored elsewhere).
+        softmax_grad: each chunk's gradient from one softmax kernel over the logits (see
+            :func:`_chunk_loss_and_grad`); not used with ``compile``.
 
     Returns:
         A 0-dim fp32 tensor, the loss in nats per non-ignored token.
@@ -268,7 +282,7 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: to
     use_compiled = bool(compile) and device_type == 'cuda'
     with torch.autocast(device_type, enabled=False):
         return _LinearCrossEntropy.apply(hidden, weight, targets.long(), int(ignore_index), chunk_size,
-                                         compute_dtype, use_compiled, need_grad)
+                                         compute_dtype, use_compiled, need_grad, bool(softmax_grad))
 
 
 # ------------------------------------------------------------------------------------------ llm-foundry classes
@@ -287,11 +301,13 @@ class FusedLossEmbedding(SharedEmbedding):
     ``forward(input)`` embeds token ids and ``forward(input, True)`` returns logits, as in the parent;
     ``forward(hidden, True, loss_targets=targets)`` returns :func:`linear_cross_entropy` of ``hidden``
     (``[..., d]``) with this module's weight against ``targets`` (``[...]``, the same leading shape), with the
-    chunk size and compile flag set on the module (``fused_loss_chunk_size``, ``fused_loss_compile``).
+    chunk size and flags set on the module (``fused_loss_chunk_size``, ``fused_loss_compile``,
+    ``fused_loss_softmax_grad``).
     """
 
     fused_loss_chunk_size: Optional[int] = None
     fused_loss_compile: bool = False
+    fused_loss_softmax_grad: bool = False
 
     def forward(self, input: torch.Tensor, unembed: bool = False,
                 loss_targets: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -300,15 +316,17 @@ class FusedLossEmbedding(SharedEmbedding):
         if not unembed:
             raise ValueError('FusedLossEmbedding: loss_targets needs unembed=True')
         return _fused_unembed_loss(input.reshape(-1, input.shape[-1]), self.weight, loss_targets.reshape(-1),
-                                   self.fused_loss_chunk_size, self.fused_loss_compile)
+                                   self.fused_loss_chunk_size, self.fused_loss_compile,
+                                   self.fused_loss_softmax_grad)
 
 
 @torch.compiler.disable
 def _fused_unembed_loss(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
-                        chunk_size: Optional[int], compile: bool) -> torch.Tensor:
+                        chunk_size: Optional[int], compile: bool, softmax_grad: bool = False) -> torch.Tensor:
     # Run eagerly inside a torch.compile'd model forward (composer's compile_config): the chunk loop and the
     # autograd.Function stay out of the traced graph (one graph break, at the very end of the forward).
-    return linear_cross_entropy(hidden, weight, targets, chunk_size=chunk_size, compile=compile)
+    return linear_cross_entropy(hidden, weight, targets, chunk_size=chunk_size, compile=compile,
+                                softmax_grad=softmax_grad)
 
 
 class FusedLossMPTForCausalLM(MPTForCausalLM):
@@ -365,6 +383,7 @@ class ComposerMPTCausalLMFusedLoss(ComposerMPTCausalLM):
     Args:
         fused_loss_chunk_size: tokens per chunk (None: :func:`default_chunk_size` of the vocabulary).
         fused_loss_compile: torch.compile the per-chunk softmax/gradient (CUDA only).
+        fused_loss_softmax_grad: each chunk's gradient from one softmax kernel (:func:`_chunk_loss_and_grad`).
 
     In training mode, with ``use_train_metrics`` false and labels in the batch, ``forward`` computes the loss
     (:func:`linear_cross_entropy`, the parent's loss value without the logits) and returns a
@@ -382,7 +401,7 @@ class ComposerMPTCausalLMFusedLoss(ComposerMPTCausalLM):
                  additional_train_metrics: Optional[list] = None,
                  loss_fn: Optional[Union[str, dict]] = 'fused_crossentropy',
                  fused_loss_chunk_size: Optional[int] = None, fused_loss_compile: bool = False,
-                 **kwargs: Any):
+                 fused_loss_softmax_grad: bool = False, **kwargs: Any):
         where = f'model {FUSED_LOSS_MODEL_NAME} (train setting fused_loss)'
         if loss_fn != 'torch_crossentropy':
             raise ValueError(f"{where}: loss_fn is {loss_fn!r}; the fused linear + cross-entropy computes "
@@ -413,6 +432,7 @@ class ComposerMPTCausalLMFusedLoss(ComposerMPTCausalLM):
                              f'loss cannot use it. Fix: fused_loss: false for this model.')
         wte.fused_loss_chunk_size = fused_loss_chunk_size
         wte.fused_loss_compile = bool(fused_loss_compile)
+        wte.fused_loss_softmax_grad = bool(fused_loss_softmax_grad)
         #: True when training uses the fused loss (False: the train metrics need the logits -> stock path)
         self.fused_loss_active = not use_train_metrics
         if use_train_metrics:

@@ -64,8 +64,8 @@ from llmpipe.speedups import dynamo_catalogue_fix, register_compile_blocks, regi
 #:   train_metrics: False -> model.use_train_metrics False (no per-step LanguageCrossEntropy/Perplexity/TokenAccuracy
 #:       over the logits; the loss itself is unchanged)
 #:   fused_loss: the project's train setting `fused_loss` (llmpipe.fused_loss: chunked linear + cross-entropy
-#:       without the full logits): False | True | {'chunk_size': tokens, 'compile': bool}; used only with train
-#:       metrics off. Variants measured before it existed say False, so they keep measuring what they measured.
+#:       without the full logits): False | True | {'chunk_size': tokens, 'compile': bool, 'softmax_grad': bool};
+#:       used only with train metrics off. Variants measured before it existed say False, so they keep measuring what they measured.
 _BEST = {'attn_impl': 'sdpa', 'drop_mask': True, 'optimizer': 'fused_adamw', 'train_metrics': False}
 VARIANTS: dict[str, dict[str, Any]] = {
     'default': {},
@@ -120,6 +120,10 @@ VARIANTS: dict[str, dict[str, Any]] = {
     'fused_loss_compile_mb_x2_w0': {**_BEST, 'compile': True, 'compile_fix': True, 'fused_loss': True,
                                     'mb_scale': 2, 'num_workers': 0},
     'default_w0': {'num_workers': 0},
+    # each chunk's gradient from one softmax kernel (fused_loss.softmax_grad) instead of fp32 exp + cast
+    'default_softmax_grad': {'fused_loss': {'softmax_grad': True}},
+    'fused_loss_softmax_grad_mb_x2': {**_BEST, 'compile': True, 'compile_fix': True,
+                                      'fused_loss': {'softmax_grad': True}, 'mb_scale': 2},
     # one intra-op CPU thread in the training process (torchrun's default OMP_NUM_THREADS=1 for several processes)
     'default_t1': {'cpu_threads': 1},
     'fused_loss_compile_mb_x2_t1': {**_BEST, 'compile': True, 'compile_fix': True, 'fused_loss': True,
@@ -550,7 +554,8 @@ def _fused_loss_knob(model: dict) -> str:
     assert set(FUSED_LOSS_MODEL_KEYS) <= set(model)
     from llmpipe.fused_loss import default_chunk_size
     chunk = model['fused_loss_chunk_size'] or default_chunk_size(int(model['vocab_size']))
-    return f"chunk={chunk}" + (',compile' if model.get('fused_loss_compile') else '')
+    return (f"chunk={chunk}" + (',compile' if model.get('fused_loss_compile') else '')
+            + (',softmax_grad' if model.get('fused_loss_softmax_grad') else ''))
 
 
 # ------------------------------------------------------------------------------------- run

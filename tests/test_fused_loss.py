@@ -62,15 +62,42 @@ def _loss_and_grads(fn, h, w, t, scale=1.0):
 
 # ------------------------------------------------------------------------------------------ the function
 
+@pytest.mark.parametrize('softmax_grad', [False, True], ids=['exp_grad', 'softmax_grad'])
 @pytest.mark.parametrize('chunk', [1, 7, 16, 48, 1000, None], ids=lambda c: f'chunk{c}')
-def test_loss_and_grads_equal_llm_foundry(chunk):
+def test_loss_and_grads_equal_llm_foundry(chunk, softmax_grad):
     h, w, t = _inputs()
     ref = _loss_and_grads(_foundry_loss, h, w, t, scale=0.37)
-    got = _loss_and_grads(lambda a, b, c: FL.linear_cross_entropy(a, b, c, chunk_size=chunk), h, w, t, scale=0.37)
+    got = _loss_and_grads(lambda a, b, c: FL.linear_cross_entropy(a, b, c, chunk_size=chunk, softmax_grad=softmax_grad),
+                          h, w, t, scale=0.37)
     torch.testing.assert_close(got[0], ref[0], atol=1e-6, rtol=1e-6)
     torch.testing.assert_close(got[1], ref[1], atol=1e-7, rtol=1e-5)   # d loss / d hidden
     torch.testing.assert_close(got[2], ref[2], atol=1e-7, rtol=1e-5)   # d loss / d weight
     assert got[0].dtype == torch.float32 and got[1].abs().sum() > 0 and got[2].abs().sum() > 0
+
+
+def test_softmax_grad_takes_one_softmax_per_chunk_and_no_exp(monkeypatch):
+    """softmax_grad=True computes each chunk's gradient with torch.softmax (one kernel) and never runs the
+    fp32 exp over the chunk (which PyTorch follows with a cast); the default does the opposite."""
+    calls = {'softmax': [], 'exp': []}
+    orig_softmax, orig_exp = torch.softmax, torch.exp
+
+    def softmax(x, *a, **k):
+        calls['softmax'].append(tuple(x.shape))
+        return orig_softmax(x, *a, **k)
+
+    def exp(x, *a, **k):
+        calls['exp'].append(tuple(x.shape))
+        return orig_exp(x, *a, **k)
+
+    monkeypatch.setattr(torch, 'softmax', softmax)
+    monkeypatch.setattr(torch, 'exp', exp)
+    h, w, t = _inputs(n=48)
+    for flag, want_softmax, want_exp in ((True, [(20, V), (20, V), (8, V)], []),
+                                         (False, [], [(20, V), (20, V), (8, V)])):
+        calls['softmax'].clear()
+        calls['exp'].clear()
+        _loss_and_grads(lambda a, b, c: FL.linear_cross_entropy(a, b, c, chunk_size=20, softmax_grad=flag), h, w, t)
+        assert calls['softmax'] == want_softmax and calls['exp'] == want_exp, (flag, calls)
 
 
 def test_chunks_never_hold_more_than_chunk_rows_of_logits(monkeypatch):
@@ -108,7 +135,8 @@ def test_ignored_rows_change_nothing():
     assert torch.count_nonzero(gh1[ignored]) == 0 and torch.count_nonzero(gh2[ignored]) == 0
 
 
-def test_autocast_runs_matmuls_in_bf16_and_returns_param_dtypes(monkeypatch):
+@pytest.mark.parametrize('softmax_grad', [False, True], ids=['exp_grad', 'softmax_grad'])
+def test_autocast_runs_matmuls_in_bf16_and_returns_param_dtypes(monkeypatch, softmax_grad):
     h, w, t = _inputs(n=64)
     mm_dtypes = []
     orig_mm = torch.mm
@@ -126,7 +154,7 @@ def test_autocast_runs_matmuls_in_bf16_and_returns_param_dtypes(monkeypatch):
 
     def fused(a, b, c):
         with torch.autocast('cpu', dtype=torch.bfloat16):
-            return FL.linear_cross_entropy(a, b, c, chunk_size=24)
+            return FL.linear_cross_entropy(a, b, c, chunk_size=24, softmax_grad=softmax_grad)
 
     got = _loss_and_grads(fused, h, w, t)
     monkeypatch.undo()
@@ -232,9 +260,10 @@ def _batch(b=3, s=32):
     return {'input_ids': ids, 'attention_mask': torch.ones_like(ids), 'labels': labels}
 
 
-@pytest.mark.parametrize('chunk', [5, None])
-def test_model_training_loss_and_grads_equal_stock(chunk):
-    stock, fused = _models(fused_loss_chunk_size=chunk)
+@pytest.mark.parametrize('chunk,softmax_grad', [(5, False), (None, False), (5, True)])
+def test_model_training_loss_and_grads_equal_stock(chunk, softmax_grad):
+    stock, fused = _models(fused_loss_chunk_size=chunk, fused_loss_softmax_grad=softmax_grad)
+    assert fused.model.transformer.wte.fused_loss_softmax_grad is softmax_grad
     stock.train()
     fused.train()
     for step in range(2):   # two microbatches: gradients accumulate
@@ -429,6 +458,7 @@ def test_train_config_selects_the_fused_model():
     m = model(config)
     assert m['name'] == FL.FUSED_LOSS_MODEL_NAME and m['fused_loss_chunk_size'] is None
     assert m['fused_loss_compile'] is False and m['loss_fn'] == 'torch_crossentropy'
+    assert m['fused_loss_softmax_grad'] is False   # the default until the benchmark shows the softmax path helps
     for run in ('mpt-350m', 'mpt-760m', 'mpt-1b', 'mpt-7b', 'mpt-70b'):
         assert model(config, run)['name'] == FL.FUSED_LOSS_MODEL_NAME
     assert model(config, 'mpt-tiny')['name'] == 'mpt_causal_lm'   # the CI model keeps the stock loss
@@ -437,6 +467,8 @@ def test_train_config_selects_the_fused_model():
                                                                                  'compile': True}}}}})
     m = model(over)
     assert (m['fused_loss_chunk_size'], m['fused_loss_compile']) == (4096, True)
+    sm = deep_merge(config, {'models': {'mpt-125m': {'train': {'fused_loss': {'softmax_grad': True}}}}})
+    assert model(sm)['fused_loss_softmax_grad'] is True and model(sm)['fused_loss_chunk_size'] is None
     # snakemake --config passes nested values as strings
     cli = deep_merge(config, {'models': {'mpt-125m': {'train': {'fused_loss': {'chunk_size': '4096',
                                                                                 'compile': 'True'}}}}})
@@ -452,7 +484,7 @@ def test_train_config_selects_the_fused_model():
 
 
 @pytest.mark.parametrize('value', ['yes', 3, {'chunk_size': 0}, {'chunk_size': 'big'}, {'chunk': 4},
-                                   {'compile': 'on'}])
+                                   {'compile': 'on'}, {'softmax_grad': 'fast'}])
 def test_bad_fused_loss_setting_is_a_config_error(value):
     from llmpipe.config import ConfigError, deep_merge, validate_run
     config = deep_merge(_project_config(), {'models': {'mpt-125m': {'train': {'fused_loss': value}}}})
