@@ -360,6 +360,10 @@ def fused_loss_settings(train: dict, where: str = "train") -> dict | None:
             if not isinstance(flag, bool):
                 raise ConfigError(f"{where}.fused_loss.{key} must be true or false, got {value.get(key)!r}.")
             flags[key] = flag
+        if flags["compile"] and flags["softmax_grad"]:
+            raise ConfigError(f"{where}.fused_loss has compile and softmax_grad both true; the compiled per-chunk "
+                              f"function computes its own gradient, so softmax_grad would be ignored. Fix: set one "
+                              f"of them to false.")
         return {"chunk_size": chunk, **flags}
     raise ConfigError(f"{where}.fused_loss is {value!r}; it must be true, false, or a mapping "
                       f"{{chunk_size: <tokens or null>, compile: <true|false>, softmax_grad: <true|false>}}.")

@@ -99,6 +99,7 @@ def make_executor(config: dict, resources: dict, folder: str, name: str):
     if kind == "debug":
         return submitit.DebugExecutor(folder=folder)
     if kind == "local":
+        check_executor(config, int(resources.get("nodes", 1) or 1), f"step {name}")  # never one node silently
         ex = submitit.LocalExecutor(folder=folder)
         ex.update_parameters(timeout_min=int(resources.get("time_min", 60)), tasks_per_node=tasks,
                              gpus_per_node=gpus, nodes=1, name=name)

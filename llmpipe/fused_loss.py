@@ -131,8 +131,9 @@ def _chunk_loss_and_grad(logits: torch.Tensor, targets: torch.Tensor, valid: tor
         softmax_grad: compute the softmax with one ``torch.softmax`` kernel from the logits (fp32 inside, output
             in the logits' dtype, a new buffer) instead of ``exp`` of the fp32 log-probabilities written over the
             logits, which PyTorch runs as an fp32 exp into a temporary plus a cast (on the H200 profile of
-            MPT-125M: 35 ms of a 287 ms step; benchmarks/README.md). Same values up to the rounding of the
-            result to the logits' dtype.
+            MPT-125M those two took 35 ms of a 287 ms step, benchmarks/README.md; the softmax kernel costs part of
+            that back, and it has not been measured yet). Same values up to the rounding of the result to the
+            logits' dtype.
 
     Returns:
         ``(sum over valid rows of -log_softmax(logits)[i, t_i]`` as an fp32 scalar, ``G = softmax - onehot(t)``
@@ -252,13 +253,14 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: to
         chunk_size: rows per chunk (tokens); None: :func:`default_chunk_size` of ``V``.
         compile: run the per-chunk softmax/gradient through ``torch.compile`` (only on CUDA; ignored elsewhere).
         softmax_grad: each chunk's gradient from one softmax kernel over the logits (see
-            :func:`_chunk_loss_and_grad`); not used with ``compile``.
+            :func:`_chunk_loss_and_grad`); not together with ``compile``.
 
     Returns:
         A 0-dim fp32 tensor, the loss in nats per non-ignored token.
 
     Raises:
-        ValueError: wrong shapes or dtypes, or a chunk size that is not a positive integer.
+        ValueError: wrong shapes or dtypes, a chunk size that is not a positive integer, or ``compile`` and
+            ``softmax_grad`` both true.
     """
     if hidden.dim() != 2 or weight.dim() != 2 or hidden.shape[1] != weight.shape[1]:
         raise ValueError(f'linear_cross_entropy: hidden must be [N, d] and weight [V, d]; got '
@@ -273,6 +275,9 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: to
     if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
         raise ValueError(f'linear_cross_entropy: chunk_size must be a positive integer (rows per chunk), '
                          f'got {chunk_size!r}')
+    if compile and softmax_grad:
+        raise ValueError('linear_cross_entropy: compile and softmax_grad cannot both be true (the compiled '
+                         'per-chunk function computes its own gradient)')
     device_type = hidden.device.type
     if torch.is_autocast_enabled(device_type):
         compute_dtype = torch.get_autocast_dtype(device_type)

@@ -22,21 +22,8 @@ wildcard_constraints:
 
 
 def run_cfg(wildcards):
-    """Validated settings of the run in the target path (clear ConfigError if it is wrong). On the local executor a
-    real run (not a dry run, which still shows the multi-node plan) also refuses a training on more than one node
-    here, while the DAG is built: the local executor runs one machine, so nothing upstream should run first."""
-    rc = cfg.validate_run(config, wildcards.run)
-    if config["dispatch"]["executor"] != "slurm" and not workflow.dryrun and wildcards.run not in _LOCAL_NODES_OK:
-        from llmpipe.dispatch import check_executor
-
-        where = f"{'finetunes' if wildcards.run in (config.get('finetunes') or {}) else 'models'}.{wildcards.run}"
-        check_executor(config, int(cfg.step_resources(config, "train", wildcards.run).get("nodes", 1) or 1),
-                       f"{where}.resources (training {wildcards.run})")
-        _LOCAL_NODES_OK.add(wildcards.run)
-    return rc
-
-
-_LOCAL_NODES_OK = set()
+    """Validated settings of the run in the target path (clear ConfigError if it is wrong)."""
+    return cfg.validate_run(config, wildcards.run)
 
 
 def dataset_path(wildcards, leaf):
@@ -66,6 +53,26 @@ def preflight(step, run=None):
     where = f"models.{run}.resources" if step == "train" else ("data_resources" if step == "data" else f"{step}.resources")
     slurm.preflight(config, cfg.step_resources(config, step, run), where=where)
     _PREFLIGHT_DONE.add((step, run))
+
+
+def refuse_local_multi_node_trainings():
+    """Without the Slurm profile, stop before any job runs when a training or finetune that has to run asks for more
+    than one node: the local executor uses this one machine (llmpipe.dispatch.check_executor). Runs from
+    ``onstart``, i.e. only for real executions: dry runs still show the multi-node plan, and reports, DAG plots or
+    evaluations of runs already trained elsewhere are not affected."""
+    if config["dispatch"]["executor"] == "slurm":
+        return
+    from llmpipe.dispatch import check_executor
+
+    for job in workflow.dag.needrun_jobs():
+        if job.rule.name in ("train", "finetune"):
+            run = job.wildcards.run
+            where = f"{'finetunes' if job.rule.name == 'finetune' else 'models'}.{run}.resources"
+            check_executor(config, int(job.resources.get("nodes", 1) or 1), f"{where} (rule {job.rule.name})")
+
+
+onstart:
+    refuse_local_multi_node_trainings()
 
 
 def res(step, key, default=0):

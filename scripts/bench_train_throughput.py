@@ -323,12 +323,14 @@ def gpu_idle_report(trace: dict, *, min_gap_us: float = 50.0, top: int = 45) -> 
     gap_sum = sum(e - s for s, e in gaps)
     import bisect
     import collections
-    # the main Python thread (the one running the script's <module> frame; else the one with most Python frames):
+    # the main Python thread (the one running the script's <module> frame, the longest of them; else the one with
+    # most Python frames):
     # it runs the training loop between steps. (Not the thread with most CUDA launches: on CUDA the backward runs
     # in autograd's own device thread.)
     py_threads = collections.Counter(e.get('tid') for e in events if e.get('cat') == 'python_function')
-    module_tids = [e.get('tid') for e in events if e.get('cat') == 'python_function' and '<module>' in e['name']]
-    main_tid = module_tids[0] if module_tids else (py_threads.most_common(1)[0][0] if py_threads else None)
+    modules = [e for e in events if e.get('cat') == 'python_function' and '<module>' in e['name']]
+    longest = max(modules, key=lambda e: float(e['dur'])) if modules else None  # not a lazy import elsewhere
+    main_tid = longest.get('tid') if longest else (py_threads.most_common(1)[0][0] if py_threads else None)
     starts = [g[0] for g in gaps]
     spans: dict[str, list] = {}
     for ev in events:
@@ -547,7 +549,8 @@ def build_train_config(config: dict, run: str, variant: dict, *, steps: int, mb_
 
 
 def _fused_loss_knob(model: dict) -> str:
-    """The CSV's ``fused_loss`` column: ``off``, or ``chunk=<rows>[,compile]`` for the fused-loss model."""
+    """The CSV's ``fused_loss`` column: ``off``, or ``chunk=<rows>[,compile][,softmax_grad]`` for the fused-loss
+    model."""
     from llmpipe.train import FUSED_LOSS_MODEL_KEYS
     if 'fused_loss_chunk_size' not in model:
         return 'off'

@@ -7,6 +7,8 @@ import stat
 
 import pytest
 
+from llmpipe.config import ConfigError
+
 from tests.conftest import snakemake
 
 
@@ -120,15 +122,27 @@ def test_misspelled_train_setting(workdir):
 
 
 def test_local_run_refuses_multi_node_training_before_anything_runs(workdir):
-    """The local executor runs on this one machine: a real run whose training asks for 2 nodes stops while the DAG
-    is built (nothing converted or trained, the message names the setting and the fix); a dry run still shows the
-    2-node plan (README: dry runs of cluster configs on a laptop)."""
-    over = "models={'mpt-tiny': {'resources': {'nodes': 2}}}"
-    proc = snakemake(workdir, "--cores", "1", "results/mpt-tiny/train.json", "--config", over, check=False)
-    out = proc.stdout + proc.stderr
-    assert proc.returncode != 0, out[-2000:]
-    assert "models.mpt-tiny.resources (training mpt-tiny) needs 2 nodes but dispatch.executor is 'local'" in out, out[-3000:]
-    assert "--profile profiles/slurm" in out
-    assert not (workdir / "results").exists() or not [p for p in (workdir / "results").rglob("*") if p.is_file()]
-    dry = snakemake(workdir, "-n", "results/mpt-tiny/train.json", "--config", over)
-    assert "nodes=2" in dry.stdout + dry.stderr
+    """The local executor runs on this one machine: a real run whose training (or finetune) asks for 2 nodes stops
+    before any job runs (nothing converted or trained; the message names the setting and the fix); a dry run still
+    shows the 2-node plan (README: dry runs of cluster configs on a laptop)."""
+    for target, over, where in (
+            ("results/mpt-tiny/train.json", "models={'mpt-tiny': {'resources': {'nodes': 2}}}",
+             "models.mpt-tiny.resources (rule train)"),
+            ("results/mpt-tiny-sft/train.json", "finetunes={'mpt-tiny-sft': {'resources': {'nodes': 2}}}",
+             "finetunes.mpt-tiny-sft.resources (rule finetune)")):
+        proc = snakemake(workdir, "--cores", "1", target, "--config", over, check=False)
+        out = proc.stdout + proc.stderr
+        assert proc.returncode != 0, out[-2000:]
+        assert f"{where} needs 2 nodes but dispatch.executor is 'local'" in out, out[-3000:]
+        assert "--profile profiles/slurm" in out
+        assert not (workdir / "results").exists() or not [p for p in (workdir / "results").rglob("*") if p.is_file()]
+        dry = snakemake(workdir, "-n", target, "--config", over)
+        assert "nodes=2" in dry.stdout + dry.stderr
+
+
+def test_local_executor_never_runs_a_multi_node_step_on_one_node(tmp_path):
+    """The backstop in dispatch: the local executor refuses resources of 2 nodes instead of running one."""
+    from llmpipe import dispatch
+    with pytest.raises(ConfigError, match=r"step x needs 2 nodes but dispatch.executor is 'local'"):
+        dispatch.make_executor({"dispatch": {"executor": "local"}}, {"nodes": 2, "tasks_per_node": 1}, str(tmp_path),
+                               "x")

@@ -98,6 +98,8 @@ def test_softmax_grad_takes_one_softmax_per_chunk_and_no_exp(monkeypatch):
         calls['exp'].clear()
         _loss_and_grads(lambda a, b, c: FL.linear_cross_entropy(a, b, c, chunk_size=20, softmax_grad=flag), h, w, t)
         assert calls['softmax'] == want_softmax and calls['exp'] == want_exp, (flag, calls)
+    with pytest.raises(ValueError, match='compile and softmax_grad cannot both be true'):
+        FL.linear_cross_entropy(h, w, t, compile=True, softmax_grad=True)
 
 
 def test_chunks_never_hold_more_than_chunk_rows_of_logits(monkeypatch):
@@ -484,7 +486,7 @@ def test_train_config_selects_the_fused_model():
 
 
 @pytest.mark.parametrize('value', ['yes', 3, {'chunk_size': 0}, {'chunk_size': 'big'}, {'chunk': 4},
-                                   {'compile': 'on'}, {'softmax_grad': 'fast'}])
+                                   {'compile': 'on'}, {'softmax_grad': 'fast'}, {'compile': True, 'softmax_grad': True}])
 def test_bad_fused_loss_setting_is_a_config_error(value):
     from llmpipe.config import ConfigError, deep_merge, validate_run
     config = deep_merge(_project_config(), {'models': {'mpt-125m': {'train': {'fused_loss': value}}}})
