@@ -521,6 +521,25 @@ def eval_identity(config: dict, run: str) -> str:
                      icl_tasks=e.get("icl_tasks"))
 
 
+#: The keys a step's resources may have (what llmpipe.dispatch and llmpipe.slurm read; ``slurm``: per-step Slurm
+#: site settings, docs/slurm.md).
+RESOURCE_KEYS = ("nodes", "gpus_per_node", "tasks_per_node", "cpus_per_task", "mem_gb", "time_min", "slurm")
+
+
+def check_resource_keys(res: dict, where: str) -> None:
+    """Raise ConfigError for a resources key that nothing reads (a typo such as ``gpus_per_nodes: 8`` would be
+    ignored and the job would get the default, e.g. no GPU), naming the key, the closest known one and where Slurm
+    site settings go instead."""
+    import difflib
+
+    for key in sorted(set(res) - set(RESOURCE_KEYS)):
+        close = difflib.get_close_matches(key, RESOURCE_KEYS, n=1)
+        hint = f"did you mean {close[0]}? " if close else ""
+        raise ConfigError(f"{where}.{key} is not a resource setting; {hint}Known ones: {', '.join(RESOURCE_KEYS)}. "
+                          f"Slurm site settings (partition, account, qos, constraint, ...) go under slurm:, for "
+                          f"all steps or for this step alone as {where}.slurm (docs/slurm.md).")
+
+
 def step_resources(config: dict, step: str, run: str | None = None) -> dict:
     """Resources of one step: ``nodes, gpus_per_node, tasks_per_node, cpus_per_task, mem_gb, time_min``.
 
@@ -528,15 +547,23 @@ def step_resources(config: dict, step: str, run: str | None = None) -> dict:
     overlaid with ``models.<run>.step_resources.<step>`` when given. A finetune's training (step ``train``)
     uses ``finetunes.<run>.resources`` over ``finetune_defaults.resources``, and its other steps
     ``finetunes.<run>.step_resources.<step>``.
+
+    Raises:
+        ConfigError: a key outside :data:`RESOURCE_KEYS` (:func:`check_resource_keys`), naming where it is.
     """
     if step == "train":
         res = dict(run_config(config, run)["resources"])
+        check_resource_keys(res, f"{'finetunes' if is_finetune(config, run) else 'models'}.{run}.resources")
     elif step == "data":
         res = dict(config.get("data_resources", {}))
+        check_resource_keys(res, "data_resources")
     else:
         res = dict(config[step].get("resources", {}))
+        check_resource_keys(res, f"{step}.resources")
         if run is not None:
             over = (_run_section(config, run).get("step_resources") or {}).get(step)
+            sect = "finetunes" if is_finetune(config, run) else "models"
+            check_resource_keys(over or {}, f"{sect}.{run}.step_resources.{step}")
             res.update(over or {})
     res.setdefault("nodes", 1)
     res.setdefault("gpus_per_node", 0)

@@ -146,3 +146,18 @@ def test_local_executor_never_runs_a_multi_node_step_on_one_node(tmp_path):
     with pytest.raises(ConfigError, match=r"step x needs 2 nodes but dispatch.executor is 'local'"):
         dispatch.make_executor({"dispatch": {"executor": "local"}}, {"nodes": 2, "tasks_per_node": 1}, str(tmp_path),
                                "x")
+
+
+def test_misspelled_resource_key_names_the_closest(workdir):
+    """A typo under resources (here gpus_per_nodes) would be ignored and the job would get no GPU: the dry run
+    stops, naming the key, the closest known one and where Slurm site settings go."""
+    out = dry_fail(workdir, "results/mpt-1b/train.json", "--config",
+                   "models={'mpt-1b': {'resources': {'gpus_per_nodes': 8}}}")
+    assert "models.mpt-1b.resources.gpus_per_nodes is not a resource setting; did you mean gpus_per_node?" in out
+    out = dry_fail(workdir, "results/mpt-tiny/eval.json", "--config",
+                   "models={'mpt-tiny': {'step_resources': {'eval': {'partition': 'gpu'}}}}")
+    assert "models.mpt-tiny.step_resources.eval.partition is not a resource setting" in out
+    assert "models.mpt-tiny.step_resources.eval.slurm" in out
+    # a per-step slurm mapping is a resource key (docs/slurm.md): the plan goes through
+    snakemake(workdir, "-n", "results/mpt-tiny/eval.json", "--config",
+              "models={'mpt-tiny': {'step_resources': {'eval': {'slurm': {'partition': 'cpu'}}}}}")
