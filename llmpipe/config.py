@@ -22,7 +22,7 @@ import copy
 import json
 import math
 import os
-from typing import Any
+from typing import Any, Sequence
 
 #: Bump a step's version when a change in our code changes what that step produces. The version is part of
 #: the step's identity (its Snakemake params), so bumping it reruns that step and everything after it.
@@ -234,17 +234,22 @@ def validate_run(config: dict, run: str) -> dict:
     return rc
 
 
+def refuse_unknown_keys(given: dict, known: Sequence[str], where: str, what: str, also: str = "") -> None:
+    """Raise ConfigError for the first key of ``given`` (sorted) not in ``known``: ``{where}.{key} is not a
+    {what}; did you mean <closest known key>? Known ones: ...`` followed by ``also``."""
+    import difflib
+
+    for key in sorted(set(given) - set(known)):
+        close = difflib.get_close_matches(key, list(known), n=1)
+        hint = f"did you mean {close[0]}? " if close else ""
+        raise ConfigError(f"{where}.{key} is not a {what}; {hint}Known ones: {', '.join(known)}.{also}")
+
+
 def check_train_keys(train: dict, where: str = "train") -> None:
     """Raise ConfigError for a key under ``train:`` that nothing reads (a typo such as ``microbatch: 8`` would
     otherwise be ignored, and, not being speed-only, would change the run's identity and retrain it), naming the
     key and the closest known one."""
-    import difflib
-
-    for key in sorted(set(train) - KNOWN_TRAIN_KEYS):
-        close = difflib.get_close_matches(key, sorted(KNOWN_TRAIN_KEYS), n=1)
-        hint = f"did you mean {close[0]}? " if close else ""
-        raise ConfigError(f"{where}.{key} is not a train setting; {hint}Known ones: "
-                          f"{', '.join(sorted(KNOWN_TRAIN_KEYS))}.")
+    refuse_unknown_keys(train, sorted(KNOWN_TRAIN_KEYS), where, "train setting")
 
 
 #: ``train.attn_impl`` values: ours (llmpipe.attention, PyTorch SDPA) and llm-foundry's two.
@@ -330,9 +335,9 @@ def fused_loss_settings(train: dict, where: str = "train") -> dict | None:
     ``fused_loss`` is ``false``/``null`` (off), ``true`` (on, default chunk), or a mapping with ``chunk_size``
     (tokens per chunk, a positive integer or null for the default), ``compile`` (torch.compile the per-chunk
     softmax on CUDA, default false) and ``softmax_grad`` (compute each chunk's gradient with one softmax kernel
-    from the logits instead of exp of the fp32 log-probabilities; default false, see :mod:`llmpipe.fused_loss`). ``train`` comes from :func:`run_config`, which already reads
-    ``'True'``/``'null'`` strings from ``snakemake --config`` as YAML; a ``chunk_size`` given as a digit string
-    (``'4096'``) is read as that number.
+    from the logits instead of exp of the fp32 log-probabilities; default false, see :mod:`llmpipe.fused_loss`).
+    ``train`` comes from :func:`run_config`, which already reads ``'True'``/``'null'`` strings from
+    ``snakemake --config`` as YAML; a ``chunk_size`` given as a digit string (``'4096'``) is read as that number.
 
     Returns:
         None when off, else ``{"chunk_size": int | None, "compile": bool, "softmax_grad": bool}``.
@@ -530,14 +535,9 @@ def check_resource_keys(res: dict, where: str) -> None:
     """Raise ConfigError for a resources key that nothing reads (a typo such as ``gpus_per_nodes: 8`` would be
     ignored and the job would get the default, e.g. no GPU), naming the key, the closest known one and where Slurm
     site settings go instead."""
-    import difflib
-
-    for key in sorted(set(res) - set(RESOURCE_KEYS)):
-        close = difflib.get_close_matches(key, RESOURCE_KEYS, n=1)
-        hint = f"did you mean {close[0]}? " if close else ""
-        raise ConfigError(f"{where}.{key} is not a resource setting; {hint}Known ones: {', '.join(RESOURCE_KEYS)}. "
-                          f"Slurm site settings (partition, account, qos, constraint, ...) go under slurm:, for "
-                          f"all steps or for this step alone as {where}.slurm (docs/slurm.md).")
+    refuse_unknown_keys(res, RESOURCE_KEYS, where, "resource setting",
+                        f" Slurm site settings (partition, account, qos, constraint, ...) go under slurm:, for all "
+                        f"steps or for this step alone as {where}.slurm (docs/slurm.md).")
 
 
 def step_resources(config: dict, step: str, run: str | None = None) -> dict:
@@ -551,9 +551,10 @@ def step_resources(config: dict, step: str, run: str | None = None) -> dict:
     Raises:
         ConfigError: a key outside :data:`RESOURCE_KEYS` (:func:`check_resource_keys`), naming where it is.
     """
+    sect = None if run is None else f"{'finetunes' if is_finetune(config, run) else 'models'}.{run}"
     if step == "train":
         res = dict(run_config(config, run)["resources"])
-        check_resource_keys(res, f"{'finetunes' if is_finetune(config, run) else 'models'}.{run}.resources")
+        check_resource_keys(res, f"{sect}.resources")
     elif step == "data":
         res = dict(config.get("data_resources", {}))
         check_resource_keys(res, "data_resources")
@@ -562,8 +563,7 @@ def step_resources(config: dict, step: str, run: str | None = None) -> dict:
         check_resource_keys(res, f"{step}.resources")
         if run is not None:
             over = (_run_section(config, run).get("step_resources") or {}).get(step)
-            sect = "finetunes" if is_finetune(config, run) else "models"
-            check_resource_keys(over or {}, f"{sect}.{run}.step_resources.{step}")
+            check_resource_keys(over or {}, f"{sect}.step_resources.{step}")
             res.update(over or {})
     res.setdefault("nodes", 1)
     res.setdefault("gpus_per_node", 0)

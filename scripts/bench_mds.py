@@ -163,18 +163,19 @@ def run_ours(args: argparse.Namespace) -> dict:
     e1 = time.time()
     tr = m["splits"]["train"]
     tm = [u["timings"] for u in tr["units"]]
+    tokenizer_load_sum = sum(t["tokenizer_ready"] - t["start"] for t in tm)
     # where the time outside the units' own conversion goes (epoch timestamps from each unit's record)
     phases = {
         "spawn_s": min(t["start"] for t in tm) - e0,  # call start -> first unit starts (worker process up)
-        "tokenizer_s": sum(t["tokenizer_ready"] - t["start"] for t in tm) / len(tm),
+        "tokenizer_s": tokenizer_load_sum / len(tm),
         "tail_s": e1 - max(t["end"] for t in tm),  # last unit ends -> call returns (exit, merge, manifest)
     }
     # the units' own seconds by phase (summed over units): which part slows down when workers run side by side
     for ph in ("encode", "pack", "write"):
         phases[f"{ph}_s_sum"] = sum((u.get("phase_seconds") or {}).get(ph, 0.0) for u in tr["units"])
     unit_s_sum = sum(u["seconds"] for u in tr["units"])
-    phases["read_s_sum"] = unit_s_sum - sum(phases[f"{ph}_s_sum"] for ph in ("encode", "pack", "write")) - sum(
-        t["tokenizer_ready"] - t["start"] for t in tm)
+    phases["read_s_sum"] = (unit_s_sum - sum(phases[f"{ph}_s_sum"] for ph in ("encode", "pack", "write"))
+                            - tokenizer_load_sum)
     return {"wall_s": wall, "cpu_s": _cpu_s() - c0, "tokens": tr["tokens"], "samples": tr["samples"],
             "documents": tr["documents"], "files": len(tr["units"]),
             "unit_s_sum": unit_s_sum, "workers_used": m["workers"], **phases}
