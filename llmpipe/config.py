@@ -323,6 +323,12 @@ def compile_settings(train: dict, where: str = "train") -> dict | None:
     return {"scope": scope, "options": options}
 
 
+#: ``train.fused_loss.kernel`` values (the same as ``llmpipe.fused_loss.KERNELS``, which imports torch and
+#: llm-foundry; tests/test_fused_loss.py checks they agree).
+FUSED_LOSS_KERNELS = ("torch", "softmax", "compile", "liger")
+#: The kernel of ``fused_loss: true`` and of a mapping without ``kernel``.
+FUSED_LOSS_DEFAULT_KERNEL = "liger"
+
 #: ``torch.compile`` keyword arguments a ``train.compile`` mapping may set (torch 2.7's signature, less ``model``).
 _COMPILE_KWARGS = ("mode", "fullgraph", "dynamic", "backend", "options", "disable")
 #: ``torch.compile``'s modes (torch 2.7).
@@ -332,46 +338,47 @@ _COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no
 def fused_loss_settings(train: dict, where: str = "train") -> dict | None:
     """The fused linear + cross-entropy settings of a run's ``train`` section (:mod:`llmpipe.fused_loss`).
 
-    ``fused_loss`` is ``false``/``null`` (off), ``true`` (on, default chunk), or a mapping with ``chunk_size``
-    (tokens per chunk, a positive integer or null for the default), ``compile`` (torch.compile the per-chunk
-    softmax on CUDA, default false) and ``softmax_grad`` (compute each chunk's gradient with one softmax kernel
-    from the logits instead of exp of the fp32 log-probabilities; default false, see :mod:`llmpipe.fused_loss`).
-    ``train`` comes from :func:`run_config`, which already reads ``'True'``/``'null'`` strings from
-    ``snakemake --config`` as YAML; a ``chunk_size`` given as a digit string (``'4096'``) is read as that number.
+    ``fused_loss`` is ``false``/``null`` (off), ``true`` (on, default chunk and kernel), or a mapping with
+    ``chunk_size`` (tokens per chunk, a positive integer or null for the default) and ``kernel`` (the per-chunk
+    softmax/gradient, one of :data:`FUSED_LOSS_KERNELS`; default :data:`FUSED_LOSS_DEFAULT_KERNEL`; see
+    :mod:`llmpipe.fused_loss`). ``train`` comes from :func:`run_config`, which already reads ``'True'``/``'null'``
+    strings from ``snakemake --config`` as YAML; a ``chunk_size`` given as a digit string (``'4096'``) is read as
+    that number.
 
     Returns:
-        None when off, else ``{"chunk_size": int | None, "compile": bool, "softmax_grad": bool}``.
+        None when off, else ``{"chunk_size": int | None, "kernel": str}``.
 
     Raises:
-        ConfigError: any other value, naming ``{where}.fused_loss``.
+        ConfigError: any other value, naming ``{where}.fused_loss``; the keys ``compile`` and ``softmax_grad`` of
+            earlier versions name the ``kernel`` value that replaced them.
     """
     value = train.get("fused_loss", False)
     if value is None or value is False:
         return None
     if value is True:
-        return {"chunk_size": None, "compile": False, "softmax_grad": False}
-    if isinstance(value, dict) and set(value) <= {"chunk_size", "compile", "softmax_grad"}:
+        return {"chunk_size": None, "kernel": FUSED_LOSS_DEFAULT_KERNEL}
+    if isinstance(value, dict):
+        for old, kernel in (("compile", "compile"), ("softmax_grad", "softmax")):
+            if old in value:
+                raise ConfigError(f"{where}.fused_loss.{old} was replaced by {where}.fused_loss.kernel. Fix: "
+                                  f"remove {old!r} and set kernel: {kernel} (or leave kernel out for the default, "
+                                  f"{FUSED_LOSS_DEFAULT_KERNEL}).")
+    if isinstance(value, dict) and set(value) <= {"chunk_size", "kernel"}:
         chunk = value.get("chunk_size")
         if isinstance(chunk, str) and chunk.strip().isdigit():
             chunk = int(chunk)
         if chunk is not None and (isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1):
             raise ConfigError(f"{where}.fused_loss.chunk_size must be a positive integer (tokens per chunk) or "
                               f"null (default: 8192, fewer if one chunk's fp32 logits would exceed 2 GiB), got {chunk!r}.")
-        flags = {}
-        for key in ("compile", "softmax_grad"):
-            flag = value.get(key, False)
-            if flag is None:
-                flag = False
-            if not isinstance(flag, bool):
-                raise ConfigError(f"{where}.fused_loss.{key} must be true or false, got {value.get(key)!r}.")
-            flags[key] = flag
-        if flags["compile"] and flags["softmax_grad"]:
-            raise ConfigError(f"{where}.fused_loss has compile and softmax_grad both true; the compiled per-chunk "
-                              f"function computes its own gradient, so softmax_grad would be ignored. Fix: set one "
-                              f"of them to false.")
-        return {"chunk_size": chunk, **flags}
+        kernel = value.get("kernel")
+        if kernel is None:
+            kernel = FUSED_LOSS_DEFAULT_KERNEL
+        if kernel not in FUSED_LOSS_KERNELS:
+            raise ConfigError(f"{where}.fused_loss.kernel is {kernel!r}; it must be one of "
+                              f"{', '.join(FUSED_LOSS_KERNELS)} (null: {FUSED_LOSS_DEFAULT_KERNEL}).")
+        return {"chunk_size": chunk, "kernel": kernel}
     raise ConfigError(f"{where}.fused_loss is {value!r}; it must be true, false, or a mapping "
-                      f"{{chunk_size: <tokens or null>, compile: <true|false>, softmax_grad: <true|false>}}.")
+                      f"{{chunk_size: <tokens or null>, kernel: <{'|'.join(FUSED_LOSS_KERNELS)}>}}.")
 
 
 def _yaml_scalar(value: Any) -> Any:

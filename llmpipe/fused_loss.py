@@ -25,12 +25,23 @@ The gradients are computed in the forward pass, chunk by chunk, while the chunk'
 never recomputed); the backward only multiplies the saved ``dh`` and ``dW`` by the incoming scalar gradient. Peak
 extra memory is one chunk of logits plus its fp32 log-softmax (``chunk_size x V x (2 + 4)`` bytes under bf16; the
 default chunk, 8,192 tokens, is ~1.5 GiB of fp32 at MPT's vocabulary), plus ``dh`` ``[N, d]`` and ``dW`` ``[V, d]``. The three matmuls
-are the ones the stock path runs (forward, grad input, grad weight): no extra FLOPs. Per chunk the eager
-elementwise work is a log-softmax kernel reading the bf16 logits and writing fp32, then an exp writing the
-gradient in the matmul dtype into the logits' buffer, which PyTorch runs as an fp32 exp into a temporary plus a
-cast (the H200 profile of MPT-125M: 25 + 15 + 20 ms of a 287 ms step). With ``softmax_grad=True`` the gradient
-comes instead from one ``torch.softmax`` kernel over the bf16 logits (fewer bytes moved; not yet measured on a
-GPU, so not the default); with ``compile=True`` on CUDA the per-chunk work is a torch.compile'd function.
+are the ones the stock path runs (forward, grad input, grad weight): no extra FLOPs.
+
+The per-chunk softmax, loss and gradient (everything between the first matmul and the other two) is one of
+:data:`KERNELS`, chosen with ``kernel``:
+
+* ``'torch'``: a log-softmax kernel reading the bf16 logits and writing fp32, then an exp writing the gradient into
+  the logits' buffer, which PyTorch runs as an fp32 exp into a temporary plus a cast (the H200 profile of MPT-125M
+  at microbatch 64: 25 + 15 + 20 ms of a 287 ms step, benchmarks/README.md).
+* ``'softmax'``: the same log-softmax for the loss, and the gradient from one ``torch.softmax`` kernel over the
+  bf16 logits instead of the exp and the cast.
+* ``'compile'``: the per-chunk function through ``torch.compile`` (Inductor).
+* ``'liger'``: Liger-Kernel's per-chunk cross-entropy primitive (``cross_entropy_loss_and_grad``, its Triton
+  kernel: an online softmax that reads the logits twice and writes the gradient over them in the logits' dtype,
+  with the loss and the target entry in fp32; the package ``liger-kernel``). Nothing of fp32 size ``[C, V]`` is
+  written.
+
+``'compile'`` and ``'liger'`` need CUDA; on other devices the chunk runs the ``'torch'`` path (same values).
 
 Precision under autocast (amp_bf16): the matmuls run in the autocast dtype, like the stock ``F.linear``; softmax,
 loss and the ``exp(lsm) - 1`` entry of the target run in fp32 as in the stock path (which upcasts before the loss).
@@ -88,6 +99,7 @@ __all__ = [
     'FusedLossEmbedding',
     'FusedLossMPTForCausalLM',
     'FusedLossOutput',
+    'KERNELS',
     'default_chunk_size',
     'linear_cross_entropy',
     'register',
@@ -99,6 +111,9 @@ FUSED_LOSS_MODEL_NAME = 'mpt_causal_lm_fused_loss'
 
 #: llm-foundry's ``CROSS_ENTROPY_IGNORE_INDEX``.
 IGNORE_INDEX = -100
+
+#: The per-chunk softmax/gradient implementations :func:`linear_cross_entropy` offers (module docstring).
+KERNELS = ('torch', 'softmax', 'compile', 'liger')
 
 #: Default rows (tokens) per chunk: measured on one H200 against 2,560 (benchmarks/README.md, #12): fewer chunk
 #: launches and casts; with torch.compile +2..6% at MPT-125M, +0.6..1.9% at 350M, +1.5% at 760M, +1.4 GB peak
@@ -130,10 +145,8 @@ def _chunk_loss_and_grad(logits: torch.Tensor, targets: torch.Tensor, valid: tor
         valid: ``[C]`` bool, False for ignored rows.
         softmax_grad: compute the softmax with one ``torch.softmax`` kernel from the logits (fp32 inside, output
             in the logits' dtype, a new buffer) instead of ``exp`` of the fp32 log-probabilities written over the
-            logits, which PyTorch runs as an fp32 exp into a temporary plus a cast (on the H200 profile of
-            MPT-125M those two took 35 ms of a 287 ms step, benchmarks/README.md; the softmax kernel costs part of
-            that back, and it has not been measured yet). Same values up to the rounding of the result to the
-            logits' dtype.
+            logits, which PyTorch runs as an fp32 exp into a temporary plus a cast (kernel ``'softmax'``). Same
+            values up to the rounding of the result to the logits' dtype.
 
     Returns:
         ``(sum over valid rows of -log_softmax(logits)[i, t_i]`` as an fp32 scalar, ``G = softmax - onehot(t)``
@@ -167,6 +180,30 @@ def _chunk_loss_and_grad_functional(logits: torch.Tensor, targets: torch.Tensor,
     return loss_sum, grad
 
 
+def _chunk_loss_and_grad_liger(logits: torch.Tensor, targets: torch.Tensor, ignore_index: int,
+                               need_grad: bool) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """Same values as :func:`_chunk_loss_and_grad` from Liger-Kernel's per-chunk cross-entropy (CUDA only).
+
+    Args:
+        logits: ``[C, V]`` contiguous CUDA tensor in the matmul dtype; overwritten with the gradient when
+            ``need_grad``.
+        targets: ``[C]`` int64 class ids, ``ignore_index`` for ignored rows (their gradient rows become 0).
+
+    Liger's ``cross_entropy_loss_and_grad`` with ``reduction='sum'`` returns the per-row losses in fp32 and writes
+    ``softmax - onehot`` (not divided by a token count; the target entry computed in fp32 before rounding) over the
+    logits; ``n_non_ignore`` only scales ``'mean'``, so no count has to come back from the device.
+
+    Raises:
+        ImportError: liger-kernel is not installed (it is a dependency of this package).
+    """
+    import liger_kernel.functional  # noqa: F401  (declares where the op's implementations live)
+    from liger_kernel.backends import dispatch
+    loss_rows, _, _, _, grad = dispatch(
+        'cross_entropy_loss_and_grad', logits, targets, None, int(ignore_index), 0.0, 0.0, 'sum', None,
+        1, 1.0, 0.0, False, False, False, bool(need_grad), impl='nvidia-triton')
+    return loss_rows.sum(), (grad if need_grad else None)
+
+
 _COMPILED: dict[str, Callable] = {}
 
 
@@ -181,8 +218,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, ignore_index: int,
-                chunk_size: int, compute_dtype: torch.dtype, use_compiled: bool,
-                need_grad: bool, softmax_grad: bool = False) -> torch.Tensor:
+                chunk_size: int, compute_dtype: torch.dtype, kernel: str, need_grad: bool) -> torch.Tensor:
         n_rows, _ = hidden.shape
         need_h = need_grad and ctx.needs_input_grad[0]
         need_w = need_grad and ctx.needs_input_grad[1]
@@ -199,10 +235,12 @@ class _LinearCrossEntropy(torch.autograd.Function):
             end = min(start + chunk_size, n_rows)
             h_c, t_c, v_c = h[start:end], safe_targets[start:end], valid[start:end]
             logits = torch.mm(h_c, w.t())
-            if (need_h or need_w) and use_compiled:
+            if kernel == 'liger':
+                part, grad = _chunk_loss_and_grad_liger(logits, targets[start:end], ignore_index, need_h or need_w)
+            elif (need_h or need_w) and kernel == 'compile':
                 part, grad = _compiled_chunk_fn()(logits, t_c, v_c)
             else:
-                part, grad = _chunk_loss_and_grad(logits, t_c, v_c, need_h or need_w, softmax_grad)
+                part, grad = _chunk_loss_and_grad(logits, t_c, v_c, need_h or need_w, kernel == 'softmax')
             loss_sum = loss_sum + part
             if grad is None:
                 continue
@@ -228,12 +266,12 @@ class _LinearCrossEntropy(torch.autograd.Function):
         grad_h, grad_w = ctx.saved_tensors
         gh = grad_h * grad_out.to(grad_h.dtype) if grad_h is not None else None
         gw = grad_w * grad_out.to(grad_w.dtype) if grad_w is not None else None
-        return gh, gw, None, None, None, None, None, None, None
+        return gh, gw, None, None, None, None, None, None
 
 
 def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, *,
                          ignore_index: int = IGNORE_INDEX, chunk_size: Optional[int] = None,
-                         compile: bool = False, softmax_grad: bool = False) -> torch.Tensor:
+                         kernel: str = 'torch') -> torch.Tensor:
     """Mean cross-entropy of ``hidden @ weight.T`` against ``targets``, without materializing the logits.
 
     Equal to ``nn.CrossEntropyLoss(ignore_index=ignore_index, reduction='none')(hidden @ weight.T, targets)``
@@ -251,16 +289,15 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: to
         targets: ``[N]`` integer class ids in ``[0, V)`` or ``ignore_index``.
         ignore_index: targets with this value add nothing to the loss or the count.
         chunk_size: rows per chunk (tokens); None: :func:`default_chunk_size` of ``V``.
-        compile: run the per-chunk softmax/gradient through ``torch.compile`` (only on CUDA; ignored elsewhere).
-        softmax_grad: each chunk's gradient from one softmax kernel over the logits (see
-            :func:`_chunk_loss_and_grad`); not together with ``compile``.
+        kernel: the per-chunk softmax/gradient, one of :data:`KERNELS` (module docstring); ``'compile'`` and
+            ``'liger'`` run on CUDA only, elsewhere the chunk runs ``'torch'``.
 
     Returns:
         A 0-dim fp32 tensor, the loss in nats per non-ignored token.
 
     Raises:
-        ValueError: wrong shapes or dtypes, a chunk size that is not a positive integer, or ``compile`` and
-            ``softmax_grad`` both true.
+        ValueError: wrong shapes or dtypes, a chunk size that is not a positive integer, or an unknown
+            ``kernel``.
     """
     if hidden.dim() != 2 or weight.dim() != 2 or hidden.shape[1] != weight.shape[1]:
         raise ValueError(f'linear_cross_entropy: hidden must be [N, d] and weight [V, d]; got '
@@ -275,19 +312,19 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: to
     if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
         raise ValueError(f'linear_cross_entropy: chunk_size must be a positive integer (rows per chunk), '
                          f'got {chunk_size!r}')
-    if compile and softmax_grad:
-        raise ValueError('linear_cross_entropy: compile and softmax_grad cannot both be true (the compiled '
-                         'per-chunk function computes its own gradient)')
+    if kernel not in KERNELS:
+        raise ValueError(f'linear_cross_entropy: kernel must be one of {KERNELS}, got {kernel!r}')
     device_type = hidden.device.type
     if torch.is_autocast_enabled(device_type):
         compute_dtype = torch.get_autocast_dtype(device_type)
     else:
         compute_dtype = torch.promote_types(hidden.dtype, weight.dtype)
     need_grad = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
-    use_compiled = bool(compile) and device_type == 'cuda'
+    if kernel in ('compile', 'liger') and device_type != 'cuda':
+        kernel = 'torch'
     with torch.autocast(device_type, enabled=False):
-        return _LinearCrossEntropy.apply(hidden, weight, targets.long(), int(ignore_index), chunk_size,
-                                         compute_dtype, use_compiled, need_grad, bool(softmax_grad))
+        return _LinearCrossEntropy.apply(hidden, weight, targets.long().contiguous(), int(ignore_index),
+                                         chunk_size, compute_dtype, kernel, need_grad)
 
 
 # ------------------------------------------------------------------------------------------ llm-foundry classes
@@ -306,13 +343,11 @@ class FusedLossEmbedding(SharedEmbedding):
     ``forward(input)`` embeds token ids and ``forward(input, True)`` returns logits, as in the parent;
     ``forward(hidden, True, loss_targets=targets)`` returns :func:`linear_cross_entropy` of ``hidden``
     (``[..., d]``) with this module's weight against ``targets`` (``[...]``, the same leading shape), with the
-    chunk size and flags set on the module (``fused_loss_chunk_size``, ``fused_loss_compile``,
-    ``fused_loss_softmax_grad``).
+    chunk size and kernel set on the module (``fused_loss_chunk_size``, ``fused_loss_kernel``).
     """
 
     fused_loss_chunk_size: Optional[int] = None
-    fused_loss_compile: bool = False
-    fused_loss_softmax_grad: bool = False
+    fused_loss_kernel: str = 'torch'
 
     def forward(self, input: torch.Tensor, unembed: bool = False,
                 loss_targets: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -321,17 +356,15 @@ class FusedLossEmbedding(SharedEmbedding):
         if not unembed:
             raise ValueError('FusedLossEmbedding: loss_targets needs unembed=True')
         return _fused_unembed_loss(input.reshape(-1, input.shape[-1]), self.weight, loss_targets.reshape(-1),
-                                   self.fused_loss_chunk_size, self.fused_loss_compile,
-                                   self.fused_loss_softmax_grad)
+                                   self.fused_loss_chunk_size, self.fused_loss_kernel)
 
 
 @torch.compiler.disable
 def _fused_unembed_loss(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
-                        chunk_size: Optional[int], compile: bool, softmax_grad: bool = False) -> torch.Tensor:
+                        chunk_size: Optional[int], kernel: str) -> torch.Tensor:
     # Run eagerly inside a torch.compile'd model forward (composer's compile_config): the chunk loop and the
     # autograd.Function stay out of the traced graph (one graph break, at the very end of the forward).
-    return linear_cross_entropy(hidden, weight, targets, chunk_size=chunk_size, compile=compile,
-                                softmax_grad=softmax_grad)
+    return linear_cross_entropy(hidden, weight, targets, chunk_size=chunk_size, kernel=kernel)
 
 
 class FusedLossMPTForCausalLM(MPTForCausalLM):
@@ -387,8 +420,7 @@ class ComposerMPTCausalLMFusedLoss(ComposerMPTCausalLM):
 
     Args:
         fused_loss_chunk_size: tokens per chunk (None: :func:`default_chunk_size` of the vocabulary).
-        fused_loss_compile: torch.compile the per-chunk softmax/gradient (CUDA only).
-        fused_loss_softmax_grad: each chunk's gradient from one softmax kernel (:func:`_chunk_loss_and_grad`).
+        fused_loss_kernel: the per-chunk softmax/gradient, one of :data:`KERNELS` (module docstring).
 
     In training mode, with ``use_train_metrics`` false and labels in the batch, ``forward`` computes the loss
     (:func:`linear_cross_entropy`, the parent's loss value without the logits) and returns a
@@ -399,14 +431,13 @@ class ComposerMPTCausalLMFusedLoss(ComposerMPTCausalLM):
     Raises:
         ValueError: for settings this loss does not compute (the message names the setting): ``loss_fn`` other
             than ``torch_crossentropy``, ``tie_word_embeddings: false``, ``logit_scale``,
-            ``final_logit_softcapping``, a MegaBlocks ``ffn_config.ffn_type``, or a bad chunk size.
+            ``final_logit_softcapping``, a MegaBlocks ``ffn_config.ffn_type``, a bad chunk size or kernel.
     """
 
     def __init__(self, tokenizer: Any = None, use_train_metrics: Optional[bool] = True,
                  additional_train_metrics: Optional[list] = None,
                  loss_fn: Optional[Union[str, dict]] = 'fused_crossentropy',
-                 fused_loss_chunk_size: Optional[int] = None, fused_loss_compile: bool = False,
-                 fused_loss_softmax_grad: bool = False, **kwargs: Any):
+                 fused_loss_chunk_size: Optional[int] = None, fused_loss_kernel: str = 'torch', **kwargs: Any):
         where = f'model {FUSED_LOSS_MODEL_NAME} (train setting fused_loss)'
         if loss_fn != 'torch_crossentropy':
             raise ValueError(f"{where}: loss_fn is {loss_fn!r}; the fused linear + cross-entropy computes "
@@ -417,6 +448,8 @@ class ComposerMPTCausalLMFusedLoss(ComposerMPTCausalLM):
                                                   fused_loss_chunk_size < 1):
             raise ValueError(f'{where}: fused_loss_chunk_size must be a positive integer (tokens per chunk) or '
                              f'null, got {fused_loss_chunk_size!r}.')
+        if fused_loss_kernel not in KERNELS:
+            raise ValueError(f'{where}: fused_loss_kernel must be one of {KERNELS}, got {fused_loss_kernel!r}.')
         if kwargs.get('tie_word_embeddings', True) is False:
             raise ValueError(f"{where}: tie_word_embeddings is false (a separate lm_head); the fused loss "
                              f"supports MPT's tied embedding only. Fix: fused_loss: false for this model.")
@@ -436,8 +469,7 @@ class ComposerMPTCausalLMFusedLoss(ComposerMPTCausalLM):
                              f'({type(wte).__name__}, lm_head {type(self.model.lm_head).__name__}); the fused '
                              f'loss cannot use it. Fix: fused_loss: false for this model.')
         wte.fused_loss_chunk_size = fused_loss_chunk_size
-        wte.fused_loss_compile = bool(fused_loss_compile)
-        wte.fused_loss_softmax_grad = bool(fused_loss_softmax_grad)
+        wte.fused_loss_kernel = fused_loss_kernel
         #: True when training uses the fused loss (False: the train metrics need the logits -> stock path)
         self.fused_loss_active = not use_train_metrics
         if use_train_metrics:

@@ -35,7 +35,7 @@ _CKPT_RE = re.compile(r"ep(\d+)-ba(\d+)-rank0\.pt$")
 _PENDING_SIGNAL: list = []  # (signum, frame, previous handler) set by our USR2 handler
 
 #: Model keys that only :class:`llmpipe.fused_loss.ComposerMPTCausalLMFusedLoss` takes (not ``MPTConfig``).
-FUSED_LOSS_MODEL_KEYS = ("fused_loss_chunk_size", "fused_loss_compile", "fused_loss_softmax_grad")
+FUSED_LOSS_MODEL_KEYS = ("fused_loss_chunk_size", "fused_loss_kernel")
 
 
 # ------------------------------------------------------------------------------------------- config
@@ -87,8 +87,7 @@ def foundry_train_config(config: dict, run: str, *, data_dir: str | None, save_f
         # logits, so with train_metrics on the stock model trains as before
         model["name"] = _fused_loss_model_name()
         model["fused_loss_chunk_size"] = fused["chunk_size"]
-        model["fused_loss_compile"] = fused["compile"]
-        model["fused_loss_softmax_grad"] = fused["softmax_grad"]
+        model["fused_loss_kernel"] = fused["kernel"]
     tok_name = tokenizer_dir or config["tokenizers"][data["tokenizer"]].get("name")
 
     def loader(split: str, shuffle: bool, drop_last: bool) -> dict:

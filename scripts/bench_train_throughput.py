@@ -64,7 +64,7 @@ from llmpipe.speedups import dynamo_catalogue_fix, register_compile_blocks, regi
 #:   train_metrics: False -> model.use_train_metrics False (no per-step LanguageCrossEntropy/Perplexity/TokenAccuracy
 #:       over the logits; the loss itself is unchanged)
 #:   fused_loss: the project's train setting `fused_loss` (llmpipe.fused_loss: chunked linear + cross-entropy
-#:       without the full logits): False | True | {'chunk_size': tokens, 'compile': bool, 'softmax_grad': bool};
+#:       without the full logits): False | True | {'chunk_size': tokens, 'kernel': torch|softmax|compile|liger};
 #:       used only with train metrics off. Variants measured before it existed say False, so they keep measuring what they measured.
 _BEST = {'attn_impl': 'sdpa', 'drop_mask': True, 'optimizer': 'fused_adamw', 'train_metrics': False}
 VARIANTS: dict[str, dict[str, Any]] = {
@@ -100,8 +100,8 @@ VARIANTS: dict[str, dict[str, Any]] = {
     'fused_loss': {**_BEST, 'fused_loss': True},
     'fused_loss_mb_x2': {**_BEST, 'fused_loss': True, 'mb_scale': 2},
     'fused_loss_mb_x4': {**_BEST, 'fused_loss': True, 'mb_scale': 4},
-    'fused_loss_ewc': {**_BEST, 'fused_loss': {'compile': True}},            # per-chunk softmax via torch.compile
-    'fused_loss_ewc_mb_x2': {**_BEST, 'fused_loss': {'compile': True}, 'mb_scale': 2},
+    'fused_loss_ewc': {**_BEST, 'fused_loss': {'kernel': 'compile'}},         # per-chunk softmax via torch.compile
+    'fused_loss_ewc_mb_x2': {**_BEST, 'fused_loss': {'kernel': 'compile'}, 'mb_scale': 2},
     'fused_loss_chunk1k': {**_BEST, 'fused_loss': {'chunk_size': 1024}},
     'fused_loss_chunk8k': {**_BEST, 'fused_loss': {'chunk_size': 8192}},
     'compile_nometrics_nofl': {**_BEST, 'compile': True, 'compile_fix': True, 'fused_loss': False},
@@ -120,10 +120,17 @@ VARIANTS: dict[str, dict[str, Any]] = {
     'fused_loss_compile_mb_x2_w0': {**_BEST, 'compile': True, 'compile_fix': True, 'fused_loss': True,
                                     'mb_scale': 2, 'num_workers': 0},
     'default_w0': {'num_workers': 0},
-    # each chunk's gradient from one softmax kernel (fused_loss.softmax_grad) instead of fp32 exp + cast
-    'default_softmax_grad': {'fused_loss': {'softmax_grad': True}},
+    # each chunk's gradient from one softmax kernel (fused_loss.kernel: softmax) instead of fp32 exp + cast
+    'default_softmax_grad': {'fused_loss': {'kernel': 'softmax'}},
     'fused_loss_softmax_grad_mb_x2': {**_BEST, 'compile': True, 'compile_fix': True,
-                                      'fused_loss': {'softmax_grad': True}, 'mb_scale': 2},
+                                      'fused_loss': {'kernel': 'softmax'}, 'mb_scale': 2},
+    # each chunk's loss and gradient from Liger-Kernel's Triton cross-entropy (fused_loss.kernel: liger)
+    'default_liger': {'fused_loss': {'kernel': 'liger'}},
+    'default_torch_kernel': {'fused_loss': {'kernel': 'torch'}},
+    'fused_loss_liger_mb_x2': {**_BEST, 'compile': True, 'compile_fix': True,
+                               'fused_loss': {'kernel': 'liger'}, 'mb_scale': 2},
+    'fused_loss_liger_mb_x4': {**_BEST, 'compile': True, 'compile_fix': True,
+                               'fused_loss': {'kernel': 'liger'}, 'mb_scale': 4},
     # one intra-op CPU thread in the training process (torchrun's default OMP_NUM_THREADS=1 for several processes)
     'default_t1': {'cpu_threads': 1},
     'fused_loss_compile_mb_x2_t1': {**_BEST, 'compile': True, 'compile_fix': True, 'fused_loss': True,
@@ -143,7 +150,7 @@ CSV_FIELDS = [
     'drop_mask', 'optimizer', 'compile', 'train_metrics', 'fused_loss', 'num_workers', 'cpu_threads', 'microbatch', 'seq_len', 'steps', 'timed_steps',
     'tokens_per_s',
     'step_ms', 'mfu', 'flops_per_token', 'flops_per_token_foundry', 'peak_flops', 'peak_mem_allocated_gb',
-    'peak_mem_reserved_gb', 'n_params', 'gpu', 'torch', 'cuda', 'composer', 'llmfoundry', 'python', 'error',
+    'peak_mem_reserved_gb', 'mem_before_gb', 'n_params', 'gpu', 'torch', 'cuda', 'composer', 'llmfoundry', 'python', 'error',
     'command',
 ]
 
@@ -549,16 +556,16 @@ def build_train_config(config: dict, run: str, variant: dict, *, steps: int, mb_
 
 
 def _fused_loss_knob(model: dict) -> str:
-    """The CSV's ``fused_loss`` column: ``off``, or ``chunk=<rows>[,compile][,softmax_grad]`` for the fused-loss
-    model."""
+    """The CSV's ``fused_loss`` column: ``off``, or ``chunk=<rows>[,<kernel>]`` for the fused-loss model (no kernel:
+    ``torch``; rows before the ``kernel`` setting wrote ``softmax_grad`` for today's ``softmax``)."""
     from llmpipe.train import FUSED_LOSS_MODEL_KEYS
     if 'fused_loss_chunk_size' not in model:
         return 'off'
     assert set(FUSED_LOSS_MODEL_KEYS) <= set(model)
     from llmpipe.fused_loss import default_chunk_size
     chunk = model['fused_loss_chunk_size'] or default_chunk_size(int(model['vocab_size']))
-    return (f"chunk={chunk}" + (',compile' if model.get('fused_loss_compile') else '')
-            + (',softmax_grad' if model.get('fused_loss_softmax_grad') else ''))
+    kernel = model['fused_loss_kernel']
+    return f"chunk={chunk}" + ('' if kernel == 'torch' else f',{kernel}')
 
 
 # ------------------------------------------------------------------------------------- run
@@ -609,6 +616,8 @@ def run_one(config: dict, run: str, vname: str, variant: dict, *, steps: int, sk
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats()
+            # what an earlier variant in this process left allocated (it is inside the peak columns too)
+            row['mem_before_gb'] = round(torch.cuda.memory_allocated() / 1e9, 2)
 
         # train() builds the callbacks from the config; add the timer through the registry-free path: wrap
         # Trainer.__init__ to append it (the config itself stays the project's).

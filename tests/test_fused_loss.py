@@ -62,12 +62,14 @@ def _loss_and_grads(fn, h, w, t, scale=1.0):
 
 # ------------------------------------------------------------------------------------------ the function
 
-@pytest.mark.parametrize('softmax_grad', [False, True], ids=['exp_grad', 'softmax_grad'])
+# on CPU 'compile' and 'liger' run the 'torch' path (test_cuda_only_kernels_fall_back_on_cpu); their GPU parity
+# is checked by scripts/check_fused_loss_kernels.py (benchmarks/fused-loss-kernels-h200.csv)
+@pytest.mark.parametrize('kernel', ['torch', 'softmax'])
 @pytest.mark.parametrize('chunk', [1, 7, 16, 48, 1000, None], ids=lambda c: f'chunk{c}')
-def test_loss_and_grads_equal_llm_foundry(chunk, softmax_grad):
+def test_loss_and_grads_equal_llm_foundry(chunk, kernel):
     h, w, t = _inputs()
     ref = _loss_and_grads(_foundry_loss, h, w, t, scale=0.37)
-    got = _loss_and_grads(lambda a, b, c: FL.linear_cross_entropy(a, b, c, chunk_size=chunk, softmax_grad=softmax_grad),
+    got = _loss_and_grads(lambda a, b, c: FL.linear_cross_entropy(a, b, c, chunk_size=chunk, kernel=kernel),
                           h, w, t, scale=0.37)
     torch.testing.assert_close(got[0], ref[0], atol=1e-6, rtol=1e-6)
     torch.testing.assert_close(got[1], ref[1], atol=1e-7, rtol=1e-5)   # d loss / d hidden
@@ -75,9 +77,9 @@ def test_loss_and_grads_equal_llm_foundry(chunk, softmax_grad):
     assert got[0].dtype == torch.float32 and got[1].abs().sum() > 0 and got[2].abs().sum() > 0
 
 
-def test_softmax_grad_takes_one_softmax_per_chunk_and_no_exp(monkeypatch):
-    """softmax_grad=True computes each chunk's gradient with torch.softmax (one kernel) and never runs the
-    fp32 exp over the chunk (which PyTorch follows with a cast); the default does the opposite."""
+def test_softmax_kernel_takes_one_softmax_per_chunk_and_no_exp(monkeypatch):
+    """kernel='softmax' computes each chunk's gradient with torch.softmax (one kernel) and never runs the
+    fp32 exp over the chunk (which PyTorch follows with a cast); kernel='torch' does the opposite."""
     calls = {'softmax': [], 'exp': []}
     orig_softmax, orig_exp = torch.softmax, torch.exp
 
@@ -92,14 +94,80 @@ def test_softmax_grad_takes_one_softmax_per_chunk_and_no_exp(monkeypatch):
     monkeypatch.setattr(torch, 'softmax', softmax)
     monkeypatch.setattr(torch, 'exp', exp)
     h, w, t = _inputs(n=48)
-    for flag, want_softmax, want_exp in ((True, [(20, V), (20, V), (8, V)], []),
-                                         (False, [], [(20, V), (20, V), (8, V)])):
+    for kernel, want_softmax, want_exp in (('softmax', [(20, V), (20, V), (8, V)], []),
+                                           ('torch', [], [(20, V), (20, V), (8, V)])):
         calls['softmax'].clear()
         calls['exp'].clear()
-        _loss_and_grads(lambda a, b, c: FL.linear_cross_entropy(a, b, c, chunk_size=20, softmax_grad=flag), h, w, t)
-        assert calls['softmax'] == want_softmax and calls['exp'] == want_exp, (flag, calls)
-    with pytest.raises(ValueError, match='compile and softmax_grad cannot both be true'):
-        FL.linear_cross_entropy(h, w, t, compile=True, softmax_grad=True)
+        _loss_and_grads(lambda a, b, c: FL.linear_cross_entropy(a, b, c, chunk_size=20, kernel=kernel), h, w, t)
+        assert calls['softmax'] == want_softmax and calls['exp'] == want_exp, (kernel, calls)
+    with pytest.raises(ValueError, match='kernel must be one of'):
+        FL.linear_cross_entropy(h, w, t, kernel='triton')
+
+
+def test_kernel_names_agree_with_the_config():
+    from llmpipe.config import FUSED_LOSS_DEFAULT_KERNEL, FUSED_LOSS_KERNELS
+    assert FL.KERNELS == FUSED_LOSS_KERNELS and FUSED_LOSS_DEFAULT_KERNEL in FL.KERNELS
+
+
+@pytest.mark.parametrize('kernel', ['compile', 'liger'])
+def test_cuda_only_kernels_fall_back_on_cpu(monkeypatch, kernel):
+    """On CPU the chunk runs the eager 'torch' path: neither Liger nor torch.compile is touched."""
+    def boom(*a, **k):
+        raise AssertionError('a CUDA-only kernel ran on CPU')
+
+    monkeypatch.setattr(FL, '_chunk_loss_and_grad_liger', boom)
+    monkeypatch.setattr(FL, '_compiled_chunk_fn', boom)
+    h, w, t = _inputs(n=48)
+    ref = _loss_and_grads(lambda a, b, c: FL.linear_cross_entropy(a, b, c, chunk_size=20, kernel='torch'), h, w, t)
+    got = _loss_and_grads(lambda a, b, c: FL.linear_cross_entropy(a, b, c, chunk_size=20, kernel=kernel), h, w, t)
+    for a, b in zip(got, ref):
+        torch.testing.assert_close(a, b, atol=0, rtol=0)
+
+
+def test_liger_kernel_gets_the_contract_it_documents(monkeypatch):
+    """The 'liger' chunk calls Liger-Kernel's ``cross_entropy_loss_and_grad`` with sum reduction (no token
+    count from the device), the chunk's own targets with ignore_index kept, and uses the per-row fp32 losses and
+    the gradient written over the logits. Liger's Triton kernel cannot run (or even import) without a GPU, so here
+    a CPU function with the contract its docstring states (liger_kernel/ops/backends/_triton/cross_entropy.py)
+    stands in; its values on a GPU are checked by scripts/check_fused_loss_kernels.py."""
+    import sys
+    import types
+    seen = []
+
+    def dispatch(op, logits, targets, ce_weight, ignore_index, lse_square_scale, label_smoothing, reduction,
+                 softcap, n_non_ignore, sum_non_ignore_weight, weight_sum, return_z_loss, return_token_accuracy,
+                 return_predicted_tokens, has_gradients, *, impl=None, mode=None):
+        seen.append((op, tuple(logits.shape), targets.clone(), ignore_index, reduction, has_gradients, impl))
+        assert ce_weight is None and softcap is None and lse_square_scale == 0.0 and label_smoothing == 0.0
+        valid = targets != ignore_index
+        lsm = torch.log_softmax(logits.float(), dim=-1)
+        loss = torch.where(valid, -lsm.gather(1, targets.clamp(min=0)[:, None]).squeeze(1), torch.zeros(()))
+        if has_gradients:
+            g = lsm.exp()
+            g[valid, targets[valid]] -= 1
+            g[~valid] = 0
+            logits.copy_(g)   # in place, like the Triton kernel
+        return loss, None, None, None, logits
+
+    monkeypatch.setitem(sys.modules, 'liger_kernel', types.ModuleType('liger_kernel'))
+    monkeypatch.setitem(sys.modules, 'liger_kernel.functional', types.ModuleType('liger_kernel.functional'))
+    backends = types.ModuleType('liger_kernel.backends')
+    backends.dispatch = dispatch
+    monkeypatch.setitem(sys.modules, 'liger_kernel.backends', backends)
+    h, w, t = _inputs(n=48)
+    t[5] = t[30] = -100
+    ref = _loss_and_grads(lambda a, b, c: FL.linear_cross_entropy(a, b, c, chunk_size=20), h, w, t)
+
+    def liger(hidden, weight, targets):   # the chunk loop with the liger chunk, on CPU
+        return FL._LinearCrossEntropy.apply(hidden, weight, targets, -100, 20, torch.float32, 'liger', True)
+
+    got = _loss_and_grads(liger, h, w, t)
+    for a, b in zip(got, ref):
+        torch.testing.assert_close(a, b, atol=1e-7, rtol=1e-5)
+    assert [s[0] for s in seen] == ['cross_entropy_loss_and_grad'] * 3
+    assert [s[1] for s in seen] == [(20, V), (20, V), (8, V)]
+    assert all(s[3] == -100 and s[4] == 'sum' and s[5] is True and s[6] == 'nvidia-triton' for s in seen)
+    torch.testing.assert_close(torch.cat([s[2] for s in seen]), t)   # ignore_index rows passed as such
 
 
 def test_chunks_never_hold_more_than_chunk_rows_of_logits(monkeypatch):
@@ -137,8 +205,8 @@ def test_ignored_rows_change_nothing():
     assert torch.count_nonzero(gh1[ignored]) == 0 and torch.count_nonzero(gh2[ignored]) == 0
 
 
-@pytest.mark.parametrize('softmax_grad', [False, True], ids=['exp_grad', 'softmax_grad'])
-def test_autocast_runs_matmuls_in_bf16_and_returns_param_dtypes(monkeypatch, softmax_grad):
+@pytest.mark.parametrize('kernel', ['torch', 'softmax'])
+def test_autocast_runs_matmuls_in_bf16_and_returns_param_dtypes(monkeypatch, kernel):
     h, w, t = _inputs(n=64)
     mm_dtypes = []
     orig_mm = torch.mm
@@ -156,7 +224,7 @@ def test_autocast_runs_matmuls_in_bf16_and_returns_param_dtypes(monkeypatch, sof
 
     def fused(a, b, c):
         with torch.autocast('cpu', dtype=torch.bfloat16):
-            return FL.linear_cross_entropy(a, b, c, chunk_size=24, softmax_grad=softmax_grad)
+            return FL.linear_cross_entropy(a, b, c, chunk_size=24, kernel=kernel)
 
     got = _loss_and_grads(fused, h, w, t)
     monkeypatch.undo()
@@ -262,10 +330,10 @@ def _batch(b=3, s=32):
     return {'input_ids': ids, 'attention_mask': torch.ones_like(ids), 'labels': labels}
 
 
-@pytest.mark.parametrize('chunk,softmax_grad', [(5, False), (None, False), (5, True)])
-def test_model_training_loss_and_grads_equal_stock(chunk, softmax_grad):
-    stock, fused = _models(fused_loss_chunk_size=chunk, fused_loss_softmax_grad=softmax_grad)
-    assert fused.model.transformer.wte.fused_loss_softmax_grad is softmax_grad
+@pytest.mark.parametrize('chunk,kernel', [(5, 'torch'), (None, 'torch'), (5, 'softmax'), (5, 'liger')])
+def test_model_training_loss_and_grads_equal_stock(chunk, kernel):
+    stock, fused = _models(fused_loss_chunk_size=chunk, fused_loss_kernel=kernel)
+    assert fused.model.transformer.wte.fused_loss_kernel == kernel
     stock.train()
     fused.train()
     for step in range(2):   # two microbatches: gradients accumulate
@@ -459,22 +527,23 @@ def test_train_config_selects_the_fused_model():
 
     m = model(config)
     assert m['name'] == FL.FUSED_LOSS_MODEL_NAME and m['fused_loss_chunk_size'] is None
-    assert m['fused_loss_compile'] is False and m['loss_fn'] == 'torch_crossentropy'
-    assert m['fused_loss_softmax_grad'] is False   # the default until the benchmark shows the softmax path helps
+    assert m['fused_loss_kernel'] == 'liger' and m['loss_fn'] == 'torch_crossentropy'   # device call 18
     for run in ('mpt-350m', 'mpt-760m', 'mpt-1b', 'mpt-7b', 'mpt-70b'):
         assert model(config, run)['name'] == FL.FUSED_LOSS_MODEL_NAME
     assert model(config, 'mpt-tiny')['name'] == 'mpt_causal_lm'   # the CI model keeps the stock loss
     assert not set(FUSED_LOSS_MODEL_KEYS) & set(model(config, 'mpt-tiny'))
     over = deep_merge(config, {'models': {'mpt-125m': {'train': {'fused_loss': {'chunk_size': 4096,
-                                                                                 'compile': True}}}}})
+                                                                                 'kernel': 'compile'}}}}})
     m = model(over)
-    assert (m['fused_loss_chunk_size'], m['fused_loss_compile']) == (4096, True)
-    sm = deep_merge(config, {'models': {'mpt-125m': {'train': {'fused_loss': {'softmax_grad': True}}}}})
-    assert model(sm)['fused_loss_softmax_grad'] is True and model(sm)['fused_loss_chunk_size'] is None
+    assert (m['fused_loss_chunk_size'], m['fused_loss_kernel']) == (4096, 'compile')
+    sm = deep_merge(config, {'models': {'mpt-125m': {'train': {'fused_loss': {'kernel': 'softmax'}}}}})
+    assert model(sm)['fused_loss_kernel'] == 'softmax' and model(sm)['fused_loss_chunk_size'] is None
+    dflt = deep_merge(config, {'models': {'mpt-125m': {'train': {'fused_loss': {'chunk_size': 1024}}}}})
+    assert model(dflt)['fused_loss_kernel'] == 'liger'
     # snakemake --config passes nested values as strings
     cli = deep_merge(config, {'models': {'mpt-125m': {'train': {'fused_loss': {'chunk_size': '4096',
-                                                                                'compile': 'True'}}}}})
-    assert (model(cli)['fused_loss_chunk_size'], model(cli)['fused_loss_compile']) == (4096, True)
+                                                                                'kernel': 'torch'}}}}})
+    assert (model(cli)['fused_loss_chunk_size'], model(cli)['fused_loss_kernel']) == (4096, 'torch')
     cli_off = deep_merge(config, {'models': {'mpt-125m': {'train': {'fused_loss': 'false'}}}})
     assert model(cli_off)['name'] == 'mpt_causal_lm'
     cli_on = deep_merge(config, {'models': {'mpt-tiny': {'train': {'fused_loss': 'True'}}}})
@@ -486,11 +555,19 @@ def test_train_config_selects_the_fused_model():
 
 
 @pytest.mark.parametrize('value', ['yes', 3, {'chunk_size': 0}, {'chunk_size': 'big'}, {'chunk': 4},
-                                   {'compile': 'on'}, {'softmax_grad': 'fast'}, {'compile': True, 'softmax_grad': True}])
+                                   {'kernel': 'triton'}, {'kernel': True}])
 def test_bad_fused_loss_setting_is_a_config_error(value):
     from llmpipe.config import ConfigError, deep_merge, validate_run
     config = deep_merge(_project_config(), {'models': {'mpt-125m': {'train': {'fused_loss': value}}}})
     with pytest.raises(ConfigError, match=r'models\.mpt-125m\.train\.fused_loss'):
+        validate_run(config, 'mpt-125m')
+
+
+@pytest.mark.parametrize('old,kernel', [('compile', 'compile'), ('softmax_grad', 'softmax')])
+def test_replaced_fused_loss_keys_name_the_kernel_setting(old, kernel):
+    from llmpipe.config import ConfigError, deep_merge, validate_run
+    config = deep_merge(_project_config(), {'models': {'mpt-125m': {'train': {'fused_loss': {old: True}}}}})
+    with pytest.raises(ConfigError, match=rf'fused_loss\.{old} was replaced by .*fused_loss\.kernel.*kernel: {kernel}'):
         validate_run(config, 'mpt-125m')
 
 
@@ -531,7 +608,7 @@ def test_bench_builds_every_variant(tmp_path):
             assert (knobs['fused_loss'] != 'off') == fused
     cfg, knobs = bench.build_train_config(config, 'mpt-125m', bench.VARIANTS['default'], steps=3,
                                           mb_override=None, tok_dir=str(tmp_path))
-    assert knobs['fused_loss'] == 'chunk=8192' and knobs['compile'] == 'fix'      # follows config.yaml
+    assert knobs['fused_loss'] == 'chunk=8192,liger' and knobs['compile'] == 'fix'      # follows config.yaml
     # the synthetic loader runs with the model's own loader worker count (config.yaml: 4), unless a variant says
     assert knobs['num_workers'] == cfg['train_loader']['num_workers'] == 4
     assert config['model_defaults']['train']['num_workers'] == 4 and 'num_workers' not in config['models'][
