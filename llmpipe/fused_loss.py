@@ -23,8 +23,9 @@ the number of non-ignored targets, and the plain sum (0) when every target is ig
 
 The gradients are computed in the forward pass, chunk by chunk, while the chunk's logits exist (so the logits are
 never recomputed); the backward only multiplies the saved ``dh`` and ``dW`` by the incoming scalar gradient. Peak
-extra memory is one chunk of logits plus its fp32 log-softmax (``chunk_size x V x (2 + 4)`` bytes under bf16; the
-default chunk, 8,192 tokens, is ~1.5 GiB of fp32 at MPT's vocabulary), plus ``dh`` ``[N, d]`` and ``dW`` ``[V, d]``. The three matmuls
+extra memory is one chunk of logits plus, for the ``torch``/``softmax`` kernels, its fp32 log-softmax
+(``chunk_size x V x (2 + 4)`` bytes under bf16; the default chunk, 8,192 tokens, is ~1.5 GiB of fp32 at MPT's
+vocabulary), plus ``dh`` ``[N, d]`` and ``dW`` ``[V, d]``. The three matmuls
 are the ones the stock path runs (forward, grad input, grad weight): no extra FLOPs.
 
 The per-chunk softmax, loss and gradient (everything between the first matmul and the other two) is one of
@@ -51,8 +52,11 @@ output), and ``dW`` sums per-chunk bf16 products in fp32. In fp32 it matches the
 
 The idea (compute the gradient inside the forward, chunk by chunk, so the logits never exist in full) is the one of
 Liger-Kernel's ``FusedLinearCrossEntropy`` (LinkedIn, https://github.com/linkedin/Liger-Kernel; Hsu et al.,
-"Liger Kernel: Efficient Triton Kernels for LLM Training", arXiv:2410.10989). This is our own PyTorch code, not
-theirs (they use Triton kernels).
+"Liger Kernel: Efficient Triton Kernels for LLM Training", arXiv:2410.10989). The chunk loop, the matmuls, the
+scaling and the llm-foundry integration are ours; with ``kernel='liger'`` the per-chunk softmax, loss and gradient
+are the library's own kernel, called through its dispatcher (Liger's whole ``fused_linear_cross_entropy`` is not
+used: it sizes chunks from ``V / d`` (~1,000 rows for MPT-125M), keeps ``dW`` in the weight's dtype unless told
+otherwise, and reads the token count back from the GPU with ``.item()`` on every call).
 
 How it plugs into llm-foundry (no file of llm-foundry is changed):
 
