@@ -175,6 +175,9 @@ def validate_run(config: dict, run: str) -> dict:
     rc = run_config(config, run)
     where = f"models.{run}"
     data, arch, train = rc["data"], rc["arch"], rc["train"]
+    refuse_unknown_keys(data, PRETRAIN_DATA_KEYS, f"{where}.data", "data setting of a pretraining run")
+    refuse_unknown_keys(arch, PRETRAIN_ARCH_KEYS, f"{where}.arch", "model setting the training step passes to MPT",
+                        " Other MPTConfig settings are not passed on; see llmpipe.train.foundry_train_config.")
 
     corpus = data.get("corpus")
     corpora = config.get("corpora", {})
@@ -243,6 +246,14 @@ def refuse_unknown_keys(given: dict, known: Sequence[str], where: str, what: str
         close = difflib.get_close_matches(key, list(known), n=1)
         hint = f"did you mean {close[0]}? " if close else ""
         raise ConfigError(f"{where}.{key} is not a {what}; {hint}Known ones: {', '.join(known)}.{also}")
+
+
+#: ``data`` keys of a pretraining run (finetunes have their own, :func:`validate_finetune`).
+PRETRAIN_DATA_KEYS = ("concat_tokens", "corpus", "tokenizer")
+#: ``arch`` keys :func:`llmpipe.train.foundry_train_config` passes to llm-foundry's MPT (a key outside these would be
+#: silently ignored by training while, e.g., the MFU formula read it).
+PRETRAIN_ARCH_KEYS = ("attn_config", "d_model", "expansion_ratio", "max_seq_len", "n_heads", "n_kv_heads", "n_layers",
+                      "no_bias", "norm_type", "vocab_size")
 
 
 def check_train_keys(train: dict, where: str = "train") -> None:

@@ -161,3 +161,19 @@ def test_misspelled_resource_key_names_the_closest(workdir):
     # a per-step slurm mapping is a resource key (docs/slurm.md): the plan goes through
     snakemake(workdir, "-n", "results/mpt-tiny/eval.json", "--config",
               "models={'mpt-tiny': {'step_resources': {'eval': {'slurm': {'partition': 'cpu'}}}}}")
+
+
+@pytest.mark.parametrize('section,key,close', [('arch', 'd_modle', 'd_model'), ('arch', 'tie_word_embeddings', None),
+                                               ('data', 'concat_token', 'concat_tokens')])
+def test_unknown_arch_or_data_key_of_a_pretraining_run_is_a_config_error(section, key, close):
+    """A key under a pretraining run's arch/data that the training step never reads (a typo, or an MPTConfig
+    setting it does not pass on) would be ignored by training while other steps (the MFU formula) read it."""
+    import yaml
+    from llmpipe.config import ConfigError, deep_merge, known_runs, validate_run
+    config = yaml.safe_load(open(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), 'config', 'config.yaml')))
+    for run in known_runs(config):   # the shipped config passes
+        validate_run(config, run)
+    bad = deep_merge(config, {'models': {'mpt-125m': {section: {key: 1}}}})
+    with pytest.raises(ConfigError, match=rf'models\.mpt-125m\.{section}\.{key} is not a') as err:
+        validate_run(bad, 'mpt-125m')
+    assert (f'did you mean {close}?' in str(err.value)) == bool(close)
