@@ -369,11 +369,14 @@ def fused_loss_settings(train: dict, where: str = "train") -> dict | None:
     if value is True:
         return {"chunk_size": None, "kernel": FUSED_LOSS_DEFAULT_KERNEL}
     if isinstance(value, dict):
-        for old, kernel in (("compile", "compile"), ("softmax_grad", "softmax")):
-            if old in value:
-                raise ConfigError(f"{where}.fused_loss.{old} was replaced by {where}.fused_loss.kernel. Fix: "
-                                  f"remove {old!r} and set kernel: {kernel} (or leave kernel out for the default, "
-                                  f"{FUSED_LOSS_DEFAULT_KERNEL}).")
+        old = [k for k in ("softmax_grad", "compile") if k in value]
+        if old:
+            meant = {"softmax_grad": "softmax", "compile": "compile"}
+            on = [k for k in old if _yaml_scalar(value[k]) not in (False, None)]
+            fix = (f"remove {' and '.join(old)} and set kernel: {meant[on[0]]}" if on else
+                   f"remove {' and '.join(old)} (kernel left out means {FUSED_LOSS_DEFAULT_KERNEL})")
+            raise ConfigError(f"{where}.fused_loss.{old[0]} was replaced by {where}.fused_loss.kernel "
+                              f"({' | '.join(FUSED_LOSS_KERNELS)}). Fix: {fix}.")
     if isinstance(value, dict) and set(value) <= {"chunk_size", "kernel"}:
         chunk = value.get("chunk_size")
         if isinstance(chunk, str) and chunk.strip().isdigit():

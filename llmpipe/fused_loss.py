@@ -294,7 +294,8 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: to
         ignore_index: targets with this value add nothing to the loss or the count.
         chunk_size: rows per chunk (tokens); None: :func:`default_chunk_size` of ``V``.
         kernel: the per-chunk softmax/gradient, one of :data:`KERNELS` (module docstring); ``'compile'`` and
-            ``'liger'`` run on CUDA only, elsewhere the chunk runs ``'torch'``.
+            ``'liger'`` run on CUDA only, elsewhere the chunk runs ``'torch'``. The default here is the pure-PyTorch
+            ``'torch'``; the workflow's config default is ``'liger'`` (``llmpipe.config.FUSED_LOSS_DEFAULT_KERNEL``).
 
     Returns:
         A 0-dim fp32 tensor, the loss in nats per non-ignored token.

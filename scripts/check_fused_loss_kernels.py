@@ -3,7 +3,7 @@
 
 ``llmpipe.fused_loss.linear_cross_entropy`` offers several per-chunk softmax/gradient kernels
 (``fused_loss.kernel``: torch, softmax, compile, liger). The CPU tests cover ``torch`` and ``softmax`` (the others
-need CUDA: Triton and Inductor kernels, and Liger-Kernel does not import without a GPU driver). This script runs
+need CUDA: Triton and Inductor kernels, and Liger-Kernel's Triton implementation does not load without a GPU driver). This script runs
 every kernel on random inputs under bf16 autocast, as training does, with some targets set to ``ignore_index``,
 and compares the loss and both gradients with the stock computation in fp32
 (``F.cross_entropy(h.float() @ w.float().T)``), then times forward + backward of each kernel.

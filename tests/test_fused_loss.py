@@ -63,7 +63,7 @@ def _loss_and_grads(fn, h, w, t, scale=1.0):
 # ------------------------------------------------------------------------------------------ the function
 
 # on CPU 'compile' and 'liger' run the 'torch' path (test_cuda_only_kernels_fall_back_on_cpu); their GPU parity
-# is checked by scripts/check_fused_loss_kernels.py (benchmarks/fused-loss-kernels-h200.csv)
+# is checked by scripts/check_fused_loss_kernels.py (benchmarks/fused-loss-kernels-device-h200.csv)
 @pytest.mark.parametrize('kernel', ['torch', 'softmax'])
 @pytest.mark.parametrize('chunk', [1, 7, 16, 48, 1000, None], ids=lambda c: f'chunk{c}')
 def test_loss_and_grads_equal_llm_foundry(chunk, kernel):
@@ -127,7 +127,7 @@ def test_cuda_only_kernels_fall_back_on_cpu(monkeypatch, kernel):
 def test_liger_kernel_gets_the_contract_it_documents(monkeypatch):
     """The 'liger' chunk calls Liger-Kernel's ``cross_entropy_loss_and_grad`` with sum reduction (no token
     count from the device), the chunk's own targets with ignore_index kept, and uses the per-row fp32 losses and
-    the gradient written over the logits. Liger's Triton kernel cannot run (or even import) without a GPU, so here
+    the gradient written over the logits. Liger's Triton implementation does not load without a GPU driver, so here
     a CPU function with the contract its docstring states (liger_kernel/ops/backends/_triton/cross_entropy.py)
     stands in; its values on a GPU are checked by scripts/check_fused_loss_kernels.py."""
     import sys
@@ -168,6 +168,28 @@ def test_liger_kernel_gets_the_contract_it_documents(monkeypatch):
     assert [s[1] for s in seen] == [(20, V), (20, V), (8, V)]
     assert all(s[3] == -100 and s[4] == 'sum' and s[5] is True and s[6] == 'nvidia-triton' for s in seen)
     torch.testing.assert_close(torch.cat([s[2] for s in seen]), t)   # ignore_index rows passed as such
+    # without gradients (eval): the kernel is told so and the loss is unchanged
+    seen.clear()
+    with torch.no_grad():
+        loss = FL._LinearCrossEntropy.apply(h, w, t, -100, 20, torch.float32, 'liger', False)
+    torch.testing.assert_close(loss, got[0], atol=1e-6, rtol=1e-6)
+    assert [s[5] for s in seen] == [False, False, False]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason='Liger-Kernel runs on CUDA only')
+def test_liger_chunk_equals_the_torch_chunk_on_cuda():
+    """On a GPU: the real Liger chunk against the eager chunk, bf16 logits with ignored rows."""
+    g = torch.Generator(device='cuda').manual_seed(0)
+    logits = (torch.randn(64, 1000, device='cuda', generator=g) * 3).to(torch.bfloat16)
+    t = torch.randint(0, 1000, (64,), device='cuda', generator=g)
+    t[[3, 40]] = -100
+    valid = t != -100
+    ref_loss, ref_grad = FL._chunk_loss_and_grad(logits.clone(), torch.where(valid, t, 0), valid, True)
+    loss, grad = FL._chunk_loss_and_grad_liger(logits.clone(), t, -100, True)
+    torch.testing.assert_close(loss, ref_loss, atol=1e-3, rtol=1e-5)
+    # the eager chunk leaves ignored rows' softmax in place (they are masked after the matmuls); Liger zeroes them
+    torch.testing.assert_close(grad[valid].float(), ref_grad[valid].float(), atol=1e-2, rtol=1e-2)
+    assert torch.count_nonzero(grad[~valid]) == 0
 
 
 def test_chunks_never_hold_more_than_chunk_rows_of_logits(monkeypatch):
@@ -256,7 +278,7 @@ def test_no_grad_computes_the_loss_only():
 
 
 def test_functional_chunk_matches_eager_and_traces():
-    """The torch.compile'd variant (used on CUDA with fused_loss.compile) computes the eager values."""
+    """The torch.compile'd variant (used on CUDA with fused_loss.kernel: compile) computes the eager values."""
     logits = torch.randn(13, V) * 3
     t = torch.randint(0, V, (13,))
     valid = torch.ones(13, dtype=torch.bool)
