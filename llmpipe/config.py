@@ -172,8 +172,10 @@ def validate_run(config: dict, run: str) -> dict:
                           f"Fix: rename the model.")
     if is_finetune(config, run):
         return validate_finetune(config, run)
-    rc = run_config(config, run)
     where = f"models.{run}"
+    refuse_unknown_keys((config.get("models") or {}).get(run) or {}, PRETRAIN_RUN_KEYS, where, "section of a model",
+                        " (A misspelled section would be ignored, e.g. its node count.)")
+    rc = run_config(config, run)
     data, arch, train = rc["data"], rc["arch"], rc["train"]
     refuse_unknown_keys(data, PRETRAIN_DATA_KEYS, f"{where}.data", "data setting of a pretraining run")
     refuse_unknown_keys(arch, PRETRAIN_ARCH_KEYS, f"{where}.arch", "model setting the training step passes to MPT",
@@ -248,6 +250,9 @@ def refuse_unknown_keys(given: dict, known: Sequence[str], where: str, what: str
         raise ConfigError(f"{where}.{key} is not a {what}; {hint}Known ones: {', '.join(known)}.{also}")
 
 
+#: Sections of an entry under ``models:`` and under ``finetunes:``.
+PRETRAIN_RUN_KEYS = ("arch", "data", "resources", "step_resources", "train")
+FINETUNE_RUN_KEYS = ("arch", "base", "data", "lora", "node_counts", "resources", "step_resources", "train")
 #: ``data`` keys of a pretraining run (finetunes have their own, :func:`validate_finetune`).
 PRETRAIN_DATA_KEYS = ("concat_tokens", "corpus", "tokenizer")
 #: ``arch`` keys :func:`llmpipe.train.foundry_train_config` passes to llm-foundry's MPT (a key outside these would be
@@ -377,6 +382,11 @@ def fused_loss_settings(train: dict, where: str = "train") -> dict | None:
                    f"remove {' and '.join(old)} (kernel left out means {FUSED_LOSS_DEFAULT_KERNEL})")
             raise ConfigError(f"{where}.fused_loss.{old[0]} was replaced by {where}.fused_loss.kernel "
                               f"({' | '.join(FUSED_LOSS_KERNELS)}). Fix: {fix}.")
+    if isinstance(value, dict):
+        refuse_unknown_keys(value, ("chunk_size", "kernel"), f"{where}.fused_loss", "fused_loss setting")
+    if isinstance(value, str) and value in FUSED_LOSS_KERNELS:
+        raise ConfigError(f"{where}.fused_loss is {value!r}; a kernel goes under the mapping. Fix: "
+                          f"fused_loss: {{kernel: {value}}}.")
     if isinstance(value, dict) and set(value) <= {"chunk_size", "kernel"}:
         chunk = value.get("chunk_size")
         if isinstance(chunk, str) and chunk.strip().isdigit():
@@ -726,6 +736,9 @@ def validate_finetune(config: dict, run: str) -> dict:
         ConfigError: naming the first wrong setting and how to fix it.
     """
     where = f"finetunes.{run}"
+    refuse_unknown_keys((config.get("finetunes") or {}).get(run) or {}, FINETUNE_RUN_KEYS, where,
+                        "section of a finetune",
+                        " (A misspelled section would be ignored, e.g. its node count.)")
     if run in (config.get("models") or {}):
         raise ConfigError(f"{run!r} is both a model under `models:` and a finetune under `finetunes:`; "
                           f"results/{run}/ can hold only one. Fix: rename the finetune.")

@@ -177,3 +177,17 @@ def test_unknown_arch_or_data_key_of_a_pretraining_run_is_a_config_error(section
     with pytest.raises(ConfigError, match=rf'models\.mpt-125m\.{section}\.{key} is not a') as err:
         validate_run(bad, 'mpt-125m')
     assert (f'did you mean {close}?' in str(err.value)) == bool(close)
+
+
+@pytest.mark.parametrize('section,typo,close', [('models', 'resource', 'resources'), ('models', 'trian', 'train'),
+                                                ('finetunes', 'node_count', 'node_counts')])
+def test_misspelled_section_of_a_run_is_a_config_error(section, typo, close):
+    """A misspelled section of a model or finetune (e.g. `resource: {nodes: 2}`) would otherwise be dropped
+    silently, and the run would use the defaults (one node)."""
+    import yaml
+    from llmpipe.config import ConfigError, deep_merge, validate_run
+    config = yaml.safe_load(open(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), 'config',
+                                              'config.yaml')))
+    run = 'mpt-125m' if section == 'models' else next(iter(config['finetunes']))
+    with pytest.raises(ConfigError, match=rf'{section}\.{run}\.{typo} is not a section of a .*did you mean {close}\?'):
+        validate_run(deep_merge(config, {section: {run: {typo: {'nodes': 2}}}}), run)

@@ -577,7 +577,7 @@ def test_train_config_selects_the_fused_model():
 
 
 @pytest.mark.parametrize('value', ['yes', 3, {'chunk_size': 0}, {'chunk_size': 'big'}, {'chunk': 4},
-                                   {'kernel': 'triton'}, {'kernel': True}])
+                                   {'kernel': 'triton'}, {'kernel': True}, {'kernal': 'liger'}, 'liger'])
 def test_bad_fused_loss_setting_is_a_config_error(value):
     from llmpipe.config import ConfigError, deep_merge, validate_run
     config = deep_merge(_project_config(), {'models': {'mpt-125m': {'train': {'fused_loss': value}}}})
