@@ -250,6 +250,23 @@ def refuse_unknown_keys(given: dict, known: Sequence[str], where: str, what: str
         raise ConfigError(f"{where}.{key} is not a {what}; {hint}Known ones: {', '.join(known)}.{also}")
 
 
+#: Top-level sections besides those of ``config/config.yaml``: Slurm site settings (``config/slurm-site.yaml``).
+EXTRA_TOP_LEVEL_KEYS = ("slurm",)
+
+
+def check_top_level_keys(config: dict, defaults_file: str) -> None:
+    """Raise ConfigError for a top-level key of the merged workflow config that nothing reads (e.g.
+    ``model_default:`` from a ``--configfile`` or ``--config``: its settings would be dropped silently), naming
+    the closest known one. Known: the sections of ``defaults_file`` (``config/config.yaml``) and
+    :data:`EXTRA_TOP_LEVEL_KEYS`."""
+    import yaml
+
+    with open(defaults_file) as f:
+        known = sorted(set(yaml.safe_load(f) or {}) | set(EXTRA_TOP_LEVEL_KEYS))
+    refuse_unknown_keys(config, known, "config", "top-level section of the workflow config",
+                        " (Its settings would be ignored.)")
+
+
 #: Sections of an entry under ``models:`` and under ``finetunes:``.
 PRETRAIN_RUN_KEYS = ("arch", "data", "resources", "step_resources", "train")
 FINETUNE_RUN_KEYS = ("arch", "base", "data", "lora", "node_counts", "resources", "step_resources", "train")

@@ -11,6 +11,7 @@ from llmpipe.preflight import check_results_dir
 RESULTS = config["results_dir"]
 LOGS = f"{RESULTS}/logs"
 check_results_dir(RESULTS)
+cfg.check_top_level_keys(config, os.path.join(workflow.basedir, "config", "config.yaml"))
 
 
 wildcard_constraints:

@@ -191,3 +191,8 @@ def test_misspelled_section_of_a_run_is_a_config_error(section, typo, close):
     run = 'mpt-125m' if section == 'models' else next(iter(config['finetunes']))
     with pytest.raises(ConfigError, match=rf'{section}\.{run}\.{typo} is not a section of a .*did you mean {close}\?'):
         validate_run(deep_merge(config, {section: {run: {typo: {'nodes': 2}}}}), run)
+
+
+def test_misspelled_top_level_section_is_a_config_error(workdir):
+    out = dry_fail(workdir, "results/mpt-125m/train.json", "--config", "model_default={'train': {'seed': 1}}")
+    assert "config.model_default is not a top-level section" in out and "did you mean model_defaults?" in out
