@@ -356,8 +356,7 @@ def compile_settings(train: dict, where: str = "train") -> dict | None:
     return {"scope": scope, "options": options}
 
 
-#: ``train.fused_loss.kernel`` values (the same as ``llmpipe.fused_loss.KERNELS``, which imports torch and
-#: llm-foundry; tests/test_fused_loss.py checks they agree).
+#: ``train.fused_loss.kernel`` values (``llmpipe.fused_loss.KERNELS`` is this tuple; see that module for each one).
 FUSED_LOSS_KERNELS = ("torch", "softmax", "compile", "liger")
 #: The kernel of ``fused_loss: true`` and of a mapping without ``kernel``.
 FUSED_LOSS_DEFAULT_KERNEL = "liger"
@@ -390,6 +389,9 @@ def fused_loss_settings(train: dict, where: str = "train") -> dict | None:
         return None
     if value is True:
         return {"chunk_size": None, "kernel": FUSED_LOSS_DEFAULT_KERNEL}
+    if isinstance(value, str) and value in FUSED_LOSS_KERNELS:
+        raise ConfigError(f"{where}.fused_loss is {value!r}; a kernel goes under the mapping. Fix: "
+                          f"fused_loss: {{kernel: {value}}}.")
     if isinstance(value, dict):
         old = [k for k in ("softmax_grad", "compile") if k in value]
         if old:
@@ -399,12 +401,7 @@ def fused_loss_settings(train: dict, where: str = "train") -> dict | None:
                    f"remove {' and '.join(old)} (kernel left out means {FUSED_LOSS_DEFAULT_KERNEL})")
             raise ConfigError(f"{where}.fused_loss.{old[0]} was replaced by {where}.fused_loss.kernel "
                               f"({' | '.join(FUSED_LOSS_KERNELS)}). Fix: {fix}.")
-    if isinstance(value, dict):
         refuse_unknown_keys(value, ("chunk_size", "kernel"), f"{where}.fused_loss", "fused_loss setting")
-    if isinstance(value, str) and value in FUSED_LOSS_KERNELS:
-        raise ConfigError(f"{where}.fused_loss is {value!r}; a kernel goes under the mapping. Fix: "
-                          f"fused_loss: {{kernel: {value}}}.")
-    if isinstance(value, dict) and set(value) <= {"chunk_size", "kernel"}:
         chunk = value.get("chunk_size")
         if isinstance(chunk, str) and chunk.strip().isdigit():
             chunk = int(chunk)

@@ -97,6 +97,8 @@ from llmfoundry.models.layers.custom_embedding import SharedEmbedding
 from llmfoundry.models.mpt.modeling_mpt import ComposerMPTCausalLM, MPTForCausalLM, get_targets
 from transformers.utils import ModelOutput
 
+from llmpipe.config import FUSED_LOSS_KERNELS
+
 __all__ = [
     'FUSED_LOSS_MODEL_NAME',
     'ComposerMPTCausalLMFusedLoss',
@@ -117,7 +119,7 @@ FUSED_LOSS_MODEL_NAME = 'mpt_causal_lm_fused_loss'
 IGNORE_INDEX = -100
 
 #: The per-chunk softmax/gradient implementations :func:`linear_cross_entropy` offers (module docstring).
-KERNELS = ('torch', 'softmax', 'compile', 'liger')
+KERNELS = FUSED_LOSS_KERNELS   # defined in llmpipe.config, which validates the setting without importing torch
 
 #: Default rows (tokens) per chunk: measured on one H200 against 2,560 (benchmarks/README.md, #12): fewer chunk
 #: launches and casts; with torch.compile +2..6% at MPT-125M, +0.6..1.9% at 350M, +1.5% at 760M, +1.4 GB peak

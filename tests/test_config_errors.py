@@ -9,7 +9,7 @@ import pytest
 
 from llmpipe.config import ConfigError
 
-from tests.conftest import snakemake
+from tests.conftest import REPO, snakemake
 
 
 def dry_fail(workdir, *args) -> str:
@@ -79,15 +79,17 @@ def test_unknown_corpus_in_model(workdir):
     assert "models.mpt-125m.data.corpus is 'pile'" in out
 
 
+def _shipped_config() -> dict:
+    import yaml
+    return yaml.safe_load((REPO / "config/config.yaml").read_text())
+
+
 def test_every_shipped_model_and_finetune_passes_validation():
     """The defaults in config/config.yaml must plan: each run's microbatch divides its per-device batch, etc.
     (mpt-760m once shipped microbatch 12 with a per-device batch of 32 and failed its own dry run)."""
-    import yaml
-
     from llmpipe.config import known_runs, validate_run
 
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    config = yaml.safe_load(open(os.path.join(root, "config", "config.yaml")))
+    config = _shipped_config()
     config.setdefault("results_dir", "results")
     runs = known_runs(config)
     assert {"mpt-125m", "mpt-760m", "mpt-70b", "mpt-7b-dolly"} <= set(runs)
@@ -168,11 +170,8 @@ def test_misspelled_resource_key_names_the_closest(workdir):
 def test_unknown_arch_or_data_key_of_a_pretraining_run_is_a_config_error(section, key, close):
     """A key under a pretraining run's arch/data that the training step never reads (a typo, or an MPTConfig
     setting it does not pass on) would be ignored by training while other steps (the MFU formula) read it."""
-    import yaml
-    from llmpipe.config import ConfigError, deep_merge, known_runs, validate_run
-    config = yaml.safe_load(open(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), 'config', 'config.yaml')))
-    for run in known_runs(config):   # the shipped config passes
-        validate_run(config, run)
+    from llmpipe.config import ConfigError, deep_merge, validate_run
+    config = _shipped_config()   # which passes: test_every_shipped_model_and_finetune_passes_validation
     bad = deep_merge(config, {'models': {'mpt-125m': {section: {key: 1}}}})
     with pytest.raises(ConfigError, match=rf'models\.mpt-125m\.{section}\.{key} is not a') as err:
         validate_run(bad, 'mpt-125m')
@@ -184,10 +183,8 @@ def test_unknown_arch_or_data_key_of_a_pretraining_run_is_a_config_error(section
 def test_misspelled_section_of_a_run_is_a_config_error(section, typo, close):
     """A misspelled section of a model or finetune (e.g. `resource: {nodes: 2}`) would otherwise be dropped
     silently, and the run would use the defaults (one node)."""
-    import yaml
     from llmpipe.config import ConfigError, deep_merge, validate_run
-    config = yaml.safe_load(open(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), 'config',
-                                              'config.yaml')))
+    config = _shipped_config()
     run = 'mpt-125m' if section == 'models' else next(iter(config['finetunes']))
     with pytest.raises(ConfigError, match=rf'{section}\.{run}\.{typo} is not a section of a .*did you mean {close}\?'):
         validate_run(deep_merge(config, {section: {run: {typo: {'nodes': 2}}}}), run)
