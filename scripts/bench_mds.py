@@ -28,7 +28,9 @@ unit takes to load its tokenizer), ``tail_s`` (from the end of the last
 unit until the call returns: worker exit, index merge, manifest), ``encode_s_sum, pack_s_sum, write_s_sum,
 read_s_sum`` (ours: the units' own seconds split by phase and summed over units: tokenizer calls, packing ids into
 samples, shard writing with compression, and the rest: reading, gunzip, JSON; compare them across worker counts
-to see which phase slows down side by side),
+to see which phase slows down side by side), ``user_s_sum, sys_s_sum, minflt_sum, nivcsw_sum`` (ours: the
+units' processes by ``getrusage``, summed: user / kernel CPU seconds, minor page faults, involuntary context
+switches), ``batch_chars`` (ours: characters per tokenizer call, ``--batch-chars``), ``variant`` (``--variant``),
 ``speedup`` (ours: wall at 1 worker / wall at N), ``efficiency`` (= speedup / N), ``per_core_vs_foundry``,
 ``conversion_vs_foundry`` (ours / llm-foundry, per core and per conversion second), ``cpus`` (CPUs available),
 ``host``. At the end a markdown table and the full-C4 estimate are printed.
@@ -158,7 +160,8 @@ def run_ours(args: argparse.Namespace) -> dict:
     c0 = _cpu_s()
     e0 = time.time()
     t0 = time.perf_counter()
-    m = convert_dataset(args.manifest, args.tok, args.concat, EOS, out, config=cfg, log_dir=out + "-logs")
+    m = convert_dataset(args.manifest, args.tok, args.concat, EOS, out, config=cfg, log_dir=out + "-logs",
+                        batch_chars=args.batch_chars)
     wall = time.perf_counter() - t0
     e1 = time.time()
     tr = m["splits"]["train"]
@@ -176,6 +179,9 @@ def run_ours(args: argparse.Namespace) -> dict:
     unit_s_sum = sum(u["seconds"] for u in tr["units"])
     phases["read_s_sum"] = (unit_s_sum - sum(phases[f"{ph}_s_sum"] for ph in ("encode", "pack", "write"))
                             - tokenizer_load_sum)
+    # the units' processes by getrusage: CPU seconds in user / kernel mode, minor page faults, preemptions
+    for k in ("user_s", "sys_s", "minflt", "nivcsw"):
+        phases[f"{k}_sum"] = sum((u.get("rusage") or {}).get(k, 0) for u in tr["units"])
     return {"wall_s": wall, "cpu_s": _cpu_s() - c0, "tokens": tr["tokens"], "samples": tr["samples"],
             "documents": tr["documents"], "files": len(tr["units"]),
             "unit_s_sum": unit_s_sum, "workers_used": m["workers"], **phases}
@@ -207,6 +213,12 @@ def run_foundry(args: argparse.Namespace) -> dict:
             "documents": docs, "files": len(files), "unit_s_sum": wall}
 
 
+def _default_batch_chars() -> int:
+    from llmpipe.data.mds import BATCH_CHARS
+
+    return BATCH_CHARS
+
+
 def text_bytes(manifest: str) -> int:
     """UTF-8 bytes of document text in the files of a bench manifest."""
     with open(manifest) as fh:
@@ -216,11 +228,12 @@ def text_bytes(manifest: str) -> int:
     return sum(sizes[f["name"]] for f in m["splits"]["train"])
 
 
-def child(kind: str, manifest: str, tok: str, concat: int, n: int, out_dir: str, env_extra: dict) -> dict:
+def child(kind: str, manifest: str, tok: str, concat: int, n: int, out_dir: str, env_extra: dict,
+          batch_chars: int = 0) -> dict:
     env = dict(os.environ, TOKENIZERS_PARALLELISM="false", PYTHONPATH=ROOT + os.pathsep +
                os.environ.get("PYTHONPATH", ""), **env_extra)
     cmd = [sys.executable, os.path.abspath(__file__), "--child", kind, "--manifest", manifest, "--tok", tok,
-           "--concat", str(concat), "--n", str(n), "--out-dir", out_dir]
+           "--concat", str(concat), "--n", str(n), "--out-dir", out_dir, "--batch-chars", str(batch_chars)]
     r = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, text=True)
     if r.returncode:
         raise SystemExit(f"{kind} run failed (rc {r.returncode})")
@@ -232,7 +245,7 @@ def child(kind: str, manifest: str, tok: str, concat: int, n: int, out_dir: str,
 # ---------------------------------------------------------------------------------------------- main
 
 FIELDS = ["impl", "workers", "files", "documents", "text_mb", "tokens", "samples", "wall_s", "cpu_s",
-          "tokens_per_s", "tokens_per_s_per_core", "text_mb_per_s_per_core", "tokens_per_cpu_s", "unit_s_sum", "tokens_per_unit_s", "spawn_s", "tokenizer_s", "tail_s", "encode_s_sum", "pack_s_sum", "write_s_sum", "read_s_sum", "speedup", "efficiency", "per_core_vs_foundry", "conversion_vs_foundry", "cpus", "host"]
+          "tokens_per_s", "tokens_per_s_per_core", "text_mb_per_s_per_core", "tokens_per_cpu_s", "unit_s_sum", "tokens_per_unit_s", "spawn_s", "tokenizer_s", "tail_s", "encode_s_sum", "pack_s_sum", "write_s_sum", "read_s_sum", "user_s_sum", "sys_s_sum", "minflt_sum", "nivcsw_sum", "batch_chars", "variant", "speedup", "efficiency", "per_core_vs_foundry", "conversion_vs_foundry", "cpus", "host"]
 
 
 def sorted_rows(rows: list[dict]) -> list[dict]:
@@ -265,6 +278,9 @@ def main() -> None:
                          "the 1-worker row found there when this run has none")
     ap.add_argument("--concat", type=int, default=2048)
     ap.add_argument("--vocab", type=int, default=8192)
+    ap.add_argument("--batch-chars", type=int, default=0,
+                    help="characters per tokenizer call in our converter (0: llmpipe.data.mds.BATCH_CHARS)")
+    ap.add_argument("--variant", default="", help="a label for the CSV's variant column (e.g. an environment tried)")
     ap.add_argument("--seed", type=int, default=17)
     ap.add_argument("--work-dir", default=os.environ.get("BENCH_WORK", "/tmp/llmpipe-bench"))
     ap.add_argument("--child", choices=["ours", "foundry"], help=argparse.SUPPRESS)
@@ -309,7 +325,11 @@ def main() -> None:
                 "tokens_per_cpu_s": round(r["tokens"] / r["cpu_s"]) if r["cpu_s"] else "",
                 "unit_s_sum": round(r["unit_s_sum"], 3), "tokens_per_unit_s": round(r["tokens"] / r["unit_s_sum"]),
                 **{k_: round(r[k_], 3) if k_ in r else "" for k_ in ("spawn_s", "tokenizer_s", "tail_s", "encode_s_sum",
-                                                                   "pack_s_sum", "write_s_sum", "read_s_sum")},
+                                                                   "pack_s_sum", "write_s_sum", "read_s_sum",
+                                                                   "user_s_sum", "sys_s_sum", "minflt_sum",
+                                                                   "nivcsw_sum")},
+                "batch_chars": (args.batch_chars or _default_batch_chars()) if impl != "llm-foundry" else "",
+                "variant": args.variant,
                 "speedup": "", "efficiency": "", "per_core_vs_foundry": "", "conversion_vs_foundry": "",
                 "cpus": cpus, "host": host}
 
@@ -337,7 +357,7 @@ def main() -> None:
     if args.same_input and k < args.files:
         log(f"ours, 1 worker, on the same {k} file(s) as llm-foundry")
         d = make_row("ours-same-input", 1, child("ours", fman, tok, args.concat, 1,
-                                                 os.path.join(scratch, "ours-same"), {}))
+                                                 os.path.join(scratch, "ours-same"), {}, args.batch_chars))
         vs_foundry(d)
         rows.append(d)
         write_csv(args.out, rows)
@@ -346,7 +366,8 @@ def main() -> None:
     # the rows that matter most are already in the CSV
     for n in sorted(workers, key=lambda w: (w != 1, -w)):
         log(f"ours, {n} worker(s), {args.files} files")
-        d = make_row("ours", n, child("ours", man, tok, args.concat, n, os.path.join(scratch, f"ours-{n}"), {}))
+        d = make_row("ours", n, child("ours", man, tok, args.concat, n, os.path.join(scratch, f"ours-{n}"), {},
+                                           args.batch_chars))
         shutil.rmtree(os.path.join(scratch, f"ours-{n}"), ignore_errors=True)
         n = int(d["workers"])
         if n == 1:

@@ -199,6 +199,32 @@ def test_unit_records_split_their_seconds_by_phase(converted):
             assert json.load(open(out / split / u["name"] / "unit.json"))["phase_seconds"] == ph
 
 
+def test_unit_records_carry_their_process_rusage(converted):
+    """Each unit record carries getrusage deltas of its process (scripts/bench_mds.py sums them to tell kernel
+    time, page faults and preemption apart from the units' own user-mode work)."""
+    out, m, _ = converted
+    for split in ("train", "val"):
+        for u in m["splits"][split]["units"]:
+            ru = u["rusage"]
+            assert set(ru) == {"user_s", "sys_s", "minflt", "nvcsw", "nivcsw"}
+            assert all(v >= 0 for v in ru.values()) and ru["user_s"] > 0
+            assert ru["user_s"] + ru["sys_s"] <= u["seconds"] + 0.05  # one thread: CPU time fits in the unit's time
+            assert json.load(open(out / split / u["name"] / "unit.json"))["rusage"] == ru
+
+
+def test_tokenizer_batch_size_does_not_change_the_samples(tok, corpus, converted, tmp_path):
+    """``batch_chars`` (characters per tokenizer call, a benchmark knob) only regroups documents: tiny batches
+    (one document per call, documents split over many batches of the reader) give the same samples."""
+    tok_dir, _ = tok
+    man, _ = corpus
+    src, _, _ = converted
+    m = convert_dataset(man, tok_dir, C, EOS, str(tmp_path / "ds"), config=cfg(tmp_path),
+                        log_dir=str(tmp_path / "logs"), batch_chars=1)
+    for split in ("train", "val"):
+        np.testing.assert_array_equal(read_split(str(tmp_path / "ds"), split), read_split(str(src), split))
+    assert m["splits"]["train"]["samples"] > 0
+
+
 def _copy(out, dst):
     shutil.copytree(out, dst)
     return dst
@@ -556,3 +582,29 @@ def test_verify_accepts_a_lowercasing_tokenizer(corpus, tmp_path):
     texts = [ex["text"] for s in rep["splits"].values() for ex in s["examples"]]
     assert all(t == t.lower() for t in texts) and any(ex.get("found_in_source") for s in rep["splits"].values()
                                                       for ex in s["examples"])
+
+
+def test_mds_benchmark_runs_and_writes_its_columns(tmp_path):
+    """scripts/bench_mds.py end to end on a tiny generated corpus (ours only, 1 and 2 local workers): the CSV has a
+    row per worker count with the same tokens, the speedup base, the batch size asked and the summed rusage."""
+    import csv
+    import subprocess
+    import sys
+
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = tmp_path / "bench.csv"
+    r = subprocess.run([sys.executable, os.path.join(repo, "scripts", "bench_mds.py"), "--workers", "1,2",
+                        "--files", "2", "--mb-per-file", "0.3", "--vocab", "512", "--concat", "256",
+                        "--no-foundry", "--no-same-input", "--batch-chars", "4096", "--variant", "smoke",
+                        "--work-dir", str(tmp_path / "work"), "--out", str(out)],
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]
+    rows = list(csv.DictReader(open(out)))
+    assert [int(x["workers"]) for x in rows] == [1, 2]
+    assert rows[0]["tokens"] == rows[1]["tokens"] and int(rows[0]["tokens"]) > 0
+    assert float(rows[0]["speedup"]) == 1.0 and float(rows[1]["speedup"]) > 0
+    for x in rows:
+        assert x["batch_chars"] == "4096" and x["variant"] == "smoke"
+        assert float(x["user_s_sum"]) > 0 and int(x["minflt_sum"]) > 0
+        assert float(x["encode_s_sum"]) > 0
+    assert "full C4 en train" in r.stdout

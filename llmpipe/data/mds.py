@@ -176,8 +176,9 @@ def _fsync_dir(path: str) -> None:
         os.close(fd)
 
 
-def _iter_text_batches(path: str, stats: dict) -> Iterator[list[str]]:
-    """Batches of non-blank document texts from one json.gz; updates ``stats`` (documents, empty, bytes_read).
+def _iter_text_batches(path: str, stats: dict, batch_chars: int = BATCH_CHARS) -> Iterator[list[str]]:
+    """Batches of non-blank document texts (about ``batch_chars`` characters, at most ``BATCH_DOCS`` documents)
+    from one json.gz; updates ``stats`` (documents, empty, bytes_read).
 
     Raises:
         DataError: not gzip, truncated / corrupt, or a line that is not a C4 document (names file and line).
@@ -208,7 +209,7 @@ def _iter_text_batches(path: str, stats: dict) -> Iterator[list[str]]:
                     continue
                 batch.append(text)
                 chars += len(text)
-                if chars >= BATCH_CHARS or len(batch) >= BATCH_DOCS:
+                if chars >= batch_chars or len(batch) >= BATCH_DOCS:
                     stats["bytes_read"] = raw.tell()
                     yield batch
                     batch, chars = [], 0
@@ -328,7 +329,9 @@ def convert_unit(spec: dict) -> dict:
     Args:
         spec: built by :func:`convert_dataset`: ``split``, ``name``, ``input``, ``input_name``, ``input_bytes``,
             ``unit_dir``, ``tokenizer_dir``, ``tokenizer_fingerprint``, ``concat_tokens``, ``eos_ids``,
-            ``compression``, ``size_limit``, ``progress`` (a JSON file for the parent's progress bars, or None).
+            ``compression``, ``size_limit``, ``progress`` (a JSON file for the parent's progress bars, or None);
+            optional ``batch_chars`` (characters per tokenizer call, default ``BATCH_CHARS``; does not change the
+            samples).
 
     Returns:
         The unit record (also stored as ``unit.json``): ``samples``, ``tokens`` (= samples x concat_tokens),
@@ -336,15 +339,20 @@ def convert_unit(spec: dict) -> dict:
         seconds: ``process_start``, ``start`` of this call, ``tokenizer_ready``, ``written`` (last shard
         and index), ``end``), ``phase_seconds`` (seconds in the tokenizer (``encode``), packing ids into
         samples (``pack``) and writing shards with their compression (``write``); the rest of ``seconds`` is
-        reading, gunzip and JSON), ``identity``, ...
+        reading, gunzip and JSON), ``rusage`` (this process during the unit, from ``getrusage``: ``user_s``,
+        ``sys_s``, ``minflt`` (minor page faults), ``nvcsw`` / ``nivcsw`` (voluntary / involuntary context
+        switches)), ``identity``, ...
 
     Raises:
         DataError: the input is not gzip / truncated / not C4 JSON (message names the file).
     """
     t0 = time.time()
+    import resource
+
     import numpy as np
     from tqdm import tqdm
 
+    ru0 = resource.getrusage(resource.RUSAGE_SELF)
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
     timings = {"process_start": _process_start_time(), "start": t0}
     concat = int(spec["concat_tokens"])
@@ -370,7 +378,7 @@ def convert_unit(spec: dict) -> dict:
     try:
         writer = open_writer(tmp_dir, concat, spec["compression"], spec["size_limit"])
         docs_before = 0
-        for texts in _iter_text_batches(spec["input"], stats):
+        for texts in _iter_text_batches(spec["input"], stats, int(spec.get("batch_chars") or BATCH_CHARS)):
             c0 = clock()
             id_lists = _encode_or_explain(encode, texts, spec["input"], docs_before)
             c1 = clock()
@@ -407,6 +415,7 @@ def convert_unit(spec: dict) -> dict:
             raise DataError(f"internal error: {spec['name']} wrote {samples} samples but its index lists "
                             f"{index_samples}.")
         timings["end"] = time.time()
+        ru1 = resource.getrusage(resource.RUSAGE_SELF)
         rec = {
             "split": spec["split"], "name": spec["name"], "input": spec["input"],
             "samples": samples, "tokens": samples * concat, "documents": stats["documents"],
@@ -414,6 +423,8 @@ def convert_unit(spec: dict) -> dict:
             "seconds": round(timings["end"] - t0, 3), "host": os.uname().nodename, "pid": os.getpid(),
             "timings": {k: (round(v, 3) if v is not None else None) for k, v in timings.items()},
             "phase_seconds": {k: round(v, 6) for k, v in phase.items()},
+            "rusage": {"user_s": round(ru1.ru_utime - ru0.ru_utime, 3), "sys_s": round(ru1.ru_stime - ru0.ru_stime, 3),
+                       **{k: getattr(ru1, f"ru_{k}") - getattr(ru0, f"ru_{k}") for k in ("minflt", "nvcsw", "nivcsw")}},
             "identity": _unit_identity(spec),
         }
         with open(os.path.join(tmp_dir, "unit.json"), "w") as fh:  # the completion marker: written last
@@ -577,7 +588,7 @@ def resolve_workers(config: dict, n_units: int) -> int:
 
 
 def convert_dataset(corpus_manifest: str, tokenizer_dir: str, concat_tokens: int, eos_text: str, out_dir: str, *,
-                    config: dict, log_dir: str, log_file: str | None = None) -> dict:
+                    config: dict, log_dir: str, log_file: str | None = None, batch_chars: int | None = None) -> dict:
     """Tokenize, concatenate and write a corpus as MDS train/val datasets, one parallel unit per input file.
 
     Args:
@@ -591,6 +602,8 @@ def convert_dataset(corpus_manifest: str, tokenizer_dir: str, concat_tokens: int
             ``dispatch`` (executor: local | slurm | debug) and ``data_resources`` (time limit).
         log_dir: folder for submitit's per-job logs.
         log_file: the rule's log file; the per-unit lines are appended to it too.
+        batch_chars: characters of text per tokenizer call (default ``BATCH_CHARS``); for benchmarks, the samples
+            do not depend on it.
 
     Returns:
         The dataset manifest (also ``{out_dir}/manifest.json``): ``splits.{train,val}.{samples, tokens,
@@ -655,6 +668,7 @@ def convert_dataset(corpus_manifest: str, tokenizer_dir: str, concat_tokens: int
                 # local workers log to files and the parent draws their bars; on Slurm the bar goes to the
                 # job's log (a line a minute); in debug mode the unit runs here and draws its own bar
                 "quiet": kind == "local",
+                "batch_chars": int(batch_chars or BATCH_CHARS),
             }
             wanted[name] = spec
             specs.append(spec)
@@ -717,7 +731,8 @@ def convert_dataset(corpus_manifest: str, tokenizer_dir: str, concat_tokens: int
                                 f"Fix: rerun; see the logs in {log_dir}.")
             recs.append({**{k: rec[k] for k in ("name", "input", "samples", "tokens", "documents",
                                                 "empty_documents", "dropped_tokens", "seconds")},
-                         "timings": rec.get("timings"), "phase_seconds": rec.get("phase_seconds")})
+                         "timings": rec.get("timings"), "phase_seconds": rec.get("phase_seconds"),
+                         "rusage": rec.get("rusage")})
         split_dir = os.path.join(out_dir, msplit)
         n = _merge_split(split_dir, [s["name"] for s in split_specs])
         total = {k: sum(r[k] for r in recs) for k in ("samples", "tokens", "documents", "empty_documents",
