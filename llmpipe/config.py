@@ -267,6 +267,43 @@ def check_top_level_keys(config: dict, defaults_file: str) -> None:
                         " (Its settings would be ignored.)")
 
 
+#: Settings sections whose keys are checked one by one (:func:`check_section_keys`) against those of
+#: ``config/config.yaml``. (Sections of named entries - corpora, tokenizers, models, finetunes, instruction_sets,
+#: gpu_peak_flops - are checked where each entry is read.)
+CHECKED_SECTIONS = ("data_prep", "convert", "generate", "eval", "dispatch", "allreduce", "scaling", "report")
+
+
+def check_section_keys(config: dict, defaults_file: str) -> None:
+    """Raise ConfigError for a key of a settings section that nothing reads, e.g. ``eval: {val_batchs: 3}`` or
+    ``slurm: {partiton: gpu}`` (the value would be ignored silently and the default used), naming the closest known
+    key. Checks :data:`CHECKED_SECTIONS` against ``defaults_file`` (``config/config.yaml``), ``report.projection``,
+    each of ``eval.icl_tasks`` against the keys the shipped tasks use, and ``slurm`` against
+    :data:`llmpipe.slurm.DEFAULTS` (per-step ``resources.slurm`` is checked when a step's settings are built)."""
+    import yaml
+
+    from llmpipe.slurm import DEFAULTS as SLURM_DEFAULTS
+
+    with open(defaults_file) as f:
+        defaults = yaml.safe_load(f) or {}
+    also = " (Its value would be ignored.)"
+    for sec in CHECKED_SECTIONS:
+        given = config.get(sec)
+        if isinstance(given, dict):
+            refuse_unknown_keys(given, sorted(defaults.get(sec) or {}), sec, f"setting of `{sec}:`", also)
+    projection = (config.get("report") or {}).get("projection")
+    if isinstance(projection, dict):
+        refuse_unknown_keys(projection, sorted(defaults["report"]["projection"]), "report.projection",
+                            "setting of `report.projection:`", also)
+    task_keys = sorted({k for t in (defaults.get("eval") or {}).get("icl_tasks") or [] for k in t})
+    for i, task in enumerate((config.get("eval") or {}).get("icl_tasks") or []):
+        if isinstance(task, dict):
+            refuse_unknown_keys(task, task_keys, f"eval.icl_tasks[{i}]", "setting of an ICL task", also)
+    site = config.get("slurm")
+    if isinstance(site, dict):
+        refuse_unknown_keys(site, sorted(SLURM_DEFAULTS), "slurm", "Slurm site setting (config/slurm-site.yaml)",
+                            also)
+
+
 #: Sections of an entry under ``models:`` and under ``finetunes:``.
 PRETRAIN_RUN_KEYS = ("arch", "data", "resources", "step_resources", "train")
 FINETUNE_RUN_KEYS = ("arch", "base", "data", "lora", "node_counts", "resources", "step_resources", "train")

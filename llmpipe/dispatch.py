@@ -411,8 +411,19 @@ def run_step(fn: Callable, *args: Any, step: str, resources: dict, config: dict,
                 os.remove(rec_path)
             except FileNotFoundError:
                 pass
+    _drop_pattern_folder(log_dir)
     _say(f"{step}: job {job.job_id} finished", log_file)
     return results[0]
+
+
+def _drop_pattern_folder(log_dir: str) -> None:
+    """Remove the empty ``{log_dir}/%j`` folder submitit leaves behind once the jobs are over (submitit stages
+    submissions in its folder pattern taken literally, and its local controller creates it); the jobs' own folders
+    are ``{log_dir}/<job id>``. Kept when not empty."""
+    try:
+        os.rmdir(os.path.join(log_dir, "%j"))
+    except OSError:
+        pass
 
 
 def map_steps(fn: Callable, items: Sequence[Any], *, step: str, resources: dict, config: dict, log_dir: str,
@@ -459,6 +470,7 @@ def map_steps(fn: Callable, items: Sequence[Any], *, step: str, resources: dict,
                 # local jobs: done() only polls a child process, so look often (a short run's last unit is
                 # noticed within 0.1 s, not up to 1 s later); Slurm: the watcher's cached sacct state, every 1 s
                 time.sleep(min(poll_s, 1.0 if _is_slurm(jobs[0]) else 0.1))
+    _drop_pattern_folder(log_dir)
     if failures:
         raise StepFailed(f"{step}: {len(failures)} of {len(jobs)} job(s) failed:\n" + "\n".join(failures))
     return results

@@ -12,6 +12,7 @@ RESULTS = config["results_dir"]
 LOGS = f"{RESULTS}/logs"
 check_results_dir(RESULTS)
 cfg.check_top_level_keys(config, os.path.join(workflow.basedir, "config", "config.yaml"))
+cfg.check_section_keys(config, os.path.join(workflow.basedir, "config", "config.yaml"))
 
 
 wildcard_constraints:

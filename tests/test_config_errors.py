@@ -193,3 +193,54 @@ def test_misspelled_section_of_a_run_is_a_config_error(section, typo, close):
 def test_misspelled_top_level_section_is_a_config_error(workdir):
     out = dry_fail(workdir, "results/mpt-125m/train.json", "--config", "model_default={'train': {'seed': 1}}")
     assert "config.model_default is not a top-level section" in out and "did you mean model_defaults?" in out
+
+
+@pytest.mark.parametrize("override, message", [
+    ({"eval": {"val_batchs": 3}}, "eval.val_batchs is not a setting of `eval:`; did you mean val_batches?"),
+    ({"generate": {"max_tokens": 5}}, "generate.max_tokens is not a setting of `generate:`; did you mean max_new_tokens?"),
+    ({"data_prep": {"worker": 4}}, "data_prep.worker is not a setting of `data_prep:`; did you mean workers?"),
+    ({"convert": {"dtpye": "float16"}}, "convert.dtpye is not a setting of `convert:`; did you mean dtype?"),
+    ({"dispatch": {"pol_s": 1}}, "dispatch.pol_s is not a setting of `dispatch:`; did you mean poll_s?"),
+    ({"allreduce": {"max_byte": 8}}, "allreduce.max_byte is not a setting of `allreduce:`; did you mean max_bytes?"),
+    ({"scaling": {"node": [1]}}, "scaling.node is not a setting of `scaling:`; did you mean nodes?"),
+    ({"report": {"projection": {"assume_mf": 0.4}}},
+     "report.projection.assume_mf is not a setting of `report.projection:`; did you mean assume_mfu?"),
+    ({"eval": {"icl_tasks": [{"label": "x", "num_item": 3}]}},
+     "eval.icl_tasks[0].num_item is not a setting of an ICL task; did you mean num_items?"),
+    ({"slurm": {"partiton": "gpu"}}, "slurm.partiton is not a Slurm site setting (config/slurm-site.yaml); did you "
+                                     "mean partition?"),
+])
+def test_misspelled_key_of_a_settings_section(override, message):
+    """A key inside a settings section that nothing reads was dropped silently (the default used instead)."""
+    from llmpipe.config import check_section_keys, deep_merge
+
+    with pytest.raises(ConfigError) as err:
+        check_section_keys(deep_merge(_shipped_config(), override), str(REPO / "config/config.yaml"))
+    assert message in str(err.value) and "(Its value would be ignored.)" in str(err.value)
+
+
+def test_shipped_settings_sections_pass_the_key_check():
+    import yaml
+
+    from llmpipe.config import check_section_keys, deep_merge
+
+    site = yaml.safe_load((REPO / "config/slurm-site.yaml").read_text())
+    config = deep_merge(_shipped_config(), site)
+    check_section_keys(config, str(REPO / "config/config.yaml"))
+
+
+def test_misspelled_slurm_setting_of_a_step_or_container():
+    """Per-step ``resources.slurm`` and ``slurm.container`` keys are checked when a step's Slurm settings are built
+    (before sbatch)."""
+    from llmpipe.slurm import site_config
+
+    with pytest.raises(ConfigError, match=r"resources\.slurm\.qoss is not a Slurm site setting .*did you mean qos\?"):
+        site_config({}, {"slurm": {"qoss": "high"}})
+    with pytest.raises(ConfigError, match=r"slurm\.container\.imag is not a container setting .*did you mean image\?"):
+        site_config({"slurm": {"container": {"type": "pyxis", "imag": "nvcr.io/x"}}})
+    assert site_config({"slurm": {"container": {"type": "pyxis", "image": "nvcr.io/x"}}})["container"]["type"] == "pyxis"
+
+
+def test_misspelled_section_key_fails_the_dry_run(workdir):
+    out = dry_fail(workdir, "results/mpt-tiny/eval.json", "--config", "eval={'val_batchs': 3}")
+    assert "eval.val_batchs is not a setting of `eval:`; did you mean val_batches?" in out

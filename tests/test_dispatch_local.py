@@ -82,3 +82,23 @@ def test_killed_step_takes_its_local_workers_with_it(tmp_path, mode, workers, si
                 os.kill(int(p.read_text()), signal.SIGKILL)
             except (ProcessLookupError, ValueError):
                 pass
+
+
+def _double(i: int) -> int:
+    return 2 * i
+
+
+def test_no_literal_job_id_folder_is_left_in_the_log_dir(tmp_path):
+    """submitit takes its folder pattern ``logs/%j`` literally for staging (and its local controller creates it);
+    after the jobs, the log folder holds only the jobs' own folders."""
+    from llmpipe import dispatch
+
+    config = {"dispatch": {"executor": "local", "state_dir": str(tmp_path / "state"), "poll_s": 0.2}}
+    logs = tmp_path / "logs"
+    assert dispatch.map_steps(_double, [1, 2], step="pattern map", resources={"time_min": 5}, config=config,
+                              log_dir=str(logs / "map")) == [2, 4]
+    assert dispatch.run_step(_double, 3, step="pattern run", resources={"time_min": 5}, config=config,
+                             log_dir=str(logs / "run"), key="pattern") == 6
+    for sub in ("map", "run"):
+        names = os.listdir(logs / sub)
+        assert names and "%j" not in names and all(n.isdigit() for n in names), names
