@@ -175,6 +175,7 @@ def validate_run(config: dict, run: str) -> dict:
     where = f"models.{run}"
     refuse_unknown_keys((config.get("models") or {}).get(run) or {}, PRETRAIN_RUN_KEYS, where, "section of a model",
                         " (A misspelled section would be ignored, e.g. its node count.)")
+    check_step_resource_steps((config.get("models") or {}).get(run) or {}, where)
     rc = run_config(config, run)
     data, arch, train = rc["data"], rc["arch"], rc["train"]
     refuse_unknown_keys(data, PRETRAIN_DATA_KEYS, f"{where}.data", "data setting of a pretraining run")
@@ -271,37 +272,65 @@ def check_top_level_keys(config: dict, defaults_file: str) -> None:
 #: ``config/config.yaml``. (Sections of named entries - corpora, tokenizers, models, finetunes, instruction_sets,
 #: gpu_peak_flops - are checked where each entry is read.)
 CHECKED_SECTIONS = ("data_prep", "convert", "generate", "eval", "dispatch", "allreduce", "scaling", "report")
+#: Of those, the ones the steps index directly: null or empty is an error, not "the defaults".
+REQUIRED_SECTIONS = ("convert", "generate", "eval", "dispatch")
+#: The keys of one entry of ``eval.icl_tasks`` (read by llmpipe.data.icl and llmpipe.evaluate).
+ICL_TASK_KEYS = ("kind", "label", "num_fewshot", "num_items", "seed")
+#: The keys of ``allreduce.gate`` (llmpipe.allreduce).
+ALLREDUCE_GATE_KEYS = ("min_busbw_gbps", "size_bytes")
+#: Steps whose resources a model or finetune may override under ``step_resources:``.
+STEP_RESOURCE_STEPS = ("convert", "eval", "generate")
 
 
 def check_section_keys(config: dict, defaults_file: str) -> None:
-    """Raise ConfigError for a key of a settings section that nothing reads, e.g. ``eval: {val_batchs: 3}`` or
-    ``slurm: {partiton: gpu}`` (the value would be ignored silently and the default used), naming the closest known
-    key. Checks :data:`CHECKED_SECTIONS` against ``defaults_file`` (``config/config.yaml``), ``report.projection``,
-    each of ``eval.icl_tasks`` against the keys the shipped tasks use, and ``slurm`` against
-    :data:`llmpipe.slurm.DEFAULTS` (per-step ``resources.slurm`` is checked when a step's settings are built)."""
+    """Raise ConfigError for a settings section that is not a mapping, or a key in it that nothing reads, e.g.
+    ``eval: {val_batchs: 3}`` or ``slurm: {partiton: gpu}`` (the value would be ignored silently and the default
+    used), naming the closest known key. Checks :data:`CHECKED_SECTIONS` against ``defaults_file``
+    (``config/config.yaml``), ``report.projection`` likewise, each ``eval.icl_tasks`` entry against
+    :data:`ICL_TASK_KEYS`, ``allreduce.gate`` against :data:`ALLREDUCE_GATE_KEYS`, and ``slurm`` and
+    ``slurm.container`` against :data:`llmpipe.slurm.DEFAULTS` (a step's ``resources.slurm`` is checked with its
+    resources, :func:`check_resource_keys`)."""
     import yaml
-
-    from llmpipe.slurm import DEFAULTS as SLURM_DEFAULTS
 
     with open(defaults_file) as f:
         defaults = yaml.safe_load(f) or {}
     also = " (Its value would be ignored.)"
-    for sec in CHECKED_SECTIONS:
-        given = config.get(sec)
-        if isinstance(given, dict):
-            refuse_unknown_keys(given, sorted(defaults.get(sec) or {}), sec, f"setting of `{sec}:`", also)
-    projection = (config.get("report") or {}).get("projection")
-    if isinstance(projection, dict):
-        refuse_unknown_keys(projection, sorted(defaults["report"]["projection"]), "report.projection",
+    for sec in CHECKED_SECTIONS + ("slurm",):
+        if sec not in config:
+            continue
+        given = config[sec]
+        if _yaml_scalar(given) is None and sec not in REQUIRED_SECTIONS:
+            continue  # an empty section: the defaults (llmpipe.report/scaling/allreduce/slurm DEFAULTS) apply
+        if not isinstance(given, dict):
+            src = "config/slurm-site.yaml" if sec == "slurm" else "config/config.yaml"
+            raise ConfigError(f"`{sec}:` is {given!r}; it must be a mapping of settings. Fix: remove it (the "
+                              f"defaults apply) or give its keys as in {src}, e.g. {sec}: {{key: value}}.")
+        if sec == "slurm":
+            check_slurm_keys(given, "slurm")
+            continue
+        refuse_unknown_keys(given, sorted(defaults.get(sec) or {}), sec, f"setting of `{sec}:`", also)
+    report = config.get("report")
+    if isinstance(report, dict) and isinstance(report.get("projection"), dict):
+        refuse_unknown_keys(report["projection"], sorted(defaults["report"]["projection"]), "report.projection",
                             "setting of `report.projection:`", also)
-    task_keys = sorted({k for t in (defaults.get("eval") or {}).get("icl_tasks") or [] for k in t})
+    gate = (config.get("allreduce") or {}).get("gate") if isinstance(config.get("allreduce"), dict) else None
+    if isinstance(gate, dict):
+        refuse_unknown_keys(gate, ALLREDUCE_GATE_KEYS, "allreduce.gate", "setting of the all-reduce gate", also)
     for i, task in enumerate((config.get("eval") or {}).get("icl_tasks") or []):
         if isinstance(task, dict):
-            refuse_unknown_keys(task, task_keys, f"eval.icl_tasks[{i}]", "setting of an ICL task", also)
-    site = config.get("slurm")
-    if isinstance(site, dict):
-        refuse_unknown_keys(site, sorted(SLURM_DEFAULTS), "slurm", "Slurm site setting (config/slurm-site.yaml)",
-                            also)
+            refuse_unknown_keys(task, ICL_TASK_KEYS, f"eval.icl_tasks[{i}]", "setting of an ICL task", also)
+
+
+def check_slurm_keys(site: dict, where: str) -> None:
+    """Raise ConfigError for a key of Slurm site settings (``slurm:`` or a step's ``resources.slurm``) or of their
+    ``container:`` that :data:`llmpipe.slurm.DEFAULTS` does not have, naming ``where`` and the closest key."""
+    from llmpipe.slurm import DEFAULTS as SLURM_DEFAULTS
+
+    also = " (Its value would be ignored.)"
+    refuse_unknown_keys(site, sorted(SLURM_DEFAULTS), where, "Slurm site setting (config/slurm-site.yaml)", also)
+    if isinstance(site.get("container"), dict):
+        refuse_unknown_keys(site["container"], sorted(SLURM_DEFAULTS["container"]), f"{where}.container",
+                            "container setting (config/slurm-site.yaml)", also)
 
 
 #: Sections of an entry under ``models:`` and under ``finetunes:``.
@@ -613,13 +642,28 @@ def eval_identity(config: dict, run: str) -> str:
 RESOURCE_KEYS = ("nodes", "gpus_per_node", "tasks_per_node", "cpus_per_task", "mem_gb", "time_min", "slurm")
 
 
+def check_step_resource_steps(run_section: dict, where: str) -> None:
+    """Raise ConfigError for a step name under a run's ``step_resources:`` that has no resources of its own
+    (e.g. ``evals:``; its override would be ignored), naming the closest of :data:`STEP_RESOURCE_STEPS`; and check
+    each override's keys (:func:`check_resource_keys`)."""
+    steps = run_section.get("step_resources") or {}
+    if isinstance(steps, dict):
+        refuse_unknown_keys(steps, STEP_RESOURCE_STEPS, f"{where}.step_resources", "step with its own resources",
+                            " (Training's resources are the run's own `resources:`.)")
+        for step, over in steps.items():
+            if isinstance(over, dict):
+                check_resource_keys(over, f"{where}.step_resources.{step}")
+
+
 def check_resource_keys(res: dict, where: str) -> None:
     """Raise ConfigError for a resources key that nothing reads (a typo such as ``gpus_per_nodes: 8`` would be
     ignored and the job would get the default, e.g. no GPU), naming the key, the closest known one and where Slurm
-    site settings go instead."""
+    site settings go instead; and for an unknown key of its per-step Slurm settings (``slurm:``)."""
     refuse_unknown_keys(res, RESOURCE_KEYS, where, "resource setting",
                         f" Slurm site settings (partition, account, qos, constraint, ...) go under slurm:, for all "
                         f"steps or for this step alone as {where}.slurm (docs/slurm.md).")
+    if isinstance(res.get("slurm"), dict):
+        check_slurm_keys(res["slurm"], f"{where}.slurm")
 
 
 def step_resources(config: dict, step: str, run: str | None = None) -> dict:
@@ -790,6 +834,7 @@ def validate_finetune(config: dict, run: str) -> dict:
     refuse_unknown_keys((config.get("finetunes") or {}).get(run) or {}, FINETUNE_RUN_KEYS, where,
                         "section of a finetune",
                         " (A misspelled section would be ignored, e.g. its node count.)")
+    check_step_resource_steps((config.get("finetunes") or {}).get(run) or {}, where)
     if run in (config.get("models") or {}):
         raise ConfigError(f"{run!r} is both a model under `models:` and a finetune under `finetunes:`; "
                           f"results/{run}/ can hold only one. Fix: rename the finetune.")

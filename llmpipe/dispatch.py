@@ -411,7 +411,7 @@ def run_step(fn: Callable, *args: Any, step: str, resources: dict, config: dict,
                 os.remove(rec_path)
             except FileNotFoundError:
                 pass
-    _drop_pattern_folder(log_dir)
+            _drop_pattern_folder(log_dir)
     _say(f"{step}: job {job.job_id} finished", log_file)
     return results[0]
 

@@ -19,7 +19,7 @@ import shutil
 import subprocess
 from typing import Any
 
-from llmpipe.config import ConfigError, deep_merge, refuse_unknown_keys
+from llmpipe.config import ConfigError, check_slurm_keys, deep_merge
 
 #: Site settings read from ``config['slurm']``; every key is documented in ``config/slurm-site.yaml``.
 DEFAULTS: dict[str, Any] = {
@@ -64,13 +64,13 @@ def site_config(config: dict, resources: dict | None = None) -> dict:
     if not isinstance(site, dict):
         raise ConfigError(f"`slurm:` must be a mapping of site settings, got {site!r}. "
                           f"Fix: see config/slurm-site.yaml for the keys.")
-    refuse_unknown_keys(site, sorted(DEFAULTS), "slurm", "Slurm site setting (config/slurm-site.yaml)")
+    check_slurm_keys(site, "slurm")
     out = deep_merge(DEFAULTS, site)
     over = (resources or {}).get("slurm")
     if over:
         if not isinstance(over, dict):
             raise ConfigError(f"resources.slurm must be a mapping of site settings, got {over!r}.")
-        refuse_unknown_keys(over, sorted(DEFAULTS), "resources.slurm", "Slurm site setting (config/slurm-site.yaml)")
+        check_slurm_keys(over, "resources.slurm")
         out = deep_merge(out, over)
     # `--config slurm={...}` hands every nested value over as a string ('false', 'null', '20'): read them as YAML would
     for key in ("exclusive", "preflight"):
@@ -79,8 +79,6 @@ def site_config(config: dict, resources: dict | None = None) -> dict:
         if _is_null(out.get(key)):
             out[key] = None
     out["container"] = dict(out.get("container") or {})
-    refuse_unknown_keys(out["container"], sorted(DEFAULTS["container"]), "slurm.container",
-                        "container setting (config/slurm-site.yaml)")
     if _is_null(out["container"].get("type")) or str(out["container"].get("type")).lower() == "none":
         out["container"]["type"] = None
     ctype = out["container"].get("type")

@@ -209,6 +209,10 @@ def test_misspelled_top_level_section_is_a_config_error(workdir):
      "eval.icl_tasks[0].num_item is not a setting of an ICL task; did you mean num_items?"),
     ({"slurm": {"partiton": "gpu"}}, "slurm.partiton is not a Slurm site setting (config/slurm-site.yaml); did you "
                                      "mean partition?"),
+    ({"slurm": {"container": {"typ": "pyxis"}}}, "slurm.container.typ is not a container setting "
+                                                 "(config/slurm-site.yaml); did you mean type?"),
+    ({"allreduce": {"gate": {"size_bytes": 1 << 30, "min_busbw_gbps": 100, "min_busbw_gbs": 90}}},
+     "allreduce.gate.min_busbw_gbs is not a setting of the all-reduce gate; did you mean min_busbw_gbps?"),
 ])
 def test_misspelled_key_of_a_settings_section(override, message):
     """A key inside a settings section that nothing reads was dropped silently (the default used instead)."""
@@ -244,3 +248,39 @@ def test_misspelled_slurm_setting_of_a_step_or_container():
 def test_misspelled_section_key_fails_the_dry_run(workdir):
     out = dry_fail(workdir, "results/mpt-tiny/eval.json", "--config", "eval={'val_batchs': 3}")
     assert "eval.val_batchs is not a setting of `eval:`; did you mean val_batches?" in out
+
+
+@pytest.mark.parametrize("section, value", [("eval", "x"), ("eval", "null"), ("eval", None), ("report", "x"),
+                                            ("data_prep", 3), ("dispatch", None), ("slurm", "gpu")])
+def test_settings_section_that_is_not_a_mapping(section, value):
+    """``--config 'eval=3'`` (or ``eval: null`` in a config file) crashed later with a bare Python error."""
+    from llmpipe.config import check_section_keys
+
+    config = dict(_shipped_config(), **{section: value})
+    with pytest.raises(ConfigError, match=rf"`{section}:` is .*; it must be a mapping of settings\. Fix: remove it"):
+        check_section_keys(config, str(REPO / "config/config.yaml"))
+
+
+def test_empty_optional_sections_mean_the_defaults():
+    from llmpipe.config import check_section_keys
+
+    config = dict(_shipped_config(), report=None, scaling="", allreduce=None, slurm=None, data_prep=None)
+    check_section_keys(config, str(REPO / "config/config.yaml"))
+
+
+def test_step_resources_of_an_unknown_step_and_its_slurm_keys_are_named():
+    """``step_resources: {evals: ...}`` was ignored; a per-step ``slurm:`` typo is named with its full path."""
+    from llmpipe.config import deep_merge, step_resources, validate_run
+
+    base = dict(_shipped_config(), results_dir="results")
+    bad = deep_merge(base, {"models": {"mpt-tiny": {"step_resources": {"evals": {"gpus_per_node": 1}}}}})
+    with pytest.raises(ConfigError, match=r"models\.mpt-tiny\.step_resources\.evals is not a step with its own "
+                                          r"resources; did you mean eval\?"):
+        validate_run(bad, "mpt-tiny")
+    bad = deep_merge(base, {"models": {"mpt-tiny": {"step_resources": {"eval": {"slurm": {"qoss": "x"}}}}}})
+    with pytest.raises(ConfigError, match=r"models\.mpt-tiny\.step_resources\.eval\.slurm\.qoss is not a Slurm "
+                                          r"site setting .*did you mean qos\?"):
+        validate_run(bad, "mpt-tiny")
+    bad = deep_merge(base, {"data_resources": {"slurm": {"partiton": "cpu"}}})
+    with pytest.raises(ConfigError, match=r"data_resources\.slurm\.partiton is not a Slurm site setting"):
+        step_resources(bad, "data")

@@ -102,3 +102,14 @@ def test_no_literal_job_id_folder_is_left_in_the_log_dir(tmp_path):
     for sub in ("map", "run"):
         names = os.listdir(logs / sub)
         assert names and "%j" not in names and all(n.isdigit() for n in names), names
+
+
+def test_no_literal_job_id_folder_after_a_failed_step(tmp_path):
+    from llmpipe import dispatch
+
+    config = {"dispatch": {"executor": "local", "state_dir": str(tmp_path / "state"), "poll_s": 0.2}}
+    with pytest.raises(dispatch.StepFailed):
+        dispatch.run_step(_double, None, step="pattern fail", resources={"time_min": 5}, config=config,
+                          log_dir=str(tmp_path / "logs"), key="pattern-fail")
+    names = os.listdir(tmp_path / "logs")
+    assert names and "%j" not in names, names
