@@ -178,9 +178,9 @@ def validate_run(config: dict, run: str) -> dict:
     check_step_resource_steps((config.get("models") or {}).get(run) or {}, where)
     rc = run_config(config, run)
     data, arch, train = rc["data"], rc["arch"], rc["train"]
-    refuse_unknown_keys(data, PRETRAIN_DATA_KEYS, f"{where}.data", "data setting of a pretraining run")
-    refuse_unknown_keys(arch, PRETRAIN_ARCH_KEYS, f"{where}.arch", "model setting the training step passes to MPT",
-                        " Other MPTConfig settings are not passed on; see llmpipe.train.foundry_train_config.")
+    refuse_unknown_run_keys(config, run, "data", data, PRETRAIN_DATA_KEYS, "data setting of a pretraining run")
+    refuse_unknown_run_keys(config, run, "arch", arch, PRETRAIN_ARCH_KEYS, "model setting the training step passes to "
+                            "MPT", " Other MPTConfig settings are not passed on; see llmpipe.train.foundry_train_config.")
 
     corpus = data.get("corpus")
     corpora = config.get("corpora", {})
@@ -236,7 +236,7 @@ def validate_run(config: dict, run: str) -> dict:
     fused_loss_settings(train, f"{where}.train")
     compile_settings(train, f"{where}.train")
     check_attn_impl(train, f"{where}.train")
-    check_train_keys(train, f"{where}.train")
+    check_train_keys(config, run, train)
     return rc
 
 
@@ -249,6 +249,24 @@ def refuse_unknown_keys(given: dict, known: Sequence[str], where: str, what: str
         close = difflib.get_close_matches(key, list(known), n=1)
         hint = f"did you mean {close[0]}? " if close else ""
         raise ConfigError(f"{where}.{key} is not a {what}; {hint}Known ones: {', '.join(known)}.{also}")
+
+
+def refuse_unknown_run_keys(config: dict, run: str, sub: str, given: dict, known: Sequence[str], what: str,
+                            also: str = "") -> None:
+    """:func:`refuse_unknown_keys` for a run's merged ``sub`` section (``train``, ``arch``, ``data``), naming the
+    place the key is written: ``models.<run>.<sub>`` (or ``finetunes.``), or ``model_defaults.<sub>``
+    (``finetune_defaults.``) when the key comes from the defaults every run inherits."""
+    unknown = sorted(set(given) - set(known))
+    if not unknown:
+        return
+    top, dflt = ("finetunes", "finetune_defaults") if is_finetune(config, run) else ("models", "model_defaults")
+    own = ((config.get(top) or {}).get(run) or {}).get(sub) or {}
+    inherited = ((config.get(dflt) or {}).get(sub) or {})
+    key = unknown[0]
+    if key not in own and key in inherited:
+        refuse_unknown_keys({key: given[key]}, known, f"{dflt}.{sub}", what, also + f" (Every run inherits it; "
+                            f"found while checking {top}.{run}.)")
+    refuse_unknown_keys({key: given[key]}, known, f"{top}.{run}.{sub}", what, also)
 
 
 #: Top-level sections besides those of ``config/config.yaml``: Slurm site settings (``config/slurm-site.yaml``).
@@ -344,11 +362,11 @@ PRETRAIN_ARCH_KEYS = ("attn_config", "d_model", "expansion_ratio", "max_seq_len"
                       "no_bias", "norm_type", "vocab_size")
 
 
-def check_train_keys(train: dict, where: str = "train") -> None:
-    """Raise ConfigError for a key under ``train:`` that nothing reads (a typo such as ``microbatch: 8`` would
-    otherwise be ignored, and, not being speed-only, would change the run's identity and retrain it), naming the
-    key and the closest known one."""
-    refuse_unknown_keys(train, sorted(KNOWN_TRAIN_KEYS), where, "train setting")
+def check_train_keys(config: dict, run: str, train: dict) -> None:
+    """Raise ConfigError for a key under a run's merged ``train:`` that nothing reads (a typo such as
+    ``microbatch: 8`` would otherwise be ignored, and, not being speed-only, would change the run's identity and
+    retrain it), naming where it is written (:func:`refuse_unknown_run_keys`) and the closest known key."""
+    refuse_unknown_run_keys(config, run, "train", train, sorted(KNOWN_TRAIN_KEYS), "train setting")
 
 
 #: ``train.attn_impl`` values: ours (llmpipe.attention, PyTorch SDPA) and llm-foundry's two.
@@ -532,8 +550,9 @@ def validate_tokenizer(config: dict, tok: str) -> dict:
             raise ConfigError(f"{where}.vocab_size must be at least 256 for a trained BPE tokenizer.")
     elif not t.get("name"):
         raise ConfigError(f"{where}.name is not set. Fix: a hub repo id (source: hub) or a folder (source: local).")
-    if not t.get("eos_text"):
-        raise ConfigError(f"{where}.eos_text is empty: documents could not be separated when concatenating. "
+    if not isinstance(_yaml_scalar(t.get("eos_text")), str):  # unset, null, or `--config`'s string 'null'
+        raise ConfigError(f"{where}.eos_text is empty ({t.get('eos_text')!r}): documents could not be separated "
+                          f"when concatenating. "
                           f"Fix: set eos_text to the tokenizer's end-of-text token, e.g. \"<|endoftext|>\".")
     return t
 
@@ -898,7 +917,7 @@ def validate_finetune(config: dict, run: str) -> dict:
                               f"{nodes} node(s) ({per_device} = {gbs} / {ws}). Fix: pick a divisor of {per_device}.")
     compile_settings(train, f"{where}.train")
     check_attn_impl(train, f"{where}.train")
-    check_train_keys(train, f"{where}.train")
+    check_train_keys(config, run, train)
     return rc
 
 

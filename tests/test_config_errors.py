@@ -58,6 +58,16 @@ def test_tokenizer_without_eos_text(workdir):
     assert "tokenizers.bpe-builtin-docs.eos_text is empty" in out
 
 
+def test_tokenizer_eos_text_null_from_the_command_line():
+    """``--config`` hands a nested ``null`` over as the string 'null', which became the literal end-of-text text."""
+    from llmpipe.config import validate_tokenizer
+
+    config = _shipped_config()
+    config["tokenizers"]["bpe-builtin-docs"]["eos_text"] = "null"
+    with pytest.raises(ConfigError, match=r"tokenizers\.bpe-builtin-docs\.eos_text is empty \('null'\)"):
+        validate_tokenizer(config, "bpe-builtin-docs")
+
+
 @pytest.mark.skipif(os.geteuid() == 0, reason="root can write anywhere; covered by the path-under-a-file case")
 def test_unwritable_results_dir_permissions(workdir, tmp_path):
     ro = tmp_path / "ro"
@@ -284,3 +294,19 @@ def test_step_resources_of_an_unknown_step_and_its_slurm_keys_are_named():
     bad = deep_merge(base, {"data_resources": {"slurm": {"partiton": "cpu"}}})
     with pytest.raises(ConfigError, match=r"data_resources\.slurm\.partiton is not a Slurm site setting"):
         step_resources(bad, "data")
+
+
+def test_typo_in_the_defaults_is_named_where_it_is_written():
+    """A key misspelled under model_defaults / finetune_defaults was reported against the first run checked
+    (models.mpt-125m.train.microbatch), where the user finds no such line."""
+    from llmpipe.config import deep_merge, validate_run
+
+    base = dict(_shipped_config(), results_dir="results")
+    with pytest.raises(ConfigError, match=r"^model_defaults\.train\.microbatch is not a train setting; did you mean "
+                                          r"microbatch_size\?.*\(Every run inherits it; found while checking "
+                                          r"models\.mpt-125m\.\)"):
+        validate_run(deep_merge(base, {"model_defaults": {"train": {"microbatch": 8}}}), "mpt-125m")
+    with pytest.raises(ConfigError, match=r"^finetune_defaults\.train\.seeed is not a train setting"):
+        validate_run(deep_merge(base, {"finetune_defaults": {"train": {"seeed": 1}}}), "mpt-7b-dolly")
+    with pytest.raises(ConfigError, match=r"^models\.mpt-125m\.train\.microbatch is not a train setting"):
+        validate_run(deep_merge(base, {"models": {"mpt-125m": {"train": {"microbatch": 8}}}}), "mpt-125m")
