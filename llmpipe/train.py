@@ -149,6 +149,18 @@ def foundry_train_config(config: dict, run: str, *, data_dir: str | None, save_f
     return cfg
 
 
+def batch_layout(global_batch: int, world_size: int, microbatch_asked: int, microbatch: int) -> str:
+    """One log line saying how a global batch is split (samples, not tokens), e.g. ``global batch 256 = 8 devices
+    x 32 per device, microbatch 32 (train.microbatch_size 64 is above the per-device batch: capped)``; the
+    training step caps the microbatch at the per-device batch (:func:`foundry_train_config`)."""
+    per_device = global_batch // max(world_size, 1)
+    line = (f"global batch {global_batch} = {world_size} device(s) x {per_device} per device, microbatch "
+            f"{microbatch} ({per_device // max(microbatch, 1)} gradient accumulation step(s))")
+    if microbatch_asked > microbatch:
+        line += f"; train.microbatch_size {microbatch_asked} is above the per-device batch: capped at {microbatch}"
+    return line
+
+
 def apply_compile(cfg: dict, train: dict, where: str) -> None:
     """Put the train setting ``compile`` (:func:`llmpipe.config.compile_settings`) into llm-foundry config ``cfg``:
     composer's ``compile_config`` for the whole model, or the ``llmpipe_compile_blocks`` callback for
@@ -500,6 +512,10 @@ class TrainTask:
         print(f"llmpipe: rank {rank}/{ws} on {dist_env.get('hostname', 'localhost')} "
               f"(node rank {dist_env.get('node_rank', 0)}, master {dist_env.get('master_addr', 'local')}); "
               f"{self.describe()}, expected devices {world_size(res)}", flush=True)
+        if rank == 0:
+            print("llmpipe: " + batch_layout(int(cfg["global_train_batch_size"]), ws,
+                                             int(run_config(self.config, self.run)["train"]["microbatch_size"]),
+                                             int(cfg["device_train_microbatch_size"])), flush=True)
         t0 = time.time()
         # llm-foundry writes signal files named after rank 0 into the working folder; with a shared working folder
         # the local-rank-0 task of every node would remove the same file. Run each task in a private scratch folder.

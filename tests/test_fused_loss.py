@@ -738,3 +738,19 @@ def test_kernel_report_keeps_lambda_kernels_and_drops_profiler_ranges():
                                                 {'ph': 'X', 'cat': 'cpu_op', 'name': 'aten::copy_', 'ts': 0, 'dur': 9},
                                                 {'ph': 'X', 'cat': 'gpu_memset', 'name': 'Memset', 'ts': 9, 'dur': 1}]})
     assert kern == [(copy, 7.0), ('Memset', 1.0)]
+
+
+def test_batch_layout_line_says_when_the_microbatch_is_capped():
+    """MPT-125M asks microbatch 64; on 8 GPUs its per-device batch is 32, so the training step runs 32 and its log
+    says so (it was capped silently)."""
+    from llmpipe.train import batch_layout, foundry_train_config
+    config = _project_config()
+    cfg = foundry_train_config(config, 'mpt-125m', data_dir=None, save_folder=None, world_size=8)
+    asked = config['models']['mpt-125m']['train']['microbatch_size']
+    line = batch_layout(cfg['global_train_batch_size'], 8, asked, cfg['device_train_microbatch_size'])
+    assert asked == 64 and cfg['device_train_microbatch_size'] == 32
+    assert line.startswith('global batch 256 = 8 device(s) x 32 per device, microbatch 32 (1 gradient accumulation')
+    assert 'train.microbatch_size 64 is above the per-device batch: capped at 32' in line
+    cfg1 = foundry_train_config(config, 'mpt-125m', data_dir=None, save_folder=None, world_size=1)
+    line1 = batch_layout(cfg1['global_train_batch_size'], 1, asked, cfg1['device_train_microbatch_size'])
+    assert line1 == 'global batch 256 = 1 device(s) x 256 per device, microbatch 64 (4 gradient accumulation step(s))'
