@@ -173,14 +173,9 @@ def validate_run(config: dict, run: str) -> dict:
     if is_finetune(config, run):
         return validate_finetune(config, run)
     where = f"models.{run}"
-    refuse_unknown_keys((config.get("models") or {}).get(run) or {}, PRETRAIN_RUN_KEYS, where, "section of a model",
-                        " (A misspelled section would be ignored, e.g. its node count.)")
-    check_step_resource_steps((config.get("models") or {}).get(run) or {}, where)
+    check_run_sections(config, run)
     rc = run_config(config, run)
     data, arch, train = rc["data"], rc["arch"], rc["train"]
-    refuse_unknown_run_keys(config, run, "data", data, PRETRAIN_DATA_KEYS, "data setting of a pretraining run")
-    refuse_unknown_run_keys(config, run, "arch", arch, PRETRAIN_ARCH_KEYS, "model setting the training step passes to "
-                            "MPT", " Other MPTConfig settings are not passed on; see llmpipe.train.foundry_train_config.")
 
     corpus = data.get("corpus")
     corpora = config.get("corpora", {})
@@ -236,7 +231,6 @@ def validate_run(config: dict, run: str) -> dict:
     fused_loss_settings(train, f"{where}.train")
     compile_settings(train, f"{where}.train")
     check_attn_impl(train, f"{where}.train")
-    check_train_keys(config, run, train)
     return rc
 
 
@@ -251,22 +245,59 @@ def refuse_unknown_keys(given: dict, known: Sequence[str], where: str, what: str
         raise ConfigError(f"{where}.{key} is not a {what}; {hint}Known ones: {', '.join(known)}.{also}")
 
 
-def refuse_unknown_run_keys(config: dict, run: str, sub: str, given: dict, known: Sequence[str], what: str,
-                            also: str = "") -> None:
-    """:func:`refuse_unknown_keys` for a run's merged ``sub`` section (``train``, ``arch``, ``data``), naming the
-    place the key is written: ``models.<run>.<sub>`` (or ``finetunes.``), or ``model_defaults.<sub>``
-    (``finetune_defaults.``) when the key comes from the defaults every run inherits."""
-    unknown = sorted(set(given) - set(known))
-    if not unknown:
-        return
-    top, dflt = ("finetunes", "finetune_defaults") if is_finetune(config, run) else ("models", "model_defaults")
-    own = ((config.get(top) or {}).get(run) or {}).get(sub) or {}
-    inherited = ((config.get(dflt) or {}).get(sub) or {})
-    key = unknown[0]
-    if key not in own and key in inherited:
-        refuse_unknown_keys({key: given[key]}, known, f"{dflt}.{sub}", what, also + f" (Every run inherits it; "
-                            f"found while checking {top}.{run}.)")
-    refuse_unknown_keys({key: given[key]}, known, f"{top}.{run}.{sub}", what, also)
+#: The sections of ``model_defaults`` that runs read (``step_resources`` are per run, or ``finetune_defaults``).
+MODEL_DEFAULTS_KEYS = ("arch", "data", "resources", "train")
+#: Sections of a run that must be mappings when given (null would replace the defaults with nothing).
+RUN_MAPPING_SECTIONS = ("arch", "data", "resources", "train")
+
+
+def _run_sources(config: dict, run: str) -> list[tuple[str, Any]]:
+    """Where a run's settings are written, highest priority first: ``(config path, section)``; a pretraining run
+    reads ``models.<run>`` over ``model_defaults``, a finetune ``finetunes.<run>`` over ``finetune_defaults`` over
+    ``model_defaults`` (:func:`finetune_run_config`)."""
+    if is_finetune(config, run):
+        return [(f"finetunes.{run}", (config.get("finetunes") or {}).get(run)),
+                ("finetune_defaults", config.get("finetune_defaults")), ("model_defaults", config.get("model_defaults"))]
+    return [(f"models.{run}", (config.get("models") or {}).get(run)), ("model_defaults", config.get("model_defaults"))]
+
+
+def check_run_sections(config: dict, run: str) -> None:
+    """Check a run's settings where they are written (the run's own section and the defaults it inherits), so that
+    an error names the line to fix: an unknown section (``resource:``), a section that is not a mapping
+    (``train: null``), an unknown key under ``train:`` (and, for pretraining, ``arch:`` / ``data:``) or
+    ``resources:`` (with its ``slurm:``), and an unknown step under ``step_resources:``.
+
+    Raises:
+        ConfigError: naming the config path of the first wrong key and the closest known one.
+    """
+    finetune = is_finetune(config, run)
+    for where, sec in _run_sources(config, run):
+        if _yaml_scalar(sec) is None:
+            continue
+        if not isinstance(sec, dict):
+            raise ConfigError(f"{where} is {sec!r}; it must be a mapping of sections (train, resources, ...). "
+                              f"Fix: give its sections as in config/config.yaml.")
+        defaults = where == "model_defaults"
+        known = MODEL_DEFAULTS_KEYS if defaults else FINETUNE_RUN_KEYS if where.startswith("finetune") \
+            else PRETRAIN_RUN_KEYS
+        what = "section of model_defaults" if defaults else "section of a finetune" if where.startswith("finetune") \
+            else "section of a model"
+        refuse_unknown_keys(sec, known, where, what, " (A misspelled section would be ignored, e.g. its node count.)")
+        for sub in RUN_MAPPING_SECTIONS:
+            if sub in sec and not isinstance(sec[sub], dict):
+                raise ConfigError(f"{where}.{sub} is {sec[sub]!r}; it must be a mapping. Fix: remove it (the "
+                                  f"defaults apply) or give its keys, e.g. {sub}: {{key: value}}.")
+        refuse_unknown_keys(sec.get("train") or {}, sorted(KNOWN_TRAIN_KEYS), f"{where}.train", "train setting")
+        if not finetune:  # a finetune's data and arch are its own kind (instructions; the hub model's shape)
+            refuse_unknown_keys(sec.get("data") or {}, PRETRAIN_DATA_KEYS, f"{where}.data",
+                                "data setting of a pretraining run")
+            refuse_unknown_keys(sec.get("arch") or {}, PRETRAIN_ARCH_KEYS, f"{where}.arch",
+                                "model setting the training step passes to MPT",
+                                " Other MPTConfig settings are not passed on; see llmpipe.train.foundry_train_config.")
+        if "resources" in sec:
+            check_resource_keys(sec["resources"], f"{where}.resources")
+        if not defaults:
+            check_step_resource_steps(sec, where)
 
 
 #: Top-level sections besides those of ``config/config.yaml``: Slurm site settings (``config/slurm-site.yaml``).
@@ -290,8 +321,9 @@ def check_top_level_keys(config: dict, defaults_file: str) -> None:
 #: ``config/config.yaml``. (Sections of named entries - corpora, tokenizers, models, finetunes, instruction_sets,
 #: gpu_peak_flops - are checked where each entry is read.)
 CHECKED_SECTIONS = ("data_prep", "convert", "generate", "eval", "dispatch", "allreduce", "scaling", "report")
-#: Of those, the ones the steps index directly: null or empty is an error, not "the defaults".
-REQUIRED_SECTIONS = ("convert", "generate", "eval", "dispatch")
+#: Of those, the ones whose defaults live only in ``config/config.yaml`` (the others have code defaults, e.g.
+#: :data:`llmpipe.report.DEFAULTS`): null there would drop the defaults, so it is an error.
+REQUIRED_SECTIONS = ("convert", "data_prep", "dispatch", "eval", "generate")
 #: The keys of one entry of ``eval.icl_tasks`` (read by llmpipe.data.icl and llmpipe.evaluate).
 ICL_TASK_KEYS = ("kind", "label", "num_fewshot", "num_items", "seed")
 #: The keys of ``allreduce.gate`` (llmpipe.allreduce).
@@ -304,10 +336,15 @@ def check_section_keys(config: dict, defaults_file: str) -> None:
     """Raise ConfigError for a settings section that is not a mapping, or a key in it that nothing reads, e.g.
     ``eval: {val_batchs: 3}`` or ``slurm: {partiton: gpu}`` (the value would be ignored silently and the default
     used), naming the closest known key. Checks :data:`CHECKED_SECTIONS` against ``defaults_file``
-    (``config/config.yaml``), ``report.projection`` likewise, each ``eval.icl_tasks`` entry against
-    :data:`ICL_TASK_KEYS`, ``allreduce.gate`` against :data:`ALLREDUCE_GATE_KEYS`, and ``slurm`` and
+    (``config/config.yaml``), ``report.projection`` likewise, ``eval.icl_tasks`` (a list; each entry against
+    :data:`ICL_TASK_KEYS`), ``allreduce.gate`` against :data:`ALLREDUCE_GATE_KEYS`, and ``slurm`` and
     ``slurm.container`` against :data:`llmpipe.slurm.DEFAULTS` (a step's ``resources.slurm`` is checked with its
-    resources, :func:`check_resource_keys`)."""
+    resources, :func:`check_resource_keys`).
+
+    ``snakemake --config 'report=null'`` hands over the string ``'null'``: for the sections whose defaults live in
+    code (all but :data:`REQUIRED_SECTIONS`) and for ``allreduce.gate`` it is set to None here, in ``config``,
+    so that the defaults apply as they do for a YAML null.
+    """
     import yaml
 
     with open(defaults_file) as f:
@@ -318,7 +355,8 @@ def check_section_keys(config: dict, defaults_file: str) -> None:
             continue
         given = config[sec]
         if _yaml_scalar(given) is None and sec not in REQUIRED_SECTIONS:
-            continue  # an empty section: the defaults (llmpipe.report/scaling/allreduce/slurm DEFAULTS) apply
+            config[sec] = None  # an empty section: the defaults (llmpipe.report/scaling/allreduce/slurm) apply
+            continue
         if not isinstance(given, dict):
             src = "config/slurm-site.yaml" if sec == "slurm" else "config/config.yaml"
             raise ConfigError(f"`{sec}:` is {given!r}; it must be a mapping of settings. Fix: remove it (the "
@@ -327,15 +365,32 @@ def check_section_keys(config: dict, defaults_file: str) -> None:
             check_slurm_keys(given, "slurm")
             continue
         refuse_unknown_keys(given, sorted(defaults.get(sec) or {}), sec, f"setting of `{sec}:`", also)
-    report = config.get("report")
-    if isinstance(report, dict) and isinstance(report.get("projection"), dict):
+    report = config.get("report") or {}
+    if "projection" in report:
+        if not isinstance(report["projection"], dict):
+            raise ConfigError(f"report.projection is {report['projection']!r}; it must be a mapping, e.g. "
+                              f"{{nodes: [1, 8, 64]}} (see config/config.yaml).")
         refuse_unknown_keys(report["projection"], sorted(defaults["report"]["projection"]), "report.projection",
                             "setting of `report.projection:`", also)
-    gate = (config.get("allreduce") or {}).get("gate") if isinstance(config.get("allreduce"), dict) else None
-    if isinstance(gate, dict):
-        refuse_unknown_keys(gate, ALLREDUCE_GATE_KEYS, "allreduce.gate", "setting of the all-reduce gate", also)
-    for i, task in enumerate((config.get("eval") or {}).get("icl_tasks") or []):
-        if isinstance(task, dict):
+    allreduce = config.get("allreduce") or {}
+    if "gate" in allreduce:
+        if _yaml_scalar(allreduce["gate"]) is None:
+            allreduce["gate"] = None
+        elif not isinstance(allreduce["gate"], dict):
+            raise ConfigError(f"allreduce.gate is {allreduce['gate']!r}; it must be null (no gate) or a mapping, "
+                              f"e.g. {{size_bytes: 1073741824, min_busbw_gbps: 100}}.")
+        else:
+            refuse_unknown_keys(allreduce["gate"], ALLREDUCE_GATE_KEYS, "allreduce.gate",
+                                "setting of the all-reduce gate", also)
+    ev = config.get("eval") or {}
+    if "icl_tasks" in ev:
+        if not isinstance(ev["icl_tasks"], list):
+            raise ConfigError(f"eval.icl_tasks is {ev['icl_tasks']!r}; it must be a list of tasks ([] for none), "
+                              f"as in config/config.yaml.")
+        for i, task in enumerate(ev["icl_tasks"]):
+            if not isinstance(task, dict):
+                raise ConfigError(f"eval.icl_tasks[{i}] is {task!r}; it must be a mapping with "
+                                  f"{', '.join(ICL_TASK_KEYS)}.")
             refuse_unknown_keys(task, ICL_TASK_KEYS, f"eval.icl_tasks[{i}]", "setting of an ICL task", also)
 
 
@@ -346,7 +401,11 @@ def check_slurm_keys(site: dict, where: str) -> None:
 
     also = " (Its value would be ignored.)"
     refuse_unknown_keys(site, sorted(SLURM_DEFAULTS), where, "Slurm site setting (config/slurm-site.yaml)", also)
-    if isinstance(site.get("container"), dict):
+    container = site.get("container")
+    if _yaml_scalar(container) is not None and not isinstance(container, dict):
+        raise ConfigError(f"{where}.container is {container!r}; it must be null (no container) or a mapping, e.g. "
+                          f"{{type: pyxis, image: ...}} (config/slurm-site.yaml).")
+    if isinstance(container, dict):
         refuse_unknown_keys(site["container"], sorted(SLURM_DEFAULTS["container"]), f"{where}.container",
                             "container setting (config/slurm-site.yaml)", also)
 
@@ -360,13 +419,6 @@ PRETRAIN_DATA_KEYS = ("concat_tokens", "corpus", "tokenizer")
 #: silently ignored by training while, e.g., the MFU formula read it).
 PRETRAIN_ARCH_KEYS = ("attn_config", "d_model", "expansion_ratio", "max_seq_len", "n_heads", "n_kv_heads", "n_layers",
                       "no_bias", "norm_type", "vocab_size")
-
-
-def check_train_keys(config: dict, run: str, train: dict) -> None:
-    """Raise ConfigError for a key under a run's merged ``train:`` that nothing reads (a typo such as
-    ``microbatch: 8`` would otherwise be ignored, and, not being speed-only, would change the run's identity and
-    retrain it), naming where it is written (:func:`refuse_unknown_run_keys`) and the closest known key."""
-    refuse_unknown_run_keys(config, run, "train", train, sorted(KNOWN_TRAIN_KEYS), "train setting")
 
 
 #: ``train.attn_impl`` values: ours (llmpipe.attention, PyTorch SDPA) and llm-foundry's two.
@@ -550,7 +602,11 @@ def validate_tokenizer(config: dict, tok: str) -> dict:
             raise ConfigError(f"{where}.vocab_size must be at least 256 for a trained BPE tokenizer.")
     elif not t.get("name"):
         raise ConfigError(f"{where}.name is not set. Fix: a hub repo id (source: hub) or a folder (source: local).")
-    if not isinstance(_yaml_scalar(t.get("eos_text")), str):  # unset, null, or `--config`'s string 'null'
+    eos = _yaml_scalar(t.get("eos_text"))  # `--config` hands a null over as the string 'null'
+    if eos is not None and not isinstance(eos, str):
+        raise ConfigError(f"{where}.eos_text is {eos!r}; it must be the tokenizer's end-of-text text, e.g. "
+                          f"\"<|endoftext|>\".")
+    if not eos:
         raise ConfigError(f"{where}.eos_text is empty ({t.get('eos_text')!r}): documents could not be separated "
                           f"when concatenating. "
                           f"Fix: set eos_text to the tokenizer's end-of-text token, e.g. \"<|endoftext|>\".")
@@ -665,19 +721,28 @@ def check_step_resource_steps(run_section: dict, where: str) -> None:
     """Raise ConfigError for a step name under a run's ``step_resources:`` that has no resources of its own
     (e.g. ``evals:``; its override would be ignored), naming the closest of :data:`STEP_RESOURCE_STEPS`; and check
     each override's keys (:func:`check_resource_keys`)."""
-    steps = run_section.get("step_resources") or {}
-    if isinstance(steps, dict):
-        refuse_unknown_keys(steps, STEP_RESOURCE_STEPS, f"{where}.step_resources", "step with its own resources",
-                            " (Training's resources are the run's own `resources:`.)")
-        for step, over in steps.items():
-            if isinstance(over, dict):
-                check_resource_keys(over, f"{where}.step_resources.{step}")
+    steps = _yaml_scalar(run_section.get("step_resources"))
+    if steps is None:
+        return
+    if not isinstance(steps, dict):
+        raise ConfigError(f"{where}.step_resources is {steps!r}; it must map steps ({', '.join(STEP_RESOURCE_STEPS)}) "
+                          f"to resources, e.g. step_resources: {{eval: {{gpus_per_node: 0}}}}.")
+    refuse_unknown_keys(steps, STEP_RESOURCE_STEPS, f"{where}.step_resources", "step with its own resources",
+                        " (Training's resources are the run's own `resources:`.)")
+    for step, over in steps.items():
+        over = _yaml_scalar(over)
+        if over is not None and not isinstance(over, dict):
+            raise ConfigError(f"{where}.step_resources.{step} is {over!r}; it must be a mapping of resources, "
+                              f"e.g. {{gpus_per_node: 0, cpus_per_task: 2}}.")
+        check_resource_keys(over or {}, f"{where}.step_resources.{step}")
 
 
 def check_resource_keys(res: dict, where: str) -> None:
     """Raise ConfigError for a resources key that nothing reads (a typo such as ``gpus_per_nodes: 8`` would be
     ignored and the job would get the default, e.g. no GPU), naming the key, the closest known one and where Slurm
     site settings go instead; and for an unknown key of its per-step Slurm settings (``slurm:``)."""
+    if not isinstance(res, dict):
+        raise ConfigError(f"{where} is {res!r}; it must be a mapping, e.g. {{nodes: 1, gpus_per_node: 8}}.")
     refuse_unknown_keys(res, RESOURCE_KEYS, where, "resource setting",
                         f" Slurm site settings (partition, account, qos, constraint, ...) go under slurm:, for all "
                         f"steps or for this step alone as {where}.slurm (docs/slurm.md).")
@@ -707,7 +772,8 @@ def step_resources(config: dict, step: str, run: str | None = None) -> dict:
         res = dict(config[step].get("resources", {}))
         check_resource_keys(res, f"{step}.resources")
         if run is not None:
-            over = (_run_section(config, run).get("step_resources") or {}).get(step)
+            steps = _yaml_scalar(_run_section(config, run).get("step_resources")) or {}
+            over = _yaml_scalar(steps.get(step)) if isinstance(steps, dict) else None
             check_resource_keys(over or {}, f"{sect}.step_resources.{step}")
             res.update(over or {})
     res.setdefault("nodes", 1)
@@ -850,10 +916,7 @@ def validate_finetune(config: dict, run: str) -> dict:
         ConfigError: naming the first wrong setting and how to fix it.
     """
     where = f"finetunes.{run}"
-    refuse_unknown_keys((config.get("finetunes") or {}).get(run) or {}, FINETUNE_RUN_KEYS, where,
-                        "section of a finetune",
-                        " (A misspelled section would be ignored, e.g. its node count.)")
-    check_step_resource_steps((config.get("finetunes") or {}).get(run) or {}, where)
+    check_run_sections(config, run)
     if run in (config.get("models") or {}):
         raise ConfigError(f"{run!r} is both a model under `models:` and a finetune under `finetunes:`; "
                           f"results/{run}/ can hold only one. Fix: rename the finetune.")
@@ -917,7 +980,6 @@ def validate_finetune(config: dict, run: str) -> dict:
                               f"{nodes} node(s) ({per_device} = {gbs} / {ws}). Fix: pick a divisor of {per_device}.")
     compile_settings(train, f"{where}.train")
     check_attn_impl(train, f"{where}.train")
-    check_train_keys(config, run, train)
     return rc
 
 

@@ -78,7 +78,7 @@ def site_config(config: dict, resources: dict | None = None) -> dict:
     for key in ("partition", "account", "qos", "constraint", "gpu_type"):
         if _is_null(out.get(key)):
             out[key] = None
-    out["container"] = dict(out.get("container") or {})
+    out["container"] = {} if _is_null(out.get("container")) else dict(out["container"])
     if _is_null(out["container"].get("type")) or str(out["container"].get("type")).lower() == "none":
         out["container"]["type"] = None
     ctype = out["container"].get("type")

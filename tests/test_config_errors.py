@@ -261,7 +261,8 @@ def test_misspelled_section_key_fails_the_dry_run(workdir):
 
 
 @pytest.mark.parametrize("section, value", [("eval", "x"), ("eval", "null"), ("eval", None), ("report", "x"),
-                                            ("data_prep", 3), ("dispatch", None), ("slurm", "gpu")])
+                                            ("data_prep", 3), ("data_prep", "null"), ("dispatch", None),
+                                            ("slurm", "gpu")])
 def test_settings_section_that_is_not_a_mapping(section, value):
     """``--config 'eval=3'`` (or ``eval: null`` in a config file) crashed later with a bare Python error."""
     from llmpipe.config import check_section_keys
@@ -274,7 +275,7 @@ def test_settings_section_that_is_not_a_mapping(section, value):
 def test_empty_optional_sections_mean_the_defaults():
     from llmpipe.config import check_section_keys
 
-    config = dict(_shipped_config(), report=None, scaling="", allreduce=None, slurm=None, data_prep=None)
+    config = dict(_shipped_config(), report=None, scaling="", allreduce=None, slurm=None)
     check_section_keys(config, str(REPO / "config/config.yaml"))
 
 
@@ -302,11 +303,86 @@ def test_typo_in_the_defaults_is_named_where_it_is_written():
     from llmpipe.config import deep_merge, validate_run
 
     base = dict(_shipped_config(), results_dir="results")
-    with pytest.raises(ConfigError, match=r"^model_defaults\.train\.microbatch is not a train setting; did you mean "
-                                          r"microbatch_size\?.*\(Every run inherits it; found while checking "
-                                          r"models\.mpt-125m\.\)"):
-        validate_run(deep_merge(base, {"model_defaults": {"train": {"microbatch": 8}}}), "mpt-125m")
-    with pytest.raises(ConfigError, match=r"^finetune_defaults\.train\.seeed is not a train setting"):
-        validate_run(deep_merge(base, {"finetune_defaults": {"train": {"seeed": 1}}}), "mpt-7b-dolly")
-    with pytest.raises(ConfigError, match=r"^models\.mpt-125m\.train\.microbatch is not a train setting"):
-        validate_run(deep_merge(base, {"models": {"mpt-125m": {"train": {"microbatch": 8}}}}), "mpt-125m")
+    cases = [
+        ({"model_defaults": {"train": {"microbatch": 8}}}, "mpt-125m", r"model_defaults\.train\.microbatch is not a "
+                                                                       r"train setting; did you mean microbatch_size\?"),
+        ({"model_defaults": {"train": {"microbatch": 8}}}, "mpt-tiny-sft", r"model_defaults\.train\.microbatch "),
+        ({"finetune_defaults": {"train": {"seeed": 1}}}, "mpt-7b-dolly", r"finetune_defaults\.train\.seeed is not"),
+        ({"models": {"mpt-125m": {"train": {"microbatch": 8}}}}, "mpt-125m", r"models\.mpt-125m\.train\.microbatch "),
+        ({"model_defaults": {"resources": {"gpus_per_nodes": 8}}}, "mpt-1b",
+         r"model_defaults\.resources\.gpus_per_nodes is not a resource setting"),
+        ({"finetune_defaults": {"resources": {"slurm": {"qoss": "x"}}}}, "mpt-tiny-sft",
+         r"finetune_defaults\.resources\.slurm\.qoss is not a Slurm site setting"),
+        ({"finetune_defaults": {"step_resources": {"evals": {"gpus_per_node": 1}}}}, "mpt-tiny-sft",
+         r"finetune_defaults\.step_resources\.evals is not a step with its own resources"),
+        ({"model_defaults": {"resource": {"nodes": 2}}}, "mpt-tiny", r"model_defaults\.resource is not a section of "
+                                                                     r"model_defaults; did you mean resources\?"),
+        ({"model_defaults": {"step_resources": {"eval": {}}}}, "mpt-tiny",
+         r"model_defaults\.step_resources is not a section of model_defaults"),
+        ({"model_defaults": {"arch": {"d_modle": 3}}}, "mpt-1b", r"model_defaults\.arch\.d_modle is not a model "
+                                                                 r"setting"),
+    ]
+    for override, run, message in cases:
+        with pytest.raises(ConfigError, match="^" + message):
+            validate_run(deep_merge(base, override), run)
+
+
+@pytest.mark.parametrize("override, message", [
+    ({"models": {"mpt-tiny": {"train": None}}}, r"models\.mpt-tiny\.train is None; it must be a mapping"),
+    ({"models": {"mpt-tiny": {"step_resources": 3}}}, r"models\.mpt-tiny\.step_resources is 3; it must map steps"),
+    ({"models": {"mpt-tiny": {"step_resources": {"eval": "x"}}}},
+     r"models\.mpt-tiny\.step_resources\.eval is 'x'; it must be a mapping of resources"),
+    ({"models": {"mpt-tiny": {"resources": "x"}}}, r"models\.mpt-tiny\.resources is 'x'; it must be a mapping"),
+    ({"model_defaults": 3}, r"model_defaults is 3; it must be a mapping of sections"),
+])
+def test_run_section_that_is_not_a_mapping(override, message):
+    from llmpipe.config import deep_merge, validate_run
+
+    with pytest.raises(ConfigError, match="^" + message):
+        validate_run(deep_merge(dict(_shipped_config(), results_dir="results"), override), "mpt-tiny")
+
+
+def test_null_strings_from_the_command_line_mean_null():
+    """``--config 'step_resources=null'`` and friends arrive as the string 'null'; they mean the defaults, as a YAML
+    null does, instead of crashing in the code that reads them."""
+    from llmpipe import allreduce, report, scaling
+    from llmpipe.config import check_section_keys, deep_merge, step_resources, validate_run
+
+    base = dict(_shipped_config(), results_dir="results")
+    c = deep_merge(base, {"models": {"mpt-tiny": {"step_resources": "null"}}})
+    validate_run(c, "mpt-tiny")
+    assert step_resources(c, "eval", "mpt-tiny")["gpus_per_node"] == base["eval"]["resources"]["gpus_per_node"]
+    c = deep_merge(base, {"models": {"mpt-tiny": {"step_resources": {"eval": "null"}}}})
+    validate_run(c, "mpt-tiny")
+    assert step_resources(c, "eval", "mpt-tiny")["gpus_per_node"] == base["eval"]["resources"]["gpus_per_node"]
+    c = dict(base, allreduce="null", report="null", scaling="null", slurm="null")
+    check_section_keys(c, str(REPO / "config/config.yaml"))
+    assert allreduce.settings(c)["iters"] == allreduce.DEFAULTS["iters"]
+    assert report.settings(c)["runs"] == report.DEFAULTS["runs"]
+    assert scaling.settings(c)["nodes"] == scaling.DEFAULTS["nodes"]
+    c = deep_merge(base, {"allreduce": {"gate": "null"}})
+    check_section_keys(c, str(REPO / "config/config.yaml"))
+    assert allreduce.settings(c)["gate"] is None
+
+
+@pytest.mark.parametrize("override, message", [
+    ({"eval": {"icl_tasks": 3}}, r"eval\.icl_tasks is 3; it must be a list of tasks"),
+    ({"eval": {"icl_tasks": ["x"]}}, r"eval\.icl_tasks\[0\] is 'x'; it must be a mapping"),
+    ({"allreduce": {"gate": 5}}, r"allreduce\.gate is 5; it must be null \(no gate\) or a mapping"),
+    ({"report": {"projection": "x"}}, r"report\.projection is 'x'; it must be a mapping"),
+    ({"slurm": {"container": "x"}}, r"slurm\.container is 'x'; it must be null \(no container\) or a mapping"),
+])
+def test_settings_subsection_that_is_not_a_mapping(override, message):
+    from llmpipe.config import check_section_keys, deep_merge
+
+    with pytest.raises(ConfigError, match="^" + message):
+        check_section_keys(deep_merge(_shipped_config(), override), str(REPO / "config/config.yaml"))
+
+
+def test_eos_text_that_is_not_text():
+    from llmpipe.config import validate_tokenizer
+
+    config = _shipped_config()
+    config["tokenizers"]["bpe-builtin-docs"]["eos_text"] = 5
+    with pytest.raises(ConfigError, match=r"eos_text is 5; it must be the tokenizer's end-of-text text"):
+        validate_tokenizer(config, "bpe-builtin-docs")
