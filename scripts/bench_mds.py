@@ -30,7 +30,8 @@ read_s_sum`` (ours: the units' own seconds split by phase and summed over units:
 samples, shard writing with compression, and the rest: reading, gunzip, JSON; compare them across worker counts
 to see which phase slows down side by side), ``user_s_sum, sys_s_sum, minflt_sum, nivcsw_sum`` (ours: the
 units' processes by ``getrusage``, summed: user / kernel CPU seconds, minor page faults, involuntary context
-switches), ``batch_chars`` (ours: characters per tokenizer call, ``--batch-chars``), ``variant`` (``--variant``),
+switches), ``batch_chars`` (ours: characters per tokenizer call, ``--batch-chars``), ``variant`` (``--variant``), ``repeat``
+(ours: the pass of ``--repeat``, from 0; each pass has its own 1-worker base),
 ``speedup`` (ours: wall at 1 worker / wall at N), ``efficiency`` (= speedup / N), ``per_core_vs_foundry``,
 ``conversion_vs_foundry`` (ours / llm-foundry, per core and per conversion second), ``cpus`` (CPUs available),
 ``host``. At the end a markdown table and the full-C4 estimate are printed.
@@ -51,6 +52,7 @@ import os
 import random
 import resource
 import shutil
+import statistics
 import subprocess
 import sys
 import time
@@ -245,12 +247,12 @@ def child(kind: str, manifest: str, tok: str, concat: int, n: int, out_dir: str,
 # ---------------------------------------------------------------------------------------------- main
 
 FIELDS = ["impl", "workers", "files", "documents", "text_mb", "tokens", "samples", "wall_s", "cpu_s",
-          "tokens_per_s", "tokens_per_s_per_core", "text_mb_per_s_per_core", "tokens_per_cpu_s", "unit_s_sum", "tokens_per_unit_s", "spawn_s", "tokenizer_s", "tail_s", "encode_s_sum", "pack_s_sum", "write_s_sum", "read_s_sum", "user_s_sum", "sys_s_sum", "minflt_sum", "nivcsw_sum", "batch_chars", "variant", "speedup", "efficiency", "per_core_vs_foundry", "conversion_vs_foundry", "cpus", "host"]
+          "tokens_per_s", "tokens_per_s_per_core", "text_mb_per_s_per_core", "tokens_per_cpu_s", "unit_s_sum", "tokens_per_unit_s", "spawn_s", "tokenizer_s", "tail_s", "encode_s_sum", "pack_s_sum", "write_s_sum", "read_s_sum", "user_s_sum", "sys_s_sum", "minflt_sum", "nivcsw_sum", "batch_chars", "variant", "repeat", "speedup", "efficiency", "per_core_vs_foundry", "conversion_vs_foundry", "cpus", "host"]
 
 
 def sorted_rows(rows: list[dict]) -> list[dict]:
     order = {"llm-foundry": 0, "ours-same-input": 1, "ours": 2}
-    return sorted(rows, key=lambda r: (order.get(r["impl"], 3), int(r["workers"])))
+    return sorted(rows, key=lambda r: (order.get(r["impl"], 3), int(r["workers"]), int(r.get("repeat") or 0)))
 
 
 def write_csv(path: str, rows: list[dict]) -> None:
@@ -280,6 +282,10 @@ def main() -> None:
     ap.add_argument("--vocab", type=int, default=8192)
     ap.add_argument("--batch-chars", type=int, default=0,
                     help="characters per tokenizer call in our converter (0: llmpipe.data.mds.BATCH_CHARS)")
+    ap.add_argument("--repeat", type=int, default=1,
+                    help="run our worker sweep this many times; each pass divides by its own 1-worker wall time and "
+                         "the summary gives the median speedup per worker count (for machines whose per-core speed "
+                         "drifts between minutes, see benchmarks/README.md)")
     ap.add_argument("--variant", default="", help="a label for the CSV's variant column (e.g. an environment tried)")
     ap.add_argument("--seed", type=int, default=17)
     ap.add_argument("--work-dir", default=os.environ.get("BENCH_WORK", "/tmp/llmpipe-bench"))
@@ -296,6 +302,8 @@ def main() -> None:
         print(json.dumps(res))
         return
 
+    if args.repeat < 1 or (args.repeat > 1 and "1" not in [w.strip() for w in args.workers.split(",")]):
+        ap.error("--repeat must be >= 1, and with --repeat > 1 --workers must include 1 (each pass's base)")
     t_start = time.time()
     os.makedirs(args.work_dir, exist_ok=True)
     man, tok = make_inputs(args.work_dir, args.files, args.mb_per_file, args.vocab, args.seed)
@@ -363,22 +371,25 @@ def main() -> None:
         write_csv(args.out, rows)
         shutil.rmtree(os.path.join(scratch, "ours-same"), ignore_errors=True)
     # 1 worker first (the base of the speedups), then the largest counts: if a time limit cuts the run short,
-    # the rows that matter most are already in the CSV
-    for n in sorted(workers, key=lambda w: (w != 1, -w)):
-        log(f"ours, {n} worker(s), {args.files} files")
-        d = make_row("ours", n, child("ours", man, tok, args.concat, n, os.path.join(scratch, f"ours-{n}"), {},
-                                           args.batch_chars))
-        shutil.rmtree(os.path.join(scratch, f"ours-{n}"), ignore_errors=True)
-        n = int(d["workers"])
-        if n == 1:
-            base = d
-        if base:
-            d["speedup"] = round(float(base["wall_s"]) / d["wall_s"], 3)
-            d["efficiency"] = round(d["speedup"] / n, 3)
-        vs_foundry(d)
-        rows.append(d)
-        log(", ".join(f"{k_}={v}" for k_, v in d.items()))
-        write_csv(args.out, rows)  # after every row: a run cut short still leaves its results
+    # the rows that matter most are already in the CSV. With --repeat, each pass has its own 1-worker base.
+    for rep in range(args.repeat):
+        for n in sorted(workers, key=lambda w: (w != 1, -w)):
+            log(f"ours, {n} worker(s), {args.files} files" + (f", pass {rep + 1}/{args.repeat}" if args.repeat > 1
+                                                               else ""))
+            d = make_row("ours", n, child("ours", man, tok, args.concat, n, os.path.join(scratch, f"ours-{n}"), {},
+                                          args.batch_chars))
+            shutil.rmtree(os.path.join(scratch, f"ours-{n}"), ignore_errors=True)
+            d["repeat"] = rep
+            n = int(d["workers"])
+            if n == 1:
+                base = d
+            if base:
+                d["speedup"] = round(float(base["wall_s"]) / d["wall_s"], 3)
+                d["efficiency"] = round(d["speedup"] / n, 3)
+            vs_foundry(d)
+            rows.append(d)
+            log(", ".join(f"{k_}={v}" for k_, v in d.items()))
+            write_csv(args.out, rows)  # after every row: a run cut short still leaves its results
     log(f"wrote {args.out} ({time.time() - t_start:.0f} s in all)")
     print(summary(rows))
 
@@ -395,6 +406,16 @@ def summary(rows: list[dict]) -> str:
     for r in sorted_rows(rows):
         out.append("| " + " | ".join(str(r.get(c, "")) for c in cols) + " |")
     ours = [r for r in rows if r["impl"] == "ours"]
+    passes = {int(r.get("repeat") or 0) for r in ours}
+    if len(passes) > 1:
+        out.append("")
+        for n in sorted({int(r["workers"]) for r in ours}):
+            sp = sorted(float(r["speedup"]) for r in ours
+                        if int(r["workers"]) == n and r.get("speedup") not in ("", None))
+            if sp:
+                med = statistics.median(sp)
+                out.append(f"- {n} worker(s): median speedup {med:.3f} (efficiency {med / n:.3f}) over {len(sp)} "
+                           f"pass(es); range {sp[0]:.3f}-{sp[-1]:.3f}")
     if ours:
         worst = min(float(r["tokens_per_s_per_core"]) for r in ours)
         best = max(float(r["tokens_per_s_per_core"]) for r in ours)

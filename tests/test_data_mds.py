@@ -585,8 +585,9 @@ def test_verify_accepts_a_lowercasing_tokenizer(corpus, tmp_path):
 
 
 def test_mds_benchmark_runs_and_writes_its_columns(tmp_path):
-    """scripts/bench_mds.py end to end on a tiny generated corpus (ours only, 1 and 2 local workers): the CSV has a
-    row per worker count with the same tokens, the speedup base, the batch size asked and the summed rusage."""
+    """scripts/bench_mds.py end to end on a tiny generated corpus (ours only, 1 and 2 local workers, two passes):
+    the CSV has a row per worker count and pass with the same tokens, each pass's own speedup base, the batch size
+    asked and the summed rusage; the summary gives the median speedup per worker count."""
     import csv
     import subprocess
     import sys
@@ -596,13 +597,18 @@ def test_mds_benchmark_runs_and_writes_its_columns(tmp_path):
     r = subprocess.run([sys.executable, os.path.join(repo, "scripts", "bench_mds.py"), "--workers", "1,2",
                         "--files", "2", "--mb-per-file", "0.3", "--vocab", "512", "--concat", "256",
                         "--no-foundry", "--no-same-input", "--batch-chars", "4096", "--variant", "smoke",
+                        "--repeat", "2",
                         "--work-dir", str(tmp_path / "work"), "--out", str(out)],
                        capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-2000:]
     rows = list(csv.DictReader(open(out)))
-    assert [int(x["workers"]) for x in rows] == [1, 2]
-    assert rows[0]["tokens"] == rows[1]["tokens"] and int(rows[0]["tokens"]) > 0
-    assert float(rows[0]["speedup"]) == 1.0 and float(rows[1]["speedup"]) > 0
+    assert [(int(x["workers"]), int(x["repeat"])) for x in rows] == [(1, 0), (1, 1), (2, 0), (2, 1)]
+    assert len({x["tokens"] for x in rows}) == 1 and int(rows[0]["tokens"]) > 0
+    assert float(rows[0]["speedup"]) == float(rows[1]["speedup"]) == 1.0
+    for rep in (0, 1):  # each pass divides by its own 1-worker wall time
+        one, two = (next(x for x in rows if int(x["workers"]) == w and int(x["repeat"]) == rep) for w in (1, 2))
+        assert abs(float(two["speedup"]) - float(one["wall_s"]) / float(two["wall_s"])) < 0.01
+    assert "- 2 worker(s): median speedup" in r.stdout
     for x in rows:
         assert x["batch_chars"] == "4096" and x["variant"] == "smoke"
         assert float(x["user_s_sum"]) > 0 and int(x["minflt_sum"]) > 0
