@@ -167,11 +167,22 @@ def kill_session(proc: subprocess.Popen) -> None:
     proc.wait(30)
 
 
-def cancel_jobs_of(cluster, wd: Path) -> None:
-    """Cancel any Slurm job this working folder submitted that is still queued or running (after a failed test)."""
-    ids = {p.name.split("_")[0] for p in wd.glob("results/logs/*/*.submitit/*") if p.is_dir()}
-    if ids:
-        cluster.run("scancel", *sorted(ids), check=False)
+def cancel_jobs_of(cluster, wd: Path, settle_s: float = 30) -> None:
+    """Cancel any Slurm job this working folder submitted that is still queued or running (after a failed test).
+
+    A job whose result is already written can still be in the queue for a moment while its tasks exit; it gets up
+    to ``settle_s`` seconds to leave the queue on its own, so that a passing test does not turn it into CANCELLED.
+    (Job ids come from submitit's per-job folders; until llmpipe removed the empty literal ``%j`` folder, the id
+    "%j" made this scancel fail as a whole and cancel nothing.)"""
+    ids = sorted({p.name.split("_")[0] for p in wd.glob("results/logs/*/*.submitit/*")  # array tasks: <id>_<i>
+                  if p.is_dir() and p.name.split("_")[0].isdigit()})
+    if not ids:
+        return
+    deadline = time.time() + settle_s
+    while time.time() < deadline and cluster.run("squeue", "--noheader", "--format", "%i", "--jobs", ",".join(ids),
+                                                 check=False).strip():
+        time.sleep(1)
+    cluster.run("scancel", *ids, check=False)
 
 
 def sigkill_tasks(job_id: str) -> list[int]:
