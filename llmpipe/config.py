@@ -19,6 +19,7 @@ Vocabulary used throughout the project:
 from __future__ import annotations
 
 import copy
+import functools
 import json
 import math
 import os
@@ -304,15 +305,22 @@ def check_run_sections(config: dict, run: str) -> None:
 EXTRA_TOP_LEVEL_KEYS = ("slurm",)
 
 
+@functools.lru_cache(maxsize=4)
+def _defaults(defaults_file: str) -> dict:
+    """``config/config.yaml`` parsed once per process (:func:`check_top_level_keys` and :func:`check_section_keys`
+    both read it at the start of every Snakemake run); read only."""
+    import yaml
+
+    with open(defaults_file) as f:
+        return yaml.safe_load(f) or {}
+
+
 def check_top_level_keys(config: dict, defaults_file: str) -> None:
     """Raise ConfigError for a top-level key of the merged workflow config that nothing reads (e.g.
     ``model_default:`` from a ``--configfile`` or ``--config``: its settings would be dropped silently), naming
     the closest known one. Known: the sections of ``defaults_file`` (``config/config.yaml``) and
     :data:`EXTRA_TOP_LEVEL_KEYS`."""
-    import yaml
-
-    with open(defaults_file) as f:
-        known = sorted(set(yaml.safe_load(f) or {}) | set(EXTRA_TOP_LEVEL_KEYS))
+    known = sorted(set(_defaults(defaults_file)) | set(EXTRA_TOP_LEVEL_KEYS))
     refuse_unknown_keys(config, known, "config", "top-level section of the workflow config",
                         " (Its settings would be ignored.)")
 
@@ -345,10 +353,7 @@ def check_section_keys(config: dict, defaults_file: str) -> None:
     code (all but :data:`REQUIRED_SECTIONS`) and for ``allreduce.gate`` it is set to None here, in ``config``,
     so that the defaults apply as they do for a YAML null.
     """
-    import yaml
-
-    with open(defaults_file) as f:
-        defaults = yaml.safe_load(f) or {}
+    defaults = _defaults(defaults_file)
     also = " (Its value would be ignored.)"
     for sec in CHECKED_SECTIONS + ("slurm",):
         if sec not in config:

@@ -215,12 +215,6 @@ def run_foundry(args: argparse.Namespace) -> dict:
             "documents": docs, "files": len(files), "unit_s_sum": wall}
 
 
-def _default_batch_chars() -> int:
-    from llmpipe.data.mds import BATCH_CHARS
-
-    return BATCH_CHARS
-
-
 def text_bytes(manifest: str) -> int:
     """UTF-8 bytes of document text in the files of a bench manifest."""
     with open(manifest) as fh:
@@ -304,6 +298,10 @@ def main() -> None:
 
     if args.repeat < 1 or (args.repeat > 1 and "1" not in [w.strip() for w in args.workers.split(",")]):
         ap.error("--repeat must be >= 1, and with --repeat > 1 --workers must include 1 (each pass's base)")
+    if not args.batch_chars:
+        from llmpipe.data.mds import BATCH_CHARS
+
+        args.batch_chars = BATCH_CHARS  # resolved once: the children and the CSV get the same number
     t_start = time.time()
     os.makedirs(args.work_dir, exist_ok=True)
     man, tok = make_inputs(args.work_dir, args.files, args.mb_per_file, args.vocab, args.seed)
@@ -336,7 +334,7 @@ def main() -> None:
                                                                    "pack_s_sum", "write_s_sum", "read_s_sum",
                                                                    "user_s_sum", "sys_s_sum", "minflt_sum",
                                                                    "nivcsw_sum")},
-                "batch_chars": (args.batch_chars or _default_batch_chars()) if impl != "llm-foundry" else "",
+                "batch_chars": args.batch_chars if impl != "llm-foundry" else "",
                 "variant": args.variant,
                 "speedup": "", "efficiency": "", "per_core_vs_foundry": "", "conversion_vs_foundry": "",
                 "cpus": cpus, "host": host}
