@@ -117,3 +117,16 @@ def test_lost_train_json_reuses_finished_training(tiny_run, tmp_path):
     assert train1 == train0
     logs = (wd / "results/logs/train/mpt-tiny.submitit").rglob("*_0_log.out")
     assert any("training already complete" in p.read_text() for p in logs), proc.stdout[-2000:]
+
+
+def test_loss_curve_matches_committed_reference(tiny_run):
+    """Every logged train loss of the tiny run equals the committed curve within tests.expected_loss.RTOL: a silent
+    numeric change in attention, loss, optimizer or data wiring fails here (tests/expected_loss.py says how to
+    regenerate the file when a change is meant to move it)."""
+    from tests.expected_loss import EXPECTED, RTOL, loss_curve
+
+    want = json.loads(EXPECTED.read_text())["loss"]
+    got = loss_curve(tiny_run)
+    assert sorted(got, key=int) == sorted(want, key=int), "logged batches differ from the reference"
+    off = {b: (got[b], want[b]) for b in want if not math.isclose(got[b], want[b], rel_tol=RTOL)}
+    assert not off, f"loss differs from tests/expected/mpt-tiny-loss.json beyond rtol {RTOL}: {off}"
