@@ -1,6 +1,6 @@
 """Speed-ups of the training step that plug into llm-foundry and composer without forking them.
 
-Each was measured on one H200 with ``scripts/bench_train_throughput.py`` (see benchmarks/README.md):
+Each was measured on one H200 with ``tools/bench_train_throughput.py`` (see benchmarks/README.md):
 
 * :func:`register_fused_adamw` registers ``fused_adamw`` in llm-foundry's optimizer registry: the same update as
   composer's ``DecoupledAdamW`` (decoupled weight decay scaled by lr_t / lr_0) run by ``torch.optim.AdamW`` with

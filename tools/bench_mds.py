@@ -38,7 +38,7 @@ switches), ``batch_chars`` (ours: characters per tokenizer call, ``--batch-chars
 
 Usage::
 
-    python scripts/bench_mds.py --workers 1,2,4,8,16 --out benchmarks/mds-throughput.csv
+    python tools/bench_mds.py --workers 1,2,4,8,16 --out benchmarks/mds-throughput.csv
 """
 
 from __future__ import annotations
