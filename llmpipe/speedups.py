@@ -14,7 +14,7 @@ in llm-foundry's model registry) lives in :mod:`llmpipe.fused_loss`: per chunk o
 ``loss += sum -log_softmax(z)[t]``, ``G = softmax(z) - onehot(t)``, ``dh_c = G W / n``, ``dW += G^T h_c / n``
 (``n`` = non-ignored targets), so the full ``[tokens, vocab]`` logits never exist; the idea of Liger-Kernel's
 ``FusedLinearCrossEntropy`` (https://github.com/linkedin/Liger-Kernel), our own code. On one H200 it ran at the
-same speed at the same microbatch and halved peak memory, which allowed 2x microbatch (benchmarks/README.md, #10).
+same speed at the same microbatch and halved peak memory, which allowed 2x microbatch (benchmarks/README.md).
 """
 
 from __future__ import annotations
