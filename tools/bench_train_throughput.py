@@ -14,7 +14,7 @@ detected dense bf16 peak), peak memory, microbatch, attention implementation and
 
 Usage (on a GPU machine, from the repository root):
 
-    python tools/bench_train_throughput.py --out benchmarks/train-throughput.csv
+    python tools/bench_train_throughput.py --out /tmp/train-throughput.csv   # default: benchmarks/train-throughput.csv
     python tools/bench_train_throughput.py --models mpt-125m --variants default,torch_attn --steps 30
 
 Variants are named in :data:`VARIANTS`; ``--variants default`` runs the configuration exactly as the project's
