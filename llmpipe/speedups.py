@@ -45,7 +45,7 @@ def register_fused_adamw() -> None:
 def dynamo_catalogue_fix() -> None:
     """Make composer's ``compile_config`` work with llm-foundry 0.22 on Python 3.12 (idempotent).
 
-    Cause of the ``InternalTorchDynamoError: KeyError: 0`` (see benchmarks/README.md): torch.compile traces
+    Cause of the ``InternalTorchDynamoError: KeyError: 0``: torch.compile traces
     ``ComposerMPTCausalLM.forward``/``loss``, which test ``ffn_type in ffns_with_megablocks``; that is a catalogue
     ``Registry``, whose ``__contains__`` reads the module global ``catalogue.AVAILABLE_ENTRY_POINTS``, a stdlib
     ``importlib.metadata.EntryPoints``. On Python 3.12 that class is a tuple whose ``__getitem__`` takes an entry-point
