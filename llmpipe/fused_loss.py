@@ -121,9 +121,9 @@ IGNORE_INDEX = -100
 #: The per-chunk softmax/gradient implementations :func:`linear_cross_entropy` offers (module docstring).
 KERNELS = FUSED_LOSS_KERNELS   # defined in llmpipe.config, which validates the setting without importing torch
 
-#: Default rows (tokens) per chunk: measured on one H200 against 2,560 (benchmarks/README.md, #12): fewer chunk
-#: launches and casts; with torch.compile +2..6% at MPT-125M, +0.6..1.9% at 350M, +1.5% at 760M, +1.4 GB peak
-#: memory at 125M (single runs, device calls 7-11).
+#: Default rows (tokens) per chunk: measured on one H200 against 2,560 (benchmarks/README.md, "Changes tried"):
+#: fewer chunk launches and casts; with torch.compile +2..6% at MPT-125M, +0.6..1.9% at 350M, +1.5% at 760M,
+#: +1.4 GB peak memory at 125M (single runs).
 _DEFAULT_CHUNK_ROWS = 8192
 #: ... unless one chunk of fp32 log-probabilities would exceed this many elements (2**29: 2 GiB).
 _MAX_CHUNK_ELEMENTS = 2**29

@@ -1,6 +1,6 @@
 """Speed-ups of the training step that plug into llm-foundry and composer without forking them.
 
-Each was measured on one H200 with ``scripts/bench_train_throughput.py`` (see benchmarks/README.md):
+Each was measured on one H200 with ``tools/bench_train_throughput.py`` (see benchmarks/README.md):
 
 * :func:`register_fused_adamw` registers ``fused_adamw`` in llm-foundry's optimizer registry: the same update as
   composer's ``DecoupledAdamW`` (decoupled weight decay scaled by lr_t / lr_0) run by ``torch.optim.AdamW`` with
@@ -14,7 +14,7 @@ in llm-foundry's model registry) lives in :mod:`llmpipe.fused_loss`: per chunk o
 ``loss += sum -log_softmax(z)[t]``, ``G = softmax(z) - onehot(t)``, ``dh_c = G W / n``, ``dW += G^T h_c / n``
 (``n`` = non-ignored targets), so the full ``[tokens, vocab]`` logits never exist; the idea of Liger-Kernel's
 ``FusedLinearCrossEntropy`` (https://github.com/linkedin/Liger-Kernel), our own code. On one H200 it ran at the
-same speed at the same microbatch and halved peak memory, which allowed 2x microbatch (benchmarks/README.md, #10).
+same speed at the same microbatch and halved peak memory, which allowed 2x microbatch (benchmarks/README.md).
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ def register_fused_adamw() -> None:
 def dynamo_catalogue_fix() -> None:
     """Make composer's ``compile_config`` work with llm-foundry 0.22 on Python 3.12 (idempotent).
 
-    Cause of the ``InternalTorchDynamoError: KeyError: 0`` (see benchmarks/README.md): torch.compile traces
+    Cause of the ``InternalTorchDynamoError: KeyError: 0``: torch.compile traces
     ``ComposerMPTCausalLM.forward``/``loss``, which test ``ffn_type in ffns_with_megablocks``; that is a catalogue
     ``Registry``, whose ``__contains__`` reads the module global ``catalogue.AVAILABLE_ENTRY_POINTS``, a stdlib
     ``importlib.metadata.EntryPoints``. On Python 3.12 that class is a tuple whose ``__getitem__`` takes an entry-point

@@ -145,12 +145,12 @@ def test_two_node_sweep_on_the_slurm_cluster(slurm_cluster, tmp_path):
 
 
 def test_standalone_driver_runs_the_rule_code(tmp_path):
-    """scripts/allreduce_standalone.py (the rule's bench_step without Snakemake, as run on the device machine):
+    """tools/allreduce_standalone.py (the rule's bench_step without Snakemake, as run on the device machine):
     a 2-task gloo sweep through the local executor writes the nccl-tests table with no wrong elements."""
     import subprocess
     import sys
     out = tmp_path / "ar"
-    proc = subprocess.run([sys.executable, str(REPO / "scripts" / "allreduce_standalone.py"), str(out), "--gpus", "0",
+    proc = subprocess.run([sys.executable, str(REPO / "tools" / "allreduce_standalone.py"), str(out), "--gpus", "0",
                            "--set", "{allreduce: {max_bytes: 4096, warmup: 1, iters: 2, resources: "
                            "{tasks_per_node: 2, cpus_per_task: 1}}}"],
                           cwd=REPO, capture_output=True, text=True, timeout=600)

@@ -189,7 +189,7 @@ def test_merge_counts_and_verify(tok, converted, tmp_path):
 
 def test_unit_records_split_their_seconds_by_phase(converted):
     """Each unit record (manifest and unit.json) carries the seconds spent in the tokenizer, packing and shard
-    writing (scripts/bench_mds.py sums them per worker count); together they fit inside the unit's own seconds."""
+    writing (tools/bench_mds.py sums them per worker count); together they fit inside the unit's own seconds."""
     out, m, _ = converted
     for split in ("train", "val"):
         for u in m["splits"][split]["units"]:
@@ -200,7 +200,7 @@ def test_unit_records_split_their_seconds_by_phase(converted):
 
 
 def test_unit_records_carry_their_process_rusage(converted):
-    """Each unit record carries getrusage deltas of its process (scripts/bench_mds.py sums them to tell kernel
+    """Each unit record carries getrusage deltas of its process (tools/bench_mds.py sums them to tell kernel
     time, page faults and preemption apart from the units' own user-mode work)."""
     out, m, _ = converted
     for split in ("train", "val"):
@@ -587,7 +587,7 @@ def test_verify_accepts_a_lowercasing_tokenizer(corpus, tmp_path):
 
 
 def test_mds_benchmark_runs_and_writes_its_columns(tmp_path):
-    """scripts/bench_mds.py end to end on a tiny generated corpus (ours only, 1 and 2 local workers, two passes):
+    """tools/bench_mds.py end to end on a tiny generated corpus (ours only, 1 and 2 local workers, two passes):
     the CSV has a row per worker count and pass with the same tokens, each pass's own speedup base, the batch size
     asked and the summed rusage; the summary gives the median speedup per worker count."""
     import csv
@@ -596,7 +596,7 @@ def test_mds_benchmark_runs_and_writes_its_columns(tmp_path):
 
     repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     out = tmp_path / "bench.csv"
-    r = subprocess.run([sys.executable, os.path.join(repo, "scripts", "bench_mds.py"), "--workers", "1,2",
+    r = subprocess.run([sys.executable, os.path.join(repo, "tools", "bench_mds.py"), "--workers", "1,2",
                         "--files", "2", "--mb-per-file", "0.3", "--vocab", "512", "--concat", "256",
                         "--no-foundry", "--no-same-input", "--batch-chars", "4096", "--variant", "smoke",
                         "--repeat", "2",

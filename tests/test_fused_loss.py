@@ -63,7 +63,7 @@ def _loss_and_grads(fn, h, w, t, scale=1.0):
 # ------------------------------------------------------------------------------------------ the function
 
 # on CPU 'compile' and 'liger' run the 'torch' path (test_cuda_only_kernels_fall_back_on_cpu); their GPU parity
-# is checked by scripts/check_fused_loss_kernels.py (benchmarks/fused-loss-kernels-device-h200.csv)
+# is checked by tools/check_fused_loss_kernels.py (benchmarks/fused-loss-kernels-device-h200.csv)
 @pytest.mark.parametrize('kernel', ['torch', 'softmax'])
 @pytest.mark.parametrize('chunk', [1, 7, 16, 48, 1000, None], ids=lambda c: f'chunk{c}')
 def test_loss_and_grads_equal_llm_foundry(chunk, kernel):
@@ -129,7 +129,7 @@ def test_liger_kernel_gets_the_contract_it_documents(monkeypatch):
     count from the device), the chunk's own targets with ignore_index kept, and uses the per-row fp32 losses and
     the gradient written over the logits. Liger's Triton implementation does not load without a GPU driver, so here
     a CPU function with the contract its docstring states (liger_kernel/ops/backends/_triton/cross_entropy.py)
-    stands in; its values on a GPU are checked by scripts/check_fused_loss_kernels.py."""
+    stands in; its values on a GPU are checked by tools/check_fused_loss_kernels.py."""
     import sys
     import types
     seen = []
@@ -611,7 +611,7 @@ def test_convert_config_has_no_fused_loss_keys():
 
 def _bench():
     spec = importlib.util.spec_from_file_location('bench_train_throughput',
-                                                  REPO / 'scripts' / 'bench_train_throughput.py')
+                                                  REPO / 'tools' / 'bench_train_throughput.py')
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
@@ -699,7 +699,7 @@ def test_llm_foundry_train_with_the_fused_model_matches_stock(tmp_path, monkeypa
 def test_gpu_idle_report_attributes_gaps_to_frames():
     """The profiler's idle report: busy time merges overlapping kernels, only gaps >= min_gap_us count, and each
     Python frame is credited with the gap time it overlapped (the frame outside every gap gets nothing)."""
-    bench = _bench()
+    from tools import bench_profile as prof
     k = lambda ts, dur: {'ph': 'X', 'cat': 'kernel', 'name': 'k', 'ts': ts, 'dur': dur}  # noqa: E731
     f = lambda name, ts, dur: {'ph': 'X', 'cat': 'python_function', 'name': name, 'ts': ts, 'dur': dur,  # noqa: E731
                                'tid': 1}
@@ -707,16 +707,16 @@ def test_gpu_idle_report_attributes_gaps_to_frames():
     trace = {'traceEvents': [k(0, 100), k(50, 60), k(300, 100), k(410, 90),      # gaps: 110..300 (190 us), 400..410
                              f('outer', 0, 600), f('inner', 150, 100), f('elsewhere', 420, 60), main,
                              dict(f('other_thread', 100, 300), tid=2)]}        # not the main thread: left out
-    report = bench.gpu_idle_report(trace, min_gap_us=50)
+    report = prof.gpu_idle_report(trace, min_gap_us=50)
     lines = report.splitlines()
     assert lines[0].startswith('kernel span 0.5 ms, GPU busy 0.3 ms, idle 0.2 ms (40.0%); 1 gaps >= 50 us sum 0.2 ms')
     frames = {ln.split()[1]: float(ln.split()[0]) for ln in lines[3:]}
     assert frames == {'outer': 0.19, 'inner': 0.1, 'script.py(1):': 0.19}
-    assert bench.gpu_idle_report({'traceEvents': [f('x', 0, 5)]}) == 'no CUDA kernels in the trace\n'
+    assert prof.gpu_idle_report({'traceEvents': [f('x', 0, 5)]}) == 'no CUDA kernels in the trace\n'
     # a long kernel that ends after a later-starting one sets the span; a frame nested in itself counts once
     trace = {'traceEvents': [k(0, 1000), k(10, 10), k(1500, 100), main, f('rec', 1000, 500), f('rec', 1100, 200),
                              f('step', 900, 800)]}
-    lines = bench.gpu_idle_report(trace, min_gap_us=50).splitlines()
+    lines = prof.gpu_idle_report(trace, min_gap_us=50).splitlines()
     assert lines[0].startswith('kernel span 1.6 ms, GPU busy 1.1 ms, idle 0.5 ms (31.2%); 1 gaps >= 50 us sum 0.5')
     assert {ln.split()[1]: float(ln.split()[0]) for ln in lines[3:]} == {'rec': 0.5, 'step': 0.5, 'script.py(1):': 0.5}
 
@@ -725,18 +725,18 @@ def test_kernel_report_keeps_lambda_kernels_and_drops_profiler_ranges():
     """PyTorch's elementwise kernels name C++ lambdas ('{lambda()#3}'); they are kernels and must be counted
     (an earlier filter on '#' dropped them: 20 ms a step of casts went missing); the profiler's own ranges
     ('Optimizer.step#FusedAdamW.step', 'ProfilerStep#3') are not."""
-    bench = _bench()
+    from tools import bench_profile as prof
     copy = 'void at::native::unrolled_elementwise_kernel<at::native::direct_copy_kernel_cuda(at::TensorIteratorBase&)::{lambda()#3}>'
-    assert not bench.is_profiler_range(copy) and not bench.is_profiler_range('nvjet_sm90_tst_192x192')
-    assert bench.is_profiler_range('Optimizer.step#FusedAdamW.step') and bench.is_profiler_range('ProfilerStep#3')
-    cats, top = bench.kernel_time_report([(copy, 3000.0), ('nvjet_sm90_x', 6000.0), ('mystery', 1000.0)], 2, 20000.0)
+    assert not prof.is_profiler_range(copy) and not prof.is_profiler_range('nvjet_sm90_tst_192x192')
+    assert prof.is_profiler_range('Optimizer.step#FusedAdamW.step') and prof.is_profiler_range('ProfilerStep#3')
+    cats, top = prof.kernel_time_report([(copy, 3000.0), ('nvjet_sm90_x', 6000.0), ('mystery', 1000.0)], 2, 20000.0)
     assert cats.splitlines()[0] == '2 steps, wall 20.0 ms, CUDA kernel time 10.0 ms (50.0% of wall)'
     assert {ln.split()[0]: float(ln.split()[-3]) for ln in cats.splitlines()[1:]} == {
         'matmul': 6.0, 'copy/cast': 3.0, 'other': 1.0}
     assert top.splitlines()[0].split()[:2] == ['6.00', 'ms']
-    kern = bench.trace_kernels({'traceEvents': [{'ph': 'X', 'cat': 'kernel', 'name': copy, 'ts': 0, 'dur': 7},
-                                                {'ph': 'X', 'cat': 'cpu_op', 'name': 'aten::copy_', 'ts': 0, 'dur': 9},
-                                                {'ph': 'X', 'cat': 'gpu_memset', 'name': 'Memset', 'ts': 9, 'dur': 1}]})
+    kern = prof.trace_kernels({'traceEvents': [{'ph': 'X', 'cat': 'kernel', 'name': copy, 'ts': 0, 'dur': 7},
+                                               {'ph': 'X', 'cat': 'cpu_op', 'name': 'aten::copy_', 'ts': 0, 'dur': 9},
+                                               {'ph': 'X', 'cat': 'gpu_memset', 'name': 'Memset', 'ts': 9, 'dur': 1}]})
     assert kern == [(copy, 7.0), ('Memset', 1.0)]
 
 

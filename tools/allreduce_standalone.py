@@ -8,8 +8,8 @@ project config (``config/config.yaml``) merged with ``--set``, the local executo
 
 Usage (from the repository root)::
 
-    python3 scripts/allreduce_standalone.py /tmp/ar --gpus 2
-    python3 scripts/allreduce_standalone.py /tmp/ar --gpus 0 --set "{allreduce: {max_bytes: 65536,
+    python3 tools/allreduce_standalone.py /tmp/ar --gpus 2
+    python3 tools/allreduce_standalone.py /tmp/ar --gpus 0 --set "{allreduce: {max_bytes: 65536,
         resources: {tasks_per_node: 2}}}"          # 2 CPU tasks through gloo
 
 Exit status 0 with the table printed; a failed job raises :class:`llmpipe.dispatch.StepFailed` (its log tail).

@@ -10,7 +10,7 @@ and compares the loss and both gradients with the stock computation in fp32
 
 Usage (on a GPU node)::
 
-    python scripts/check_fused_loss_kernels.py --tokens 65536 --d 768 --vocab 50368 --out fused-loss-check.csv
+    python tools/check_fused_loss_kernels.py --tokens 65536 --d 768 --vocab 50368 --out fused-loss-check.csv
 
 Writes one CSV row per kernel: the relative errors of the loss and of the two gradients
 (``max |a - b| / max |b|``), the time of one forward + backward in ms (median of ``--iters`` after 3 warm-up

@@ -38,7 +38,7 @@ switches), ``batch_chars`` (ours: characters per tokenizer call, ``--batch-chars
 
 Usage::
 
-    python scripts/bench_mds.py --workers 1,2,4,8,16 --out benchmarks/mds-throughput.csv
+    python tools/bench_mds.py --workers 1,2,4,8,16 --files 128 --mb-per-file 2.5 --foundry-files 8 --out mds.csv
 """
 
 from __future__ import annotations
