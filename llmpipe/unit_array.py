@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import sys
 import threading
 from dataclasses import dataclass
@@ -181,7 +182,8 @@ def run_unit_array(fn: Callable[[Any], Any], units: Sequence[Unit], *, is_comple
             here and again by the worker right before it runs a unit. Module-level, as ``fn``.
         workers: processes (local) or array tasks at once (Slurm); 0 = as many as the CPUs available here
             locally, and no limit on Slurm (:func:`resolve_workers`).
-        work_dir: an existing folder for the local workers' claim files (the caller removes it when done).
+        work_dir: a folder for the local workers' claim files (``{work_dir}/claims``, emptied first; the caller
+            removes ``work_dir`` when done).
         name: the prefix of the progress lines (``mds``).
         step: the jobs' name in logs and ``squeue``.
         resources: one unit's job resources (``cpus_per_task``, ``mem_gb``, ``time_min``, ...; see
@@ -217,7 +219,8 @@ def run_unit_array(fn: Callable[[Any], Any], units: Sequence[Unit], *, is_comple
                                                                    if max_parallel else "")
         else:
             claim_dir = os.path.join(work_dir, "claims")
-            os.makedirs(claim_dir, exist_ok=True)
+            shutil.rmtree(claim_dir, ignore_errors=True)  # claims of an earlier call would skip units
+            os.makedirs(claim_dir)
             jobs = [{"fn": fn, "is_complete": is_complete, "units": todo, "claim_dir": claim_dir}
                     for _ in range(n_workers)]
             max_parallel = 0
