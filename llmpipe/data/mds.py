@@ -432,7 +432,7 @@ def convert_unit(spec: dict) -> dict:
             json.dump(rec, fh, indent=1)
         _fsync_tree(tmp_dir)
         if os.path.exists(spec["unit_dir"]):
-            shutil.rmtree(spec["unit_dir"])  # stale / other settings (the parent normally removed it already)
+            shutil.rmtree(spec["unit_dir"])  # stale / other settings (plan_dataset normally removed it already)
         os.rename(tmp_dir, spec["unit_dir"])
         _fsync_dir(split_dir)
     except BaseException:
