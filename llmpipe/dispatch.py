@@ -37,7 +37,8 @@ class StepFailed(RuntimeError):
     """A dispatched job ended without a result: the message has its job id, state and the tail of its log."""
 
 
-def _say(msg: str, log_file: str | None = None) -> None:
+def say(msg: str, log_file: str | None = None) -> None:
+    """Print ``[llmpipe HH:MM:SS] msg`` to stderr and append the same line to ``log_file`` when given."""
     line = f"[llmpipe {time.strftime('%H:%M:%S')}] {msg}"
     print(line, file=sys.stderr, flush=True)
     if log_file:
@@ -50,7 +51,8 @@ def job_key(*parts: Any) -> str:
     return hashlib.sha1(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
-def _executor_kind(config: dict) -> str:
+def executor_kind(config: dict) -> str:
+    """``dispatch.executor`` of ``config``: ``local`` (the default), ``slurm`` or ``debug``."""
     return (config.get("dispatch") or {}).get("executor", "local")
 
 
@@ -73,7 +75,7 @@ def check_executor(config: dict, nodes: int, what: str) -> None:
     """
     from llmpipe.config import ConfigError
 
-    kind = _executor_kind(config)
+    kind = executor_kind(config)
     if int(nodes) > 1 and kind != "slurm":
         raise ConfigError(f"{what} needs {nodes} nodes but dispatch.executor is {kind!r}, which runs on this one "
                           f"machine. Fix: run with --profile profiles/slurm (or --profile slurm), or use 1 node.")
@@ -93,7 +95,7 @@ def make_executor(config: dict, resources: dict, folder: str, name: str):
     """
     import submitit
 
-    kind = _executor_kind(config)
+    kind = executor_kind(config)
     tasks = int(resources.get("tasks_per_node", 1))
     gpus = int(resources.get("gpus_per_node", 0))
     if kind == "debug":
@@ -165,7 +167,7 @@ def _reattach(config: dict, record: dict):
     """
     import submitit
 
-    if record.get("executor") != _executor_kind(config):
+    if record.get("executor") != executor_kind(config):
         return None
     if record["executor"] == "slurm":
         from llmpipe import slurm
@@ -276,7 +278,7 @@ def _local_jobs_die_with_us(jobs: Sequence[Any], what: str, log_file: str | None
             except Exception:  # noqa: BLE001 - best effort while unwinding
                 pass
         if running:
-            _say(f"{what}: interrupted; cancelled {len(running)} local job(s) still running "
+            say(f"{what}: interrupted; cancelled {len(running)} local job(s) still running "
                  f"({', '.join(str(j.job_id) for j in running[:8])}{' ...' if len(running) > 8 else ''})", log_file)
         raise
     finally:
@@ -308,7 +310,7 @@ def _wait(job, log_file: str | None, poll_s: float, what: str, slurm_poll_s: flo
                 live, nodes = _slurm_where(job)
                 state = live or state
             if state != last_shown:
-                _say(f"{what}: job {job.job_id} is {state}{f' on {nodes}' if nodes else ''}", log_file)
+                say(f"{what}: job {job.job_id} is {state}{f' on {nodes}' if nodes else ''}", log_file)
                 told_nodes = told_nodes or (state == "RUNNING" and bool(nodes))
                 last_shown = state
         time.sleep(poll_s)
@@ -321,7 +323,7 @@ def _wait(job, log_file: str | None, poll_s: float, what: str, slurm_poll_s: flo
             nodes = acct_nodes  # settled accounting has the whole allocation; a completing job's squeue entry may not
         state = live or acct_state
         if not told_nodes and nodes:
-            _say(f"{what}: job {job.job_id} ran on {nodes} ({state})", log_file)
+            say(f"{what}: job {job.job_id} ran on {nodes} ({state})", log_file)
         # a job that died without writing its result pickles (cancelled, timed out, node failure) never will:
         # do not let submitit wait 15 s per task for them
         if state in _SLURM_TERMINAL and state != "COMPLETED":
@@ -379,27 +381,27 @@ def run_step(fn: Callable, *args: Any, step: str, resources: dict, config: dict,
             record = json.load(fh)
         job = _reattach(config, record)
         if job is None:
-            _say(f"{step}: earlier {record.get('executor')} job {record.get('job_id')} is gone; "
+            say(f"{step}: earlier {record.get('executor')} job {record.get('job_id')} is gone; "
                  f"submitting a new one", log_file)
         else:
             state = job.state
             if state in _FINISHED_OK or not job.done():
-                _say(f"{step}: re-attaching to job {job.job_id} ({state}) submitted earlier; "
+                say(f"{step}: re-attaching to job {job.job_id} ({state}) submitted earlier; "
                      f"not submitting a second copy", log_file)
             else:
-                _say(f"{step}: earlier job {job.job_id} ended {state}; submitting a new one", log_file)
+                say(f"{step}: earlier job {job.job_id} ended {state}; submitting a new one", log_file)
                 job = None
     if job is None:
         os.makedirs(log_dir, exist_ok=True)
         ex = make_executor(config, resources, os.path.join(log_dir, "%j"), name=step.replace(" ", "_"))
         job = ex.submit(fn, *args, **kwargs)
-        _write_record(rec_path, {"executor": _executor_kind(config), "job_id": str(job.job_id),
+        _write_record(rec_path, {"executor": executor_kind(config), "job_id": str(job.job_id),
                                  "folder": os.path.join(log_dir, "%j"), "step": step,
                                  "name": step.replace(" ", "_"),
                                  "num_tasks": int(getattr(job, "num_tasks", 1)),
                                  "submitted": time.time()})
         nodes = resources.get("nodes", 1)
-        _say(f"{step}: submitted job {job.job_id} ({_executor_kind(config)}, {nodes} node(s) x "
+        say(f"{step}: submitted job {job.job_id} ({executor_kind(config)}, {nodes} node(s) x "
              f"{resources.get('tasks_per_node', 1)} task(s), {resources.get('gpus_per_node', 0)} GPU(s)/node); "
              f"log: {getattr(job.paths, 'stderr', log_dir)}", log_file)
     try:
@@ -412,7 +414,7 @@ def run_step(fn: Callable, *args: Any, step: str, resources: dict, config: dict,
             except FileNotFoundError:
                 pass
             _drop_pattern_folder(log_dir)
-    _say(f"{step}: job {job.job_id} finished", log_file)
+    say(f"{step}: job {job.job_id} finished", log_file)
     return results[0]
 
 
@@ -441,10 +443,10 @@ def map_steps(fn: Callable, items: Sequence[Any], *, step: str, resources: dict,
     os.makedirs(log_dir, exist_ok=True)
     one = dict(resources, nodes=1, tasks_per_node=1)
     ex = make_executor(config, one, os.path.join(log_dir, "%j"), name=step.replace(" ", "_"))
-    if max_parallel and hasattr(ex, "update_parameters") and _executor_kind(config) == "slurm":
+    if max_parallel and hasattr(ex, "update_parameters") and executor_kind(config) == "slurm":
         ex.update_parameters(array_parallelism=max_parallel)
     jobs = ex.map_array(fn, list(items))
-    _say(f"{step}: submitted {len(jobs)} job(s) ({_executor_kind(config)}); first id {jobs[0].job_id}; "
+    say(f"{step}: submitted {len(jobs)} job(s) ({executor_kind(config)}); first id {jobs[0].job_id}; "
          f"logs in {log_dir}", log_file)
     poll_s = float((config.get("dispatch") or {}).get("poll_s", 5))
     results: list = [None] * len(jobs)

@@ -132,7 +132,7 @@ def tokenizer(smk) -> None:
 @_logged
 def mds(smk) -> None:
     """Rule ``mds``: tokenize and concatenate the corpus into MDS shards, one parallel unit per input file."""
-    from llmpipe.data.mds import convert_dataset
+    from llmpipe.mds_dispatch import convert_dataset
     log_file = _start_log(smk)
     tok = smk.config["tokenizers"][smk.wildcards.tokenizer]
     out_dir = os.path.dirname(smk.output[0])
@@ -145,7 +145,7 @@ def mds(smk) -> None:
 @_logged
 def verify_mds(smk) -> None:
     """Rule ``verify_mds``: read the merged dataset back and check counts, lengths, vocabulary and text."""
-    from llmpipe.data.mds import verify_dataset
+    from llmpipe.data.mds_verify import verify_dataset
     _start_log(smk)
     tok_manifest = read_json(smk.input.tokenizer)
     verify_dataset(os.path.dirname(smk.input.mds), os.path.dirname(smk.input.tokenizer), int(smk.wildcards.concat),

@@ -13,8 +13,10 @@ import pytest
 
 from llmpipe.data.corpus import builtin_documents, prepare_corpus
 from llmpipe.data.errors import DataError
-from llmpipe.data.mds import convert_dataset, resolve_workers, verify_dataset
+from llmpipe.data.mds_verify import verify_dataset
 from llmpipe.data.tokenizer import prepare_tokenizer
+from llmpipe.mds_dispatch import convert_dataset
+from llmpipe.unit_array import resolve_workers
 from tests.test_data_corpus import write_c4
 
 EOS = "<|endoftext|>"
@@ -309,7 +311,7 @@ def die(self):  # SIGKILL in the middle of finishing the first unit: shards writ
     self._flush()
     os.kill(os.getpid(), signal.SIGKILL)
 TokenMDSWriter.finish = die
-from llmpipe.data.mds import convert_dataset
+from llmpipe.mds_dispatch import convert_dataset
 convert_dataset({man!r}, {tok_dir!r}, {C}, {EOS!r}, {str(out)!r}, config=json.loads({json.dumps(json.dumps(cfg(tmp_path)))}),
                 log_dir={str(tmp_path / 'logs')!r})
 """
@@ -387,11 +389,11 @@ def test_eos_text_must_tokenize(tok, corpus, tmp_path):
 
 
 def test_resolve_workers():
-    assert resolve_workers({"data_prep": {"workers": 3}}, 10) == 3
-    assert resolve_workers({"data_prep": {"workers": 30}}, 10) == 10
-    assert resolve_workers({"data_prep": {"workers": 0}}, 1000) == len(os.sched_getaffinity(0))
-    assert resolve_workers({}, 1) == 1
-    assert resolve_workers({}, 0) == 0
+    assert resolve_workers(3, 10) == 3
+    assert resolve_workers(30, 10) == 10
+    assert resolve_workers(0, 1000) == len(os.sched_getaffinity(0))
+    assert resolve_workers(0, 1) == 1
+    assert resolve_workers(0, 0) == 0
 
 
 def test_worker_tokenizer_without_transformers_matches_and_falls_back(tok, tmp_path):
@@ -416,7 +418,7 @@ def test_worker_tokenizer_without_transformers_matches_and_falls_back(tok, tmp_p
     del man["probes"]
     json.dump(man, open(bad / "manifest.json", "w"))
     assert load_backend(str(bad)) is None
-    assert mds._worker_encoder(str(bad))(texts) == t(texts)["input_ids"]
+    assert mds.worker_encoder(str(bad))(texts) == t(texts)["input_ids"]
 
 
 def test_truncation_in_tokenizer_json_never_cuts_documents(tok, tmp_path):
@@ -433,7 +435,7 @@ def test_truncation_in_tokenizer_json_never_cuts_documents(tok, tmp_path):
     long_text = " ".join(["the function returns a value"] * 50)
     want = t(long_text)["input_ids"]
     assert len(want) > 8
-    assert mds._worker_encoder(str(trunc))([long_text]) == [want]
+    assert mds.worker_encoder(str(trunc))([long_text]) == [want]
 
 
 def test_conversion_never_imports_torch_or_transformers(tok, corpus, tmp_path):
@@ -443,7 +445,7 @@ def test_conversion_never_imports_torch_or_transformers(tok, corpus, tmp_path):
     man, _ = corpus
     code = f"""
 import json, sys
-from llmpipe.data.mds import convert_dataset
+from llmpipe.mds_dispatch import convert_dataset
 m = convert_dataset({man!r}, {tok_dir!r}, {C}, {EOS!r}, {str(tmp_path / 'ds')!r},
                     config=json.loads({json.dumps(json.dumps(cfg(tmp_path)))}), log_dir={str(tmp_path / 'logs')!r})
 assert m["splits"]["train"]["samples"] > 0
@@ -452,7 +454,7 @@ assert not heavy, heavy
 """
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
-    from llmpipe.data.mds import verify_dataset
+    from llmpipe.data.mds_verify import verify_dataset
 
     assert verify_dataset(str(tmp_path / "ds"), tok_dir, C, 512, str(tmp_path / "v.json"))["ok"]
 
@@ -475,7 +477,7 @@ def test_split_special_tokens_tokenizer_takes_the_transformers_path(tok, tmp_pat
     want = t2([text])["input_ids"]
     assert len(want[0]) > 8  # the marker really is split into pieces
     assert load_backend(str(tmp_path / "tok")) is None
-    assert mds._worker_encoder(str(tmp_path / "tok"))([text]) == want
+    assert mds.worker_encoder(str(tmp_path / "tok"))([text]) == want
 
 
 def test_damaged_units_are_converted_again(tok, corpus, converted, tmp_path):

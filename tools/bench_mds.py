@@ -12,7 +12,7 @@ BPE trained on the builtin corpus, ``--vocab`` tokens), ``--concat`` tokens per 
   It converts the first ``--foundry-files`` files (default 1: it is single-process and slow); ours converts the
   same files with 1 worker (row ``ours-same-input``), and its per-core rate is also compared with every ``ours``
   row (columns ``per_core_vs_foundry``: wall-clock based; ``conversion_vs_foundry``: without process start-up).
-* ``ours``: :func:`llmpipe.data.mds.convert_dataset` with ``data_prep.workers = N`` through the local (submitit)
+* ``ours``: :func:`llmpipe.mds_dispatch.convert_dataset` with ``data_prep.workers = N`` through the local (submitit)
   executor, for each N of ``--workers``, on all ``--files`` files (1 worker first, then the largest N first; the
   CSV is rewritten after every run, so a run cut short by a time limit keeps what it measured). Wall time is the
   whole call: spawning the worker processes (which import neither torch nor mosaicml-streaming), converting, merging the
@@ -152,7 +152,7 @@ def _cpu_s() -> float:
 
 def run_ours(args: argparse.Namespace) -> dict:
     """(child) our convert_dataset with N workers; prints a JSON result line."""
-    from llmpipe.data.mds import convert_dataset
+    from llmpipe.mds_dispatch import convert_dataset
 
     out = args.out_dir
     shutil.rmtree(out, ignore_errors=True)

@@ -6,8 +6,11 @@ Modules:
   built-in corpus of English text from Python's own documentation, in C4's file layout, with a manifest.
 * :mod:`llmpipe.data.tokenizer` – :func:`~llmpipe.data.tokenizer.prepare_tokenizer`: a hub tokenizer, a local one,
   or a byte-level BPE trained on the corpus, saved so that ``AutoTokenizer.from_pretrained`` loads it.
-* :mod:`llmpipe.data.mds` – :func:`~llmpipe.data.mds.convert_dataset` (parallel, restartable tokenize +
-  concatenate + MDS) and :func:`~llmpipe.data.mds.verify_dataset`.
+* :mod:`llmpipe.data.mds` – restartable tokenize + concatenate + MDS, one unit per input file
+  (:func:`~llmpipe.data.mds.convert_unit`), and the dataset's layout and merge; run in parallel by
+  :func:`llmpipe.mds_dispatch.convert_dataset`.
+* :mod:`llmpipe.data.mds_verify` – :func:`~llmpipe.data.mds_verify.verify_dataset`: read a dataset back and
+  check it.
 * :mod:`llmpipe.data.icl` – :func:`~llmpipe.data.icl.build_cloze_task`: a cloze ICL task cut from held-out text.
 
 Importing this package is light (no torch / transformers); the heavy imports happen inside the functions.

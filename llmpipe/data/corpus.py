@@ -69,7 +69,7 @@ def iter_documents(path: str) -> Iterator[dict]:
         DataError: the file is missing, not gzip, truncated / corrupt, or a line is not a JSON object with a
             ``text`` string (message: file, line number and the fix).
     """
-    _check_gzip_magic(path)
+    check_gzip_magic(path)
     lineno = 0
     try:
         with gzip.open(path, "rb") as fh:
@@ -94,7 +94,12 @@ def _parse_line(line: bytes, path: str, lineno: int) -> dict:
     return doc
 
 
-def _check_gzip_magic(path: str) -> None:
+def check_gzip_magic(path: str) -> None:
+    """Check that ``path`` exists, is readable and starts with gzip's magic bytes (reads 2 bytes).
+
+    Raises:
+        DataError: missing, unreadable or not gzip (names the file and the fix).
+    """
     try:
         with open(path, "rb") as fh:
             magic = fh.read(2)
@@ -120,7 +125,7 @@ def scan_file(path: str) -> dict:
     Raises:
         DataError: not gzip, truncated, corrupt, or a parsed line is not a C4 document (names the file).
     """
-    _check_gzip_magic(path)
+    check_gzip_magic(path)
     size = os.path.getsize(path)
     docs = 0
     has_text = False
@@ -372,7 +377,7 @@ def download_file(repo_id: str, filename: str, *, revision: str, out_dir: str, r
             path = hf_hub_download(repo_id=repo_id, filename=filename, repo_type="dataset", revision=revision,
                                    local_dir=out_dir, endpoint=endpoint)
             try:
-                _check_gzip_magic(path)
+                check_gzip_magic(path)
             except DataError:
                 os.unlink(path)  # e.g. an HTML error page saved as the file: fetch it again
                 raise

@@ -1,4 +1,4 @@
-"""Tokenize + concatenate + write MDS, in parallel, restartably; and verify the result.
+"""Tokenize + concatenate + write MDS, one restartable unit per input file; lay out, merge and record a dataset.
 
 Layout of a dataset folder ``{out_dir}`` (one per corpus x tokenizer x concat length)::
 
@@ -32,10 +32,11 @@ disk full) leaves only a ``.tmp-*`` folder, which the next run deletes; a rerun 
 incomplete or made from other inputs / settings, and reuses the others. The merged indexes and ``manifest.json``
 are written after all units, each atomically, the manifest last.
 
-**Parallel.** Units run through :func:`llmpipe.dispatch.map_steps`: locally as ``workers`` processes (submitit's
-local executor) that each claim units from a shared queue (largest file first), on Slurm as a job array of one
-task per unit (``array_parallelism = workers``). ``TOKENIZERS_PARALLELISM=false`` in every worker: one core per
-worker. Progress: a tqdm bar per running unit on a terminal and a line per finished unit (tokens written).
+**Running units.** This module converts one unit (:func:`convert_unit`), lays the units out
+(:func:`plan_dataset`) and merges them (:func:`finish_dataset`); it never dispatches. Running the units in parallel
+(local processes or a Slurm job array, restarting only the missing ones, a line per finished unit) is the
+dispatch layer's: :func:`llmpipe.mds_dispatch.convert_dataset` through :mod:`llmpipe.unit_array`. A unit sets
+``TOKENIZERS_PARALLELISM=false``: one core per unit. Reading the dataset back: :mod:`llmpipe.data.mds_verify`.
 """
 
 from __future__ import annotations
@@ -47,13 +48,13 @@ import json
 import os
 import shutil
 import sys
-import threading
 import time
-import unicodedata
 import uuid
 import zlib
+from dataclasses import dataclass
 from typing import Any, Iterator
 
+from llmpipe.data.corpus import check_gzip_magic, load_manifest
 from llmpipe.data.errors import DataError, atomic_write_json, remove_if_exists
 
 #: Corpus split (C4's name) -> MDS split (llm-foundry's name).
@@ -99,10 +100,10 @@ def eos_token_ids(tokenizer_dir: str, eos_text: str) -> list[int]:
             return [int(i) for i in man["eos_ids"]]
     except (OSError, ValueError):
         pass
-    return list(_tokenizer(os.path.abspath(tokenizer_dir))(eos_text, add_special_tokens=False)["input_ids"])
+    return list(cached_tokenizer(os.path.abspath(tokenizer_dir))(eos_text, add_special_tokens=False)["input_ids"])
 
 
-def _tokenizer(tokenizer_dir: str):
+def cached_tokenizer(tokenizer_dir: str):
     """The tokenizer of a folder, cached per process (keyed by the folder's content, not only its path)."""
     key = f"{tokenizer_dir}:{tokenizer_fingerprint(tokenizer_dir)}"
     if key not in _TOKENIZERS:
@@ -117,14 +118,14 @@ def _unit_identity(spec: dict) -> dict:
                                  "eos_ids", "compression", "size_limit")}
 
 
-def _read_unit(unit_dir: str) -> dict | None:
+def read_unit(unit_dir: str) -> dict | None:
     """The unit's completion record, or None when the unit is missing, incomplete or damaged.
 
     Damaged means: ``index.json`` does not parse, lists another number of samples than ``unit.json``, or a shard
     file it names (the compressed one when the shard is compressed) is missing or has another size, or
     streaming's decompressed copy of a compressed shard (which training reads when present) has another size.
     Such a unit is converted again by the next run (the sample bytes themselves are checked by
-    :func:`verify_dataset`).
+    :func:`llmpipe.data.mds_verify.verify_dataset`).
     """
     try:
         with open(os.path.join(unit_dir, "unit.json")) as fh:
@@ -147,7 +148,7 @@ def _read_unit(unit_dir: str) -> dict | None:
 
 def unit_complete(spec: dict) -> dict | None:
     """The completion record of ``spec``'s unit if it is complete *and* made from the same inputs/settings."""
-    rec = _read_unit(spec["unit_dir"])
+    rec = read_unit(spec["unit_dir"])
     if rec is None or rec.get("identity") != _unit_identity(spec):
         return None
     return rec
@@ -183,9 +184,7 @@ def _iter_text_batches(path: str, stats: dict, batch_chars: int = BATCH_CHARS) -
     Raises:
         DataError: not gzip, truncated / corrupt, or a line that is not a C4 document (names file and line).
     """
-    from llmpipe.data.corpus import _check_gzip_magic
-
-    _check_gzip_magic(path)
+    check_gzip_magic(path)
     loads = json.loads
     batch: list[str] = []
     chars = 0
@@ -222,6 +221,8 @@ def _iter_text_batches(path: str, stats: dict, batch_chars: int = BATCH_CHARS) -
 
 
 def _write_progress(path: str | None, obj: dict) -> None:
+    """Replace the unit's progress file ``path`` (none when None) by ``obj``: ``{"bytes_done", "bytes_total",
+    "tokens", "done"}``, plus ``"record"`` when done (the format :mod:`llmpipe.unit_array` polls); best effort."""
     if not path:
         return
     tmp = f"{path}.{os.getpid()}.tmp"
@@ -235,7 +236,7 @@ def _write_progress(path: str | None, obj: dict) -> None:
 
 # ------------------------------------------------------------------------------------------------ one unit
 
-def _worker_encoder(tokenizer_dir: str):
+def worker_encoder(tokenizer_dir: str):
     """``encode(texts) -> [[ids], ...]`` for a unit, exactly as llm-foundry's ``ConcatTokensDataset`` tokenizes
     (``tokenizer(text, truncation=False, padding=False)``, special tokens added); cached per process.
 
@@ -255,7 +256,7 @@ def _worker_encoder(tokenizer_dir: str):
             def encode(texts: list[str]) -> list[list[int]]:
                 return [e.ids for e in batch(texts, add_special_tokens=True)]
         else:
-            tok = _tokenizer(tokenizer_dir)
+            tok = cached_tokenizer(tokenizer_dir)
 
             def encode(texts: list[str]) -> list[list[int]]:
                 return tok(texts, add_special_tokens=True, truncation=False, padding=False)["input_ids"]
@@ -327,7 +328,7 @@ def convert_unit(spec: dict) -> dict:
     """Convert one input file into the MDS folder ``spec['unit_dir']`` (atomically: tmp folder + rename).
 
     Args:
-        spec: built by :func:`convert_dataset`: ``split``, ``name``, ``input``, ``input_name``, ``input_bytes``,
+        spec: built by :func:`plan_dataset`: ``split``, ``name``, ``input``, ``input_name``, ``input_bytes``,
             ``unit_dir``, ``tokenizer_dir``, ``tokenizer_fingerprint``, ``concat_tokens``, ``eos_ids``,
             ``compression``, ``size_limit``, ``progress`` (a JSON file for the parent's progress bars, or None);
             optional ``batch_chars`` (characters per tokenizer call, default ``BATCH_CHARS``; does not change the
@@ -356,7 +357,7 @@ def convert_unit(spec: dict) -> dict:
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
     timings = {"process_start": _process_start_time(), "start": t0}
     concat = int(spec["concat_tokens"])
-    encode = _worker_encoder(spec["tokenizer_dir"])
+    encode = worker_encoder(spec["tokenizer_dir"])
     timings["tokenizer_ready"] = time.time()
     eos = [int(i) for i in spec["eos_ids"]]
     neos = len(eos)
@@ -431,7 +432,7 @@ def convert_unit(spec: dict) -> dict:
             json.dump(rec, fh, indent=1)
         _fsync_tree(tmp_dir)
         if os.path.exists(spec["unit_dir"]):
-            shutil.rmtree(spec["unit_dir"])  # stale / other settings (the parent normally removed it already)
+            shutil.rmtree(spec["unit_dir"])  # stale / other settings (plan_dataset normally removed it already)
         os.rename(tmp_dir, spec["unit_dir"])
         _fsync_dir(split_dir)
     except BaseException:
@@ -443,107 +444,47 @@ def convert_unit(spec: dict) -> dict:
     return rec
 
 
-def run_units(job: dict) -> list[dict]:
-    """Worker entry point (one submitit job): convert units from ``job['units']``.
-
-    With ``job['claim_dir']`` set, several jobs share one list and each unit is claimed by exactly one job
-    (an ``O_EXCL`` file per unit), so ``workers`` local processes balance the load dynamically.
-    Returns the records of the units this job converted.
-    """
-    os.environ["TOKENIZERS_PARALLELISM"] = "false"
-    done = []
-    claim_dir = job.get("claim_dir")
-    for spec in job["units"]:
-        if claim_dir:
-            try:
-                fd = os.open(os.path.join(claim_dir, f"{spec['split']}.{spec['name']}"),
-                             os.O_CREAT | os.O_EXCL | os.O_WRONLY)
-                os.close(fd)
-            except FileExistsError:
-                continue
-        if unit_complete(spec):
-            continue
-        done.append(convert_unit(spec))
-    return done
-
-
-# ------------------------------------------------------------------------------------------------ progress
-
-class _Monitor(threading.Thread):
-    """Parent-side progress: a tqdm bar per running unit (on a terminal) and one line per finished unit."""
-
-    def __init__(self, specs: list[dict], log_file: str | None, bars: bool):
-        super().__init__(daemon=True)
-        self.specs = specs
-        self.log_file = log_file
-        self.bars_on = bars and sys.stderr.isatty()
-        self.bars: dict[str, Any] = {}
-        self.announced: set[str] = set()
-        self.lock = threading.Lock()
-        self.stop_event = threading.Event()
-        self.total = len(specs)
-
-    def announce(self, rec: dict) -> None:
-        from llmpipe.dispatch import _say
-
-        key = f"{rec['split']}/{rec['name']}"
-        with self.lock:
-            if key in self.announced:
-                return
-            self.announced.add(key)
-            bar = self.bars.pop(key, None)
-            if bar is not None:
-                bar.close()
-            rate = rec["tokens"] / rec["seconds"] if rec.get("seconds") else 0.0
-            msg = (f"mds: unit {key} done ({len(self.announced)}/{self.total}): {rec['tokens']:,} tokens in "
-                   f"{rec['samples']:,} samples from {rec['documents']:,} documents, {rec['seconds']:.1f} s, "
-                   f"{rate / 1e6:.2f} M tokens/s")
-            if self.bars_on:
-                from tqdm import tqdm
-
-                with tqdm.external_write_mode(file=sys.stderr):
-                    _say(msg, self.log_file)
-            else:
-                _say(msg, self.log_file)
-
-    def poll(self) -> None:
-        for spec in self.specs:
-            key = f"{spec['split']}/{spec['name']}"
-            if key in self.announced or not spec.get("progress"):
-                continue
-            try:
-                with open(spec["progress"]) as fh:
-                    prog = json.load(fh)
-            except (OSError, ValueError):
-                continue
-            if prog.get("done") and prog.get("record"):
-                self.announce(prog["record"])
-                continue
-            if self.bars_on:
-                from tqdm import tqdm
-
-                with self.lock:
-                    bar = self.bars.get(key)
-                    if bar is None:
-                        bar = self.bars[key] = tqdm(total=prog["bytes_total"], unit="B", unit_scale=True,
-                                                    desc=key, leave=False, file=sys.stderr)
-                    bar.update(prog["bytes_done"] - bar.n)
-
-    def run(self) -> None:
-        while not self.stop_event.wait(0.5):
-            self.poll()
-
-    def stop(self) -> None:
-        self.stop_event.set()
-        self.join(timeout=5)
-        self.poll()
-        with self.lock:
-            for bar in self.bars.values():
-                bar.close()
-            self.bars.clear()
 
 
 # ------------------------------------------------------------------------------------------------ dataset
+
+def check_concat_tokens(concat_tokens: Any) -> int:
+    """``concat_tokens`` as an int.
+
+    Raises:
+        DataError: it is not positive.
+    """
+    concat = int(concat_tokens)
+    if concat < 1:
+        raise DataError(f"concat_tokens must be positive, got {concat_tokens!r}.")
+    return concat
+
+
+@dataclass(frozen=True, kw_only=True)
+class DatasetPlan:
+    """The units of one dataset folder and what they share, as :func:`plan_dataset` laid them out.
+
+    Attributes:
+        specs: one dict per unit (the argument of :func:`convert_unit` and :func:`unit_complete`), in corpus order,
+            train split first.
+        splits: the MDS splits that have units (``train``, and ``val`` when the corpus has validation files).
+        work_dir: ``{out_dir}/.work``, the run's scratch folder (progress files; removed by
+            :func:`finish_dataset`).
+    """
+
+    out_dir: str
+    corpus_manifest: str
+    tokenizer_dir: str
+    tokenizer_fingerprint: str
+    concat_tokens: int
+    eos_text: str
+    eos_ids: list[int]
+    compression: str | None
+    size_limit: int | None
+    work_dir: str
+    specs: list[dict]
+    splits: list[str]
+
 
 def _merge_split(split_dir: str, unit_names: list[str]) -> int:
     """Merge the units' index.json into ``{split_dir}/index.json`` (as streaming's ``merge_index`` does:
@@ -575,21 +516,14 @@ def _clean_split_dir(split_dir: str, wanted: dict[str, dict]) -> None:
                 shutil.rmtree(p, ignore_errors=True)
 
 
-def resolve_workers(config: dict, n_units: int) -> int:
-    """``data_prep.workers``, with 0 meaning min(units, CPUs available to this process)."""
-    w = int((config.get("data_prep") or {}).get("workers", 0) or 0)
-    if w <= 0:
-        try:
-            cpus = len(os.sched_getaffinity(0))
-        except AttributeError:  # not Linux
-            cpus = os.cpu_count() or 1
-        w = cpus
-    return max(1, min(w, n_units)) if n_units else 0
+def plan_dataset(corpus_manifest: str, tokenizer_dir: str, concat_tokens: int, eos_text: str, out_dir: str, *,
+                 compression: str | None, size_limit: int | None, batch_chars: int | None = None,
+                 progress: bool = True, quiet: bool = False) -> DatasetPlan:
+    """Lay out the units of a dataset folder (one per input file) and clean it for a run; converts nothing.
 
-
-def convert_dataset(corpus_manifest: str, tokenizer_dir: str, concat_tokens: int, eos_text: str, out_dir: str, *,
-                    config: dict, log_dir: str, log_file: str | None = None, batch_chars: int | None = None) -> dict:
-    """Tokenize, concatenate and write a corpus as MDS train/val datasets, one parallel unit per input file.
+    Removes ``{out_dir}/manifest.json`` (the dataset is incomplete until :func:`finish_dataset` writes it again),
+    a previous run's ``.work`` folder and ``.tmp-*`` unit folders, and every unit folder that is incomplete, damaged,
+    made from other inputs / settings, or not wanted any more; complete current units stay for reuse.
 
     Args:
         corpus_manifest: the corpus' ``manifest.json`` (from :func:`llmpipe.data.corpus.prepare_corpus`).
@@ -597,38 +531,20 @@ def convert_dataset(corpus_manifest: str, tokenizer_dir: str, concat_tokens: int
         concat_tokens: ids per sample (e.g. 2048).
         eos_text: text put between documents (its ids follow every document); must tokenize to >= 1 id.
         out_dir: the dataset folder (layout in the module docstring).
-        config: the workflow config: ``data_prep`` (``compression``, ``size_limit`` in bytes per shard,
-            ``workers``: 0 = min(units, CPUs); optional ``cpus_per_unit`` (1), ``mem_gb_per_unit`` (4)),
-            ``dispatch`` (executor: local | slurm | debug) and ``data_resources`` (time limit).
-        log_dir: folder for submitit's per-job logs.
-        log_file: the rule's log file; the per-unit lines are appended to it too.
-        batch_chars: characters of text per tokenizer call (default ``BATCH_CHARS``); for benchmarks, the samples
-            do not depend on it.
-
-    Returns:
-        The dataset manifest (also ``{out_dir}/manifest.json``): ``splits.{train,val}.{samples, tokens,
-        documents, empty_documents, dropped_tokens, units: [unit record, ...]}``, ``concat_tokens``, ``eos_ids``,
-        ``columns``, ``converted_units`` / ``reused_units`` / ``workers`` (this run), ``started_at`` (epoch s), ``seconds``;
-        each unit record carries its ``timings`` (see :func:`convert_unit`).
+        compression: the shards' compression as mosaicml-streaming names it (``zstd``, ``zstd:7``, ...) or None.
+        size_limit: bytes per shard, None for one shard per unit.
+        batch_chars: characters of text per tokenizer call (default ``BATCH_CHARS``); the samples do not depend
+            on it.
+        progress: each unit writes a progress file under ``{out_dir}/.work/progress`` (for a parent that polls
+            them; see :func:`convert_unit`).
+        quiet: units draw no tqdm bar of their own.
 
     Raises:
-        DataError: bad input file (names it), ``eos_text`` that tokenizes to nothing, a split with 0 samples
-            (corpus too small for ``concat_tokens``).
-        llmpipe.dispatch.StepFailed: a unit's job failed (message: the job's error and log tail, which name
-            the file for bad input).
+        DataError: ``concat_tokens`` < 1, a bad corpus manifest, ``eos_text`` that tokenizes to nothing, an input
+            file that is missing or not gzip (names it).
     """
-    from llmpipe.config import step_resources, validate_data_prep
-    from llmpipe.data.corpus import _check_gzip_magic, load_manifest
-    from llmpipe.dispatch import _executor_kind, _say, map_steps
-
-    t0 = time.time()
-    concat = int(concat_tokens)
-    if concat < 1:
-        raise DataError(f"concat_tokens must be positive, got {concat_tokens!r}.")
-    shards = validate_data_prep(config, concat)
-    compression, size_limit = shards["compression"], shards["size_limit"]  # size_limit None: one shard per unit
+    concat = check_concat_tokens(concat_tokens)
     cm = load_manifest(corpus_manifest)
-    dp = config.get("data_prep") or {}
     os.makedirs(out_dir, exist_ok=True)
     out_dir = os.path.abspath(out_dir)
     remove_if_exists(os.path.join(out_dir, "manifest.json"))
@@ -644,7 +560,6 @@ def convert_dataset(corpus_manifest: str, tokenizer_dir: str, concat_tokens: int
     shutil.rmtree(work, ignore_errors=True)
     progress_dir = os.path.join(work, "progress")
     os.makedirs(progress_dir, exist_ok=True)
-    kind = _executor_kind(config)
 
     specs: list[dict] = []
     present = []
@@ -657,71 +572,60 @@ def convert_dataset(corpus_manifest: str, tokenizer_dir: str, concat_tokens: int
         wanted = {}
         for i, f in enumerate(files):
             name = f"unit-{i:05d}"
-            _check_gzip_magic(f["path"])  # a non-gzip input fails here, before anything is dispatched
+            check_gzip_magic(f["path"])  # a non-gzip input fails here, before any unit runs
             spec = {
                 "format": UNIT_FORMAT, "split": msplit, "name": name, "input": f["path"],
                 "input_name": f.get("name") or os.path.basename(f["path"]), "input_bytes": int(f["bytes"]),
                 "unit_dir": os.path.join(split_dir, name), "tokenizer_dir": os.path.abspath(tokenizer_dir),
                 "tokenizer_fingerprint": fp, "concat_tokens": concat, "eos_ids": list(eos_ids),
                 "compression": compression, "size_limit": size_limit,
-                "progress": os.path.join(progress_dir, f"{msplit}.{name}.json") if kind != "slurm" else None,
-                # local workers log to files and the parent draws their bars; on Slurm the bar goes to the
-                # job's log (a line a minute); in debug mode the unit runs here and draws its own bar
-                "quiet": kind == "local",
+                "progress": os.path.join(progress_dir, f"{msplit}.{name}.json") if progress else None,
+                "quiet": quiet,
                 "batch_chars": int(batch_chars or BATCH_CHARS),
             }
             wanted[name] = spec
             specs.append(spec)
         _clean_split_dir(split_dir, wanted)
         os.makedirs(split_dir, exist_ok=True)
+    return DatasetPlan(out_dir=out_dir, corpus_manifest=corpus_manifest, tokenizer_dir=tokenizer_dir,
+                       tokenizer_fingerprint=fp, concat_tokens=concat, eos_text=eos_text, eos_ids=list(eos_ids),
+                       compression=compression, size_limit=size_limit, work_dir=work, specs=specs, splits=present)
 
-    todo = [s for s in specs if unit_complete(s) is None]
-    reused = [f"{s['split']}/{s['name']}" for s in specs if s not in todo]
-    todo.sort(key=lambda s: -s["input_bytes"])  # largest first: better balance over the workers
-    n_workers = resolve_workers(config, len(todo))
-    if reused:
-        _say(f"mds: {len(reused)} unit(s) already complete, reused: {', '.join(reused[:8])}"
-             f"{' ...' if len(reused) > 8 else ''}", log_file)
-    if todo:
-        res = dict(step_resources(config, "data"))
-        res.update(nodes=1, gpus_per_node=0, tasks_per_node=1, cpus_per_task=int(dp.get("cpus_per_unit", 1)),
-                   mem_gb=int(dp.get("mem_gb_per_unit", 4)))
-        if kind == "slurm":
-            jobs = [{"units": [s], "claim_dir": None} for s in todo]
-            max_parallel = n_workers if int(dp.get("workers", 0) or 0) > 0 else 0
-        else:
-            claim_dir = os.path.join(work, "claims")
-            os.makedirs(claim_dir, exist_ok=True)
-            jobs = [{"units": todo, "claim_dir": claim_dir} for _ in range(n_workers)]
-            max_parallel = 0
-        how = (f"as a Slurm job array of {len(jobs)} task(s)" + (f", at most {max_parallel} at once" if max_parallel
-                                                                  else "")) if kind == "slurm" else \
-            f"with {len(jobs)} worker process(es) ({kind})"
-        _say(f"mds: converting {len(todo)} unit(s) of {len(specs)} {how}; concat_tokens={concat}, "
-             f"eos ids {list(eos_ids)}", log_file)
-        # progress files are polled for local runs only: on Slurm (hundreds of units on a shared file system)
-        # the line per finished unit comes from map_steps' on_result
-        mon = _Monitor(todo if kind != "slurm" else [], log_file, bars=kind == "local")
-        mon.total = len(todo)
-        mon.start()
-        try:
-            map_steps(run_units, jobs, step="mds " + "/".join(out_dir.split(os.sep)[-4:]), resources=res, config=config,
-                      log_dir=log_dir, log_file=log_file, max_parallel=max_parallel,
-                      on_result=lambda i, recs: [mon.announce(r) for r in recs or []])
-        finally:
-            mon.stop()
 
+def finish_dataset(plan: DatasetPlan, *, converted: list[str], reused: list[str], workers: int, started_at: float,
+                   log_dir: str) -> dict:
+    """Merge the units of every split into ``{split}/index.json`` and write ``{out_dir}/manifest.json`` (last,
+    atomically); remove the run's ``.work`` folder.
+
+    Args:
+        plan: from :func:`plan_dataset`; every unit must be complete.
+        converted / reused: the units (``split/name``) this run converted / found complete (recorded as
+            ``converted_units`` / ``reused_units``).
+        workers: processes or array tasks that converted them (``workers``).
+        started_at: when the run started (epoch s; ``seconds`` is counted from it).
+        log_dir: where the units' logs are (named in the error for an incomplete unit).
+
+    Returns:
+        The dataset manifest: ``splits.{train,val}.{samples, tokens, documents, empty_documents, dropped_tokens,
+        units: [unit record, ...]}``, ``concat_tokens``, ``eos_ids``, ``columns``, ``converted_units`` /
+        ``reused_units`` / ``workers`` (this run), ``started_at`` (epoch s), ``seconds``; each unit record carries
+        its ``timings``, ``phase_seconds`` and ``rusage`` (see :func:`convert_unit`).
+
+    Raises:
+        DataError: the corpus lists no input files, a unit is not complete, a merged index does not add up, or a
+            split has 0 samples (corpus too small for ``concat_tokens``).
+    """
+    out_dir, specs, concat = plan.out_dir, plan.specs, plan.concat_tokens
     manifest: dict[str, Any] = {
-        "version": 1, "corpus_manifest": os.path.abspath(corpus_manifest),
-        "tokenizer_dir": os.path.abspath(tokenizer_dir), "tokenizer_fingerprint": fp,
-        "concat_tokens": concat, "eos_text": eos_text, "eos_ids": list(eos_ids), "columns": COLUMNS,
-        "dtype": TOKEN_DTYPE, "compression": compression, "size_limit": size_limit,
-        "splits": {}, "converted_units": [f"{s['split']}/{s['name']}" for s in todo], "reused_units": reused,
-        "workers": n_workers if todo else 0,
+        "version": 1, "corpus_manifest": os.path.abspath(plan.corpus_manifest),
+        "tokenizer_dir": os.path.abspath(plan.tokenizer_dir), "tokenizer_fingerprint": plan.tokenizer_fingerprint,
+        "concat_tokens": concat, "eos_text": plan.eos_text, "eos_ids": list(plan.eos_ids), "columns": COLUMNS,
+        "dtype": TOKEN_DTYPE, "compression": plan.compression, "size_limit": plan.size_limit,
+        "splits": {}, "converted_units": list(converted), "reused_units": list(reused), "workers": workers,
     }
     if not specs:
-        raise DataError(f"{corpus_manifest} lists no input files. Fix: prepare the corpus again.")
-    for msplit in present:
+        raise DataError(f"{plan.corpus_manifest} lists no input files. Fix: prepare the corpus again.")
+    for msplit in plan.splits:
         split_specs = [s for s in specs if s["split"] == msplit]
         recs = []
         for s in split_specs:
@@ -741,258 +645,12 @@ def convert_dataset(corpus_manifest: str, tokenizer_dir: str, concat_tokens: int
             raise DataError(f"merged index of {split_dir} lists {n} samples but its units hold "
                             f"{total['samples']}. Fix: delete {split_dir} and rerun.")
         if n == 0:
-            raise DataError(f"the {msplit} split of {corpus_manifest} gives 0 samples of concat_tokens={concat} "
+            raise DataError(f"the {msplit} split of {plan.corpus_manifest} gives 0 samples of concat_tokens={concat} "
                             f"tokens ({total['dropped_tokens']} tokens in all, {total['documents']} documents). "
                             f"Fix: lower concat_tokens or use more files (train_files / val_files).")
         manifest["splits"][msplit] = {**total, "units": recs}
-    manifest["started_at"] = round(t0, 3)
-    manifest["seconds"] = round(time.time() - t0, 3)
+    manifest["started_at"] = round(started_at, 3)
+    manifest["seconds"] = round(time.time() - started_at, 3)
     atomic_write_json(os.path.join(out_dir, "manifest.json"), manifest)
-    shutil.rmtree(work, ignore_errors=True)
-    _say(f"mds: {out_dir}: " + ", ".join(f"{k} {v['samples']:,} samples ({v['tokens']:,} tokens)"
-                                         for k, v in manifest["splits"].items())
-         + f" in {manifest['seconds']:.1f} s", log_file)
+    shutil.rmtree(plan.work_dir, ignore_errors=True)
     return manifest
-
-
-# ------------------------------------------------------------------------------------------------ verify
-
-def _load_mds_manifest(out_dir: str) -> dict:
-    p = os.path.join(out_dir, "manifest.json")
-    try:
-        with open(p) as fh:
-            return json.load(fh)
-    except FileNotFoundError as exc:
-        raise DataError(f"{p} does not exist: the MDS conversion did not finish. Fix: run it (convert_dataset)."
-                        ) from exc
-
-
-def _scan_shards(split_dir: str, index: dict, concat: int, vocab_size: int) -> dict:
-    """Read every shard of a split: exact sample sizes, the ndarray header, dtype int32, ids in [0, vocab)."""
-    import numpy as np
-    from streaming.base.compression import decompress
-    from streaming.base.format.mds.encodings import mds_encode
-
-    datum = mds_encode(COLUMNS["tokens"], np.zeros(concat, dtype=np.int32))
-    header = np.frombuffer(np.array([len(datum)], np.uint32).tobytes() + datum[: len(datum) - 4 * concat],
-                           np.uint8)
-    sample_bytes = 4 + len(datum)
-    lo, hi, total = None, None, 0
-    for si, shard in enumerate(index["shards"]):
-        where = f"{split_dir}: shard {si}"
-        if shard.get("column_names") != ["tokens"] or shard.get("column_encodings") != [COLUMNS["tokens"]]:
-            raise DataError(f"{where} has columns {shard.get('column_names')} / {shard.get('column_encodings')}, "
-                            f"not tokens / {COLUMNS['tokens']}. Fix: convert the dataset again.")
-        zip_info, raw_info = shard.get("zip_data"), shard["raw_data"]
-        unit = raw_info["basename"].split("/")[0]
-        fix = (f"Fix: delete {os.path.join(split_dir, unit)} and run the conversion again (only that unit is "
-               f"converted again)." if unit.startswith("unit-") else "Fix: convert the dataset again.")
-        raw_path = os.path.join(split_dir, raw_info["basename"])
-        zip_path = os.path.join(split_dir, zip_info["basename"]) if zip_info else None
-        data = None
-        if zip_path and os.path.exists(zip_path):
-            try:
-                with open(zip_path, "rb") as fh:
-                    data = decompress(shard["compression"], fh.read())
-            except Exception as exc:  # noqa: BLE001 - zstd / other codec errors
-                raise DataError(f"{where} ({zip_info['basename']}) cannot be decompressed: {exc}. {fix}") from exc
-        if os.path.exists(raw_path):
-            # streaming reads the uncompressed file when it exists (it writes one when it decompresses a shard):
-            # that is what training sees, so it is checked too, and must be the compressed shard's content
-            with open(raw_path, "rb") as fh:
-                raw = fh.read()
-            if data is not None and raw != data:
-                raise DataError(f"{where}: {raw_info['basename']} (read by training) differs from the "
-                                f"decompressed {zip_info['basename']}. Fix: delete {raw_path}; streaming "
-                                f"decompresses the shard again.")
-            data = raw
-        if data is None:
-            raise DataError(f"{where}: file missing ({zip_path or raw_path}). {fix}")
-        if len(data) != raw_info["bytes"]:
-            raise DataError(f"{where} ({raw_info['basename']}) has {len(data)} bytes, its index says "
-                            f"{raw_info['bytes']}. {fix}")
-        n = int(np.frombuffer(data[:4], np.uint32)[0])
-        if n != shard["samples"]:
-            raise DataError(f"{where} holds {n} samples, its index says {shard['samples']}.")
-        offsets = np.frombuffer(data[4: 4 + 4 * (n + 1)], np.uint32).astype(np.int64)
-        sizes = np.diff(offsets)
-        bad = np.nonzero(sizes != sample_bytes)[0]
-        if len(bad):
-            raise DataError(f"{where}: sample {int(bad[0])} has {int(sizes[bad[0]])} bytes; every sample must "
-                            f"hold exactly concat_tokens={concat} int32 ids ({sample_bytes} bytes). Fix: "
-                            f"convert the dataset again with this concat_tokens.")
-        if n == 0:
-            continue
-        rows = np.frombuffer(data, np.uint8, count=n * sample_bytes, offset=int(offsets[0])).reshape(n, sample_bytes)
-        if not (rows[:, : len(header)] == header).all():
-            raise DataError(f"{where}: a sample's ndarray header is not int32[{concat}]. Fix: convert again.")
-        toks = np.ascontiguousarray(rows[:, len(header):]).view(np.int32)
-        smin, smax = int(toks.min()), int(toks.max())
-        if smin < 0 or smax >= vocab_size:
-            bad_row = int(np.nonzero((toks < 0).any(1) | (toks >= vocab_size).any(1))[0][0])
-            raise DataError(f"{where}: sample {bad_row} has token id {smax if smax >= vocab_size else smin}, "
-                            f"outside [0, vocab_size={vocab_size}). Fix: use a model vocab_size >= the "
-                            f"tokenizer's, or convert again with the right tokenizer.")
-        lo = smin if lo is None else min(lo, smin)
-        hi = smax if hi is None else max(hi, smax)
-        total += n
-    return {"samples": total, "min_id": lo, "max_id": hi, "shards": len(index["shards"])}
-
-
-def _fragment(text: str, eos_text: str) -> str:
-    """A piece of decoded text that must occur verbatim in one source document."""
-    pieces = [p for p in text.split(eos_text)] if eos_text else [text]
-    best = ""
-    for p in pieces:
-        p = p[4:-4]  # sample edges may cut a multi-byte character / token
-        for part in p.split("\ufffd"):
-            if len(part) > len(best):
-                best = part
-    if len(best) > 240:
-        mid = len(best) // 2
-        best = best[mid - 120: mid + 120]
-    return best.strip()
-
-
-def _text_canon(tok: Any) -> Any:
-    """How source text and decoded text are compared: NFC, the tokenizer's own normalizer (lower-casing, NFKC,
-    ... for tokenizers that have one: their decoded text is normalized text) and runs of whitespace collapsed."""
-    normalizer = getattr(getattr(tok, "backend_tokenizer", None), "normalizer", None)
-
-    def canon(text: str) -> str:
-        text = unicodedata.normalize("NFC", text)
-        if normalizer is not None:
-            text = normalizer.normalize_str(text)
-        return " ".join(text.split())
-
-    return canon
-
-
-def _find_in_source(path: str, fragments: list[str], canon: Any) -> set[int]:
-    from llmpipe.data.corpus import iter_documents
-
-    want = {i: canon(f) for i, f in enumerate(fragments)}
-    found: set[int] = set()
-    for doc in iter_documents(path):
-        text = canon(doc["text"])
-        for i, frag in want.items():
-            if i not in found and frag in text:
-                found.add(i)
-        if len(found) == len(want):
-            break
-    return found
-
-
-def _streaming_read(out_dir: str, split: str, indices: list[int]) -> tuple[int, list]:
-    """Open the split with streaming's StreamingDataset (as training does); return its length and samples."""
-    from streaming import StreamingDataset
-    from streaming.base.util import clean_stale_shared_memory
-
-    clean_stale_shared_memory()
-    ds = StreamingDataset(local=out_dir, split=split, shuffle=False, batch_size=1)
-    try:
-        n = len(ds)
-        return n, [ds[i]["tokens"] for i in indices if 0 <= i < n]
-    finally:
-        del ds
-        clean_stale_shared_memory()
-
-
-def verify_dataset(out_dir: str, tokenizer_dir: str, concat_tokens: int, vocab_size: int, out_json: str) -> dict:
-    """Read a converted dataset back and check it; write the report ``out_json`` (atomically) and return it.
-
-    Checks, per split: the merged index' sample count equals the sum of the units' (index and unit.json) and the
-    manifest's; every sample of every shard holds exactly ``concat_tokens`` ids of dtype int32, all in
-    ``[0, vocab_size)`` (vectorized scan of each decompressed shard); streaming's ``StreamingDataset`` (the reader
-    training uses) sees the same number of samples and returns int32 arrays of shape (concat_tokens,); three
-    samples (first, middle, last) decode to text found in the source file of their unit (compared after NFC, the
-    tokenizer's own normalizer and whitespace collapsing).
-
-    Args:
-        out_dir: the dataset folder written by :func:`convert_dataset`.
-        tokenizer_dir: the tokenizer folder used for the conversion (for decoding).
-        concat_tokens: expected ids per sample.
-        vocab_size: ids must be below this (the model's ``vocab_size``).
-        out_json: where the report goes: ``{"ok": true, "splits": {split: {"samples", "tokens", "shards",
-            "units", "min_id", "max_id", "examples": [{"index", "unit", "source", "fragment", "text"}]}}, ...}``.
-
-    Raises:
-        DataError: any check fails (message: split, shard / sample, what is wrong and the fix).
-    """
-    import numpy as np
-
-    t0 = time.time()
-    remove_if_exists(out_json)
-    concat = int(concat_tokens)
-    m = _load_mds_manifest(out_dir)
-    if int(m["concat_tokens"]) != concat:
-        raise DataError(f"{out_dir} was converted with concat_tokens={m['concat_tokens']}, expected {concat}. "
-                        f"Fix: convert again with concat_tokens={concat}.")
-    tok = _tokenizer(os.path.abspath(tokenizer_dir))
-    eos_text = m.get("eos_text") or ""
-    report: dict[str, Any] = {"ok": False, "out_dir": os.path.abspath(out_dir), "concat_tokens": concat,
-                              "vocab_size": int(vocab_size), "dtype": TOKEN_DTYPE, "splits": {}}
-    for split, sm in m["splits"].items():
-        split_dir = os.path.join(out_dir, split)
-        try:
-            with open(os.path.join(split_dir, "index.json")) as fh:
-                index = json.load(fh)
-        except FileNotFoundError as exc:
-            raise DataError(f"{split_dir}/index.json is missing. Fix: convert the dataset again.") from exc
-        unit_counts = []
-        for u in sm["units"]:
-            rec = _read_unit(os.path.join(split_dir, u["name"]))
-            if rec is None:
-                raise DataError(f"unit {split}/{u['name']} is missing or incomplete. Fix: convert again (a rerun "
-                                f"converts only the missing units).")
-            with open(os.path.join(split_dir, u["name"], "index.json")) as fh:
-                n_idx = sum(s["samples"] for s in json.load(fh)["shards"])
-            if n_idx != rec["samples"] or n_idx != u["samples"]:
-                raise DataError(f"unit {split}/{u['name']}: its index lists {n_idx} samples, its record "
-                                f"{rec['samples']}, the manifest {u['samples']}. Fix: delete the unit and rerun.")
-            unit_counts.append(n_idx)
-        n_merged = sum(s["samples"] for s in index["shards"])
-        if n_merged != sum(unit_counts) or n_merged != sm["samples"]:
-            raise DataError(f"{split_dir}/index.json lists {n_merged} samples but the units hold "
-                            f"{sum(unit_counts)} (manifest: {sm['samples']}). Fix: convert again.")
-        scan = _scan_shards(split_dir, index, concat, int(vocab_size))
-        if scan["samples"] != n_merged:
-            raise DataError(f"{split_dir}: shards hold {scan['samples']} samples, index says {n_merged}.")
-
-        # read back through streaming, the reader llm-foundry's text dataloader uses
-        picks = sorted({0, n_merged // 2, n_merged - 1})
-        n_stream, rows = _streaming_read(out_dir, split, picks)
-        if n_stream != n_merged:
-            raise DataError(f"streaming's StreamingDataset sees {n_stream} samples in {split_dir}, the index "
-                            f"{n_merged}. Fix: convert again.")
-        bounds = np.cumsum([0] + unit_counts)
-        examples = []
-        by_source: dict[str, list[int]] = {}
-        for idx, row in zip(picks, rows):
-            if not isinstance(row, np.ndarray) or row.dtype != np.int32 or row.shape != (concat,):
-                raise DataError(f"{split} sample {idx} reads back as {type(row).__name__} "
-                                f"{getattr(row, 'dtype', '?')} {getattr(row, 'shape', '?')}, expected int32 "
-                                f"({concat},). Fix: convert again.")
-            u = int(np.searchsorted(bounds, idx, side="right") - 1)
-            unit = sm["units"][u]
-            text = tok.decode(row.tolist(), skip_special_tokens=False, clean_up_tokenization_spaces=False)
-            frag = _fragment(text, eos_text)
-            examples.append({"index": idx, "unit": unit["name"], "source": unit["input"], "fragment": frag,
-                             "text": text[:600]})
-            if len(frag) >= 8:
-                by_source.setdefault(unit["input"], []).append(len(examples) - 1)
-        for src, ex_ids in by_source.items():
-            found = _find_in_source(src, [examples[i]["fragment"] for i in ex_ids], _text_canon(tok))
-            for j, ei in enumerate(ex_ids):
-                examples[ei]["found_in_source"] = j in found
-                if j not in found:
-                    raise DataError(f"{split} sample {examples[ei]['index']} decodes to text that is not in its "
-                                    f"source {src}: {examples[ei]['fragment'][:120]!r}. The dataset does not match "
-                                    f"its tokenizer or corpus. Fix: convert again with this tokenizer.")
-        report["splits"][split] = {"samples": n_merged, "tokens": n_merged * concat, "shards": scan["shards"],
-                                   "units": len(unit_counts), "min_id": scan["min_id"], "max_id": scan["max_id"],
-                                   "examples": examples}
-    report["ok"] = True
-    report["seconds"] = round(time.time() - t0, 3)
-    atomic_write_json(out_json, report)
-    return report

@@ -21,7 +21,7 @@ file, and every conversion worker paid it. A conversion worker only needs to wri
 
 Only compression ``None``, ``zstd`` and ``zstd:N`` are supported here (:func:`supports`); the converter uses
 streaming's own ``MDSWriter`` for anything else. Reading is always done by streaming (training's
-``StreamingDataset`` and :func:`llmpipe.data.mds.verify_dataset`).
+``StreamingDataset`` and :func:`llmpipe.data.mds_verify.verify_dataset`).
 """
 
 from __future__ import annotations
