@@ -71,7 +71,7 @@ def log(msg: str) -> None:
 
 def make_inputs(work: str, files: int, mb_per_file: float, vocab: int, seed: int) -> tuple[str, str]:
     """Builtin corpus -> tokenizer; then ``files`` generated train files. Returns (corpus manifest, tok dir)."""
-    from llmpipe.data.corpus import _scan_all, builtin_documents
+    from llmpipe.data.corpus import scan_all, builtin_documents
     from llmpipe.data.errors import atomic_write_json
     from llmpipe.data.tokenizer import prepare_tokenizer
 
@@ -103,7 +103,7 @@ def make_inputs(work: str, files: int, mb_per_file: float, vocab: int, seed: int
     with open(os.path.join(corpus, "text-bytes.json"), "w") as fh:
         json.dump({os.path.basename(p): b for p, b in made}, fh)
     log(f"generated {files} files x {mb_per_file:g} MB of text in {time.time() - t0:.0f} s")
-    info = _scan_all({"train": paths, "validation": []})
+    info = scan_all({"train": paths, "validation": []})
     atomic_write_json(man, {"version": 1, "source": "bench", "subset": "en", "root": corpus,
                             "splits": {"train": [{k: f[k] for k in ("name", "path", "bytes", "documents")}
                                                  for f in info["train"]], "validation": []},

@@ -175,7 +175,9 @@ def scan_file(path: str) -> dict:
     return {"path": os.path.abspath(path), "bytes": size, "documents": docs, "has_text": has_text}
 
 
-def _scan_all(paths: dict[str, list[str]], threads: int = 8) -> dict[str, list[dict]]:
+def scan_all(paths: dict[str, list[str]], threads: int = 8) -> dict[str, list[dict]]:
+    """Scan every file of ``paths`` (split -> json.gz paths) in ``threads`` threads: split -> one
+    :func:`scan_file` record per file (document count, bytes, ...) plus its base ``name``, in input order."""
     flat = [(split, p) for split in SPLITS for p in paths.get(split, [])]
     with ThreadPoolExecutor(max_workers=max(1, min(threads, len(flat)))) as pool:
         infos = list(pool.map(lambda sp: scan_file(sp[1]), flat))
@@ -316,7 +318,7 @@ def _prepare_local(corpus_cfg: dict, out_dir: str) -> dict:
         raise DataError(f"{where}.local_dir={root} lacks {len(missing)} file(s) the config asks for: "
                         f"{', '.join(missing[:5])}{more}. Fix: copy them into the mirror, or lower "
                         f"{where}.train_files / val_files to what the mirror has.")
-    files = _scan_all(paths)
+    files = scan_all(paths)
     return _write_manifest(corpus_cfg, out_dir, files, {"local_dir": root})
 
 
@@ -350,7 +352,7 @@ def _prepare_hub(corpus_cfg: dict, out_dir: str) -> dict:
     paths: dict[str, list[str]] = {s: [] for s in wanted}
     for (split, _rel), path in zip(flat, got):
         paths[split].append(path)
-    files = _scan_all(paths)
+    files = scan_all(paths)
     return _write_manifest(corpus_cfg, out_dir, files, {"repo_id": repo_id, "revision": revision,
                                                         "endpoint": endpoint or "https://huggingface.co"})
 
@@ -603,7 +605,7 @@ def _prepare_builtin(corpus_cfg: dict, out_dir: str) -> dict:
             p = os.path.join(out_dir, rel)
             atomic_write_bytes(p, _gzip_jsonl(rows))
             paths[split].append(p)
-    files = _scan_all(paths)
+    files = scan_all(paths)
     return _write_manifest(corpus_cfg, out_dir, files, {
         "python": sys.version.split()[0],
         "characters": {s: sum(len(d["text"]) for d in split_docs[s]) for s in SPLITS},
