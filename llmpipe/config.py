@@ -25,6 +25,8 @@ import math
 import os
 from typing import Any, Iterable, Sequence
 
+# ConfigError lives in llmpipe.settings (imported by this module, never the reverse); llmpipe.config.ConfigError
+# is the same class.
 from llmpipe.settings import ConfigError, Resources, RunSettings
 
 #: Bump a step's version when a change in our code changes what that step produces. The version is part of
@@ -76,8 +78,6 @@ KNOWN_TRAIN_KEYS = SPEED_ONLY_TRAIN_KEYS | frozenset({
 
 #: Names that cannot be run names because they are folders of their own under results/.
 RESERVED_RUN_NAMES = frozenset({"data", "tokenizers", "report", "scaling", "bench", "logs"})
-
-
 
 
 def deep_merge(base: dict, override: dict | None) -> dict:

@@ -35,7 +35,7 @@ def lcm(values: Iterable[int]) -> int:
 
 
 def whole(value: Any, path: str) -> int:
-    """``value`` as an int (``'8'`` and ``8.0`` too, as ``int()`` reads them).
+    """``value`` as an int (``'8'`` and ``8.0`` too, as ``int()`` reads them; not ``true``).
 
     Raises:
         ConfigError: naming ``path`` when the value is missing or not a whole number.
@@ -46,7 +46,7 @@ def whole(value: Any, path: str) -> int:
         out = int(value)
     except (TypeError, ValueError):
         raise ConfigError(f"{path} is {value!r}; it must be a whole number.") from None
-    if isinstance(value, float) and value != out:
+    if isinstance(value, bool) or isinstance(value, float) and value != out:
         raise ConfigError(f"{path} is {value!r}; it must be a whole number.")
     return out
 

@@ -52,6 +52,12 @@ CASES = {
     "global batch not a number": (
         {"models": {"mpt-tiny": {"train": {"global_batch_size": "lots"}}}}, "mpt-tiny",
         ["models.mpt-tiny.train.global_batch_size is 'lots'; it must be a whole number."]),
+    "microbatch given as a boolean": (
+        {"models": {"mpt-tiny": {"train": {"microbatch_size": True}}}}, "mpt-tiny",
+        ["models.mpt-tiny.train.microbatch_size is True; it must be a whole number."]),
+    "nodes below 1": (
+        {"models": {"mpt-tiny": {"resources": {"nodes": 0}}}}, "mpt-tiny",
+        ["models.mpt-tiny.resources.nodes must be at least 1, got 0."]),
     "concat_tokens larger than max_seq_len": (
         {"models": {"mpt-tiny": {"data": {"concat_tokens": 256}}}}, "mpt-tiny",
         ["models.mpt-tiny.data.concat_tokens (256) is larger than models.mpt-tiny.arch.max_seq_len (128)",
@@ -183,7 +189,7 @@ def test_settings_are_frozen_and_keyword_only():
     with pytest.raises(dataclasses.FrozenInstanceError):
         res.nodes = 3
     with pytest.raises(TypeError):
-        Resources(2, 8)  # noqa: the point: positional arguments are refused
+        Resources(2, 8)  # positional arguments are refused
     assert res.devices() == 16 and res.devices(4) == 32 and res.per_node == 8
     assert Resources.from_dict({"gpus_per_node": None, "tasks_per_node": 4}).devices() == 4
 
