@@ -289,10 +289,11 @@ class RunSettings:
                 arch_where = f"models.{base.run}.arch"
         for key in ARCH_REQUIRED:
             if key not in arch or arch[key] is None:
-                fix = ("for hub weights, arch must describe the hub model (used for MFU). Fix: copy it from the "
-                       "model's config.json." if kind == "finetune" else
-                       "Fix: set it (see the published MPT sizes in config/config.yaml).")
-                raise ConfigError(f"{arch_where}.{key} is missing{':' if kind == 'finetune' else '.'} {fix}")
+                if base is not None and base.hub:
+                    raise ConfigError(f"{arch_where}.{key} is missing: for hub weights, arch must describe the hub "
+                                      f"model (used for MFU). Fix: copy it from the model's config.json.")
+                raise ConfigError(f"{arch_where}.{key} is missing. Fix: set it (see the published MPT sizes in "
+                                  f"config/config.yaml).")
         concat_key = "max_seq_len" if kind == "finetune" else "concat_tokens"
         vocab = None
         if tokenizer is not None and tokenizer.get("source") == "train":

@@ -101,6 +101,9 @@ CASES = {
         {"finetunes": {"mpt-7b-dolly": {"arch": {"n_layers": None}}}}, "mpt-7b-dolly",
         ["finetunes.mpt-7b-dolly.arch.n_layers is missing: for hub weights", "Fix: copy it from the model's "
                                                                              "config.json."]),
+    "finetune's base run misses a shape key": (
+        {"models": {"mpt-tiny": {"arch": {"d_model": None}}}}, "mpt-tiny-sft",
+        ["models.mpt-tiny.arch.d_model is missing. Fix: set it"]),
     "finetune's base run has a bad shape": (
         {"models": {"mpt-tiny": {"arch": {"n_heads": 3}}}}, "mpt-tiny-sft",
         ["models.mpt-tiny.arch.d_model (128) does not divide by n_heads (3)."]),
