@@ -23,7 +23,11 @@ import functools
 import json
 import math
 import os
-from typing import Any, Sequence
+from typing import Any, Iterable, Sequence
+
+# ConfigError lives in llmpipe.settings (imported by this module, never the reverse); llmpipe.config.ConfigError
+# is the same class.
+from llmpipe.settings import ConfigError, Resources, RunSettings
 
 #: Bump a step's version when a change in our code changes what that step produces. The version is part of
 #: the step's identity (its Snakemake params), so bumping it reruns that step and everything after it.
@@ -74,10 +78,6 @@ KNOWN_TRAIN_KEYS = SPEED_ONLY_TRAIN_KEYS | frozenset({
 
 #: Names that cannot be run names because they are folders of their own under results/.
 RESERVED_RUN_NAMES = frozenset({"data", "tokenizers", "report", "scaling", "bench", "logs"})
-
-
-class ConfigError(ValueError):
-    """A setting in the experiment configuration is wrong; the message names the setting and the fix."""
 
 
 def deep_merge(base: dict, override: dict | None) -> dict:
@@ -152,31 +152,48 @@ def world_size(resources: dict) -> int:
 
     One task per GPU on GPU nodes (``gpus_per_node``); on CPU-only nodes ``tasks_per_node`` (default 1).
     """
-    nodes = int(resources.get("nodes", 1))
-    gpus = int(resources.get("gpus_per_node", 0) or 0)
-    per_node = gpus if gpus > 0 else int(resources.get("tasks_per_node", 1) or 1)
-    return nodes * per_node
+    return Resources.from_dict(resources).devices()
 
 
-def validate_run(config: dict, run: str) -> dict:
-    """Check one run's settings before anything is scheduled; return the merged run config.
+def validate_run(config: dict, run: str, node_counts: Iterable[int] = (), counts_where: str | None = None) -> dict:
+    """Check one run's settings before anything is scheduled; return the merged run config (:func:`run_config`).
 
-    Checks: the model exists, its corpus and tokenizer exist, ``global_batch_size`` divides by the world size
-    and by the microbatch, ``concat_tokens <= max_seq_len``, ``d_model`` divides by ``n_heads``, a trained
-    tokenizer's vocabulary fits the model's ``vocab_size``, and the tokenizer has an EOS text.
+    Checks: the name is free, the model exists, its sections and keys, its corpus and tokenizer, the shard format
+    for its sample length, the per-value train settings (``fused_loss``, ``compile``, ``attn_impl``), and the
+    cross-field checks of :meth:`llmpipe.settings.RunSettings.check` (the batch at every node count: the run's
+    own, a finetune's ``node_counts`` and ``node_counts`` given here, e.g. a scaling study's, named by
+    ``counts_where`` in the fix). A finetune goes to :func:`validate_finetune`. :func:`run_settings` gives the
+    typed settings instead.
 
     Raises:
         ConfigError: naming the first wrong setting and how to fix it.
     """
+    return _validated(config, run, node_counts, counts_where)[0]
+
+
+def run_settings(config: dict, run: str, node_counts: Iterable[int] = (), counts_where: str | None = None
+                 ) -> RunSettings:
+    """The typed settings of one run (:class:`llmpipe.settings.RunSettings`), checked as :func:`validate_run`
+    checks them (same arguments).
+
+    Raises:
+        ConfigError: naming the first wrong setting and how to fix it.
+    """
+    return _validated(config, run, node_counts, counts_where)[1]
+
+
+def _validated(config: dict, run: str, node_counts: Iterable[int], counts_where: str | None
+               ) -> tuple[dict, RunSettings]:
+    """:func:`validate_run`'s checks; returns the merged run config and its typed settings."""
     if run in RESERVED_RUN_NAMES:
         raise ConfigError(f"{run!r} cannot be a run name: results/{run}/ is used by the workflow itself. "
                           f"Fix: rename the model.")
     if is_finetune(config, run):
-        return validate_finetune(config, run)
+        return _validated_finetune(config, run, node_counts, counts_where)
     where = f"models.{run}"
     check_run_sections(config, run)
     rc = run_config(config, run)
-    data, arch, train = rc["data"], rc["arch"], rc["train"]
+    data, train = rc["data"], rc["train"]
 
     corpus = data.get("corpus")
     corpora = config.get("corpora", {})
@@ -191,48 +208,12 @@ def validate_run(config: dict, run: str) -> dict:
         raise ConfigError(f"{where}.data.tokenizer is {tok!r}, which is not defined under `tokenizers:` "
                           f"(known: {', '.join(sorted(tokenizers))}). Fix: add it or pick a known one.")
     tcfg = validate_tokenizer(config, tok)
-    if tcfg["source"] == "train" and int(tcfg["vocab_size"]) > int(arch["vocab_size"]):
-        raise ConfigError(f"tokenizers.{tok}.vocab_size ({tcfg['vocab_size']}) exceeds {where}.arch.vocab_size "
-                          f"({arch['vocab_size']}). Fix: raise the model's vocab_size or lower the tokenizer's.")
-
-    concat = int(data["concat_tokens"])
-    if concat > int(arch["max_seq_len"]):
-        raise ConfigError(f"{where}.data.concat_tokens ({concat}) is larger than {where}.arch.max_seq_len "
-                          f"({arch['max_seq_len']}): samples would not fit the model. Fix: lower concat_tokens "
-                          f"or raise max_seq_len.")
-    if concat < 2:
-        raise ConfigError(f"{where}.data.concat_tokens must be at least 2, got {concat}.")
-    validate_data_prep(config, concat, f"{where}.data.concat_tokens")
-
-    for key in ("d_model", "n_heads", "n_layers"):
-        if key not in arch:
-            raise ConfigError(f"{where}.arch.{key} is missing. Fix: set it (see the published MPT sizes in "
-                              f"config/config.yaml).")
-    if int(arch["d_model"]) % int(arch["n_heads"]):
-        raise ConfigError(f"{where}.arch.d_model ({arch['d_model']}) does not divide by n_heads "
-                          f"({arch['n_heads']}). Fix: choose n_heads that divides d_model.")
-
-    res = rc["resources"]
-    ws = world_size(res)
-    gbs = int(train["global_batch_size"])
-    if gbs % ws:
-        raise ConfigError(
-            f"{where}.train.global_batch_size ({gbs}) is not divisible by the number of devices ({ws} = "
-            f"{res.get('nodes', 1)} nodes x {res.get('gpus_per_node') or res.get('tasks_per_node', 1)} per node). "
-            f"Fix: make global_batch_size a multiple of {ws}, or change {where}.resources.")
-    per_device = gbs // ws
-    mb = int(train["microbatch_size"])
-    if mb <= 0:
-        raise ConfigError(f"{where}.train.microbatch_size must be positive, got {mb}.")
-    if per_device % mb and mb < per_device:
-        raise ConfigError(f"{where}.train.microbatch_size ({mb}) does not divide the per-device batch "
-                          f"({per_device} = {gbs} / {ws} devices). Fix: pick a divisor of {per_device}.")
-    if int(train["max_duration_batches"]) <= 0:
-        raise ConfigError(f"{where}.train.max_duration_batches must be positive.")
+    rs = RunSettings.from_run_config(rc, tokenizer=tcfg).check(node_counts, counts_where)
+    validate_data_prep(config, rs.data.concat_tokens, f"{where}.data.concat_tokens")
     fused_loss_settings(train, f"{where}.train")
     compile_settings(train, f"{where}.train")
     check_attn_impl(train, f"{where}.train")
-    return rc
+    return rc, rs
 
 
 def refuse_unknown_keys(given: dict, known: Sequence[str], where: str, what: str, also: str = "") -> None:
@@ -909,24 +890,32 @@ def validate_instruction_set(config: dict, name: str) -> dict:
     return s
 
 
-def validate_finetune(config: dict, run: str) -> dict:
+def validate_finetune(config: dict, run: str, node_counts: Iterable[int] = (), counts_where: str | None = None
+                      ) -> dict:
     """Check one finetune's settings before anything is scheduled; return the merged run config.
 
     Checks: the name is free, the base (one of our runs, or a hub id), the instruction set, the tokenizer and the
-    ICL corpus exist; ``max_seq_len`` fits the base; the architecture is known (for MFU); the LoRA settings; and
-    that ``global_batch_size`` divides by the number of devices and the microbatch at the configured node count
-    **and at every node count in** ``node_counts`` (a scaling study runs the same finetune at each of them).
+    ICL corpus exist; then the typed settings (:class:`llmpipe.settings.RunSettings`: ``max_seq_len`` fits the
+    base, the architecture is known (for MFU), the LoRA settings, and ``global_batch_size`` divides by the number
+    of devices and the microbatch at the configured node count **and at every node count in** ``node_counts``
+    (a scaling study runs the same finetune at each of them) and in the ``node_counts`` argument.
 
     Raises:
         ConfigError: naming the first wrong setting and how to fix it.
     """
+    return _validated_finetune(config, run, node_counts, counts_where)[0]
+
+
+def _validated_finetune(config: dict, run: str, node_counts: Iterable[int], counts_where: str | None
+                        ) -> tuple[dict, RunSettings]:
+    """:func:`validate_finetune`'s checks; returns the merged run config and its typed settings."""
     where = f"finetunes.{run}"
     check_run_sections(config, run)
     if run in (config.get("models") or {}):
         raise ConfigError(f"{run!r} is both a model under `models:` and a finetune under `finetunes:`; "
                           f"results/{run}/ can hold only one. Fix: rename the finetune.")
     rc = finetune_run_config(config, run)
-    data, arch, train, res = rc["data"], rc["arch"], rc["train"], rc["resources"]
+    data, train = rc["data"], rc["train"]
     validate_instruction_set(config, data.get("instructions"))
     tok = data.get("tokenizer")
     tokenizers = config.get("tokenizers", {})
@@ -934,65 +923,16 @@ def validate_finetune(config: dict, run: str) -> dict:
         raise ConfigError(f"{where}.data.tokenizer is {tok!r}, which is not defined under `tokenizers:` (known: "
                           f"{', '.join(sorted(tokenizers))}). Fix: name the base model's tokenizer (hub MPT models "
                           f"use gpt-neox-20b).")
-    validate_tokenizer(config, tok)
+    tcfg = validate_tokenizer(config, tok)
     corpus = data["icl_corpus"]
     if corpus not in config.get("corpora", {}):
         raise ConfigError(f"{where}.data.icl_corpus is {corpus!r}, which is not defined under `corpora:`. "
                           f"Fix: name the corpus the ICL tasks are built from.")
     validate_corpus(config, corpus)
-    for key in ("d_model", "n_heads", "n_layers", "vocab_size", "max_seq_len"):
-        if key not in arch:
-            raise ConfigError(f"{where}.arch.{key} is missing: for hub weights, arch must describe the hub model "
-                              f"(used for MFU). Fix: copy it from the model's config.json.")
-    seq = int(data["concat_tokens"])
-    if seq > int(arch["max_seq_len"]):
-        raise ConfigError(f"{where}.data.max_seq_len ({seq}) is larger than the base model's max_seq_len "
-                          f"({arch['max_seq_len']}). Fix: lower max_seq_len.")
-    pr = data.get("packing_ratio")
-    if pr is not None and pr != "auto" and (not isinstance(pr, (int, float)) or float(pr) < 1):
-        raise ConfigError(f"{where}.data.packing_ratio is {pr!r}; it must be null, 'auto' or a number >= 1.")
-    rev = rc["base"].get("revision")
-    if rc["base"].get("hub") and rev not in (None, "main"):
-        raise ConfigError(f"{where}.base.revision is {rev!r}, but llm-foundry's hf_causal_lm loads a hub model's main "
-                          f"revision only. Fix: download that revision (huggingface-cli download --revision ...) and "
-                          f"set base.hub to the local folder, or use revision: main.")
-    lora = rc["lora"]
-    if lora is not None:
-        if not isinstance(lora, dict) or int(lora.get("r", 0)) <= 0 or not lora.get("target_modules"):
-            raise ConfigError(f"{where}.lora must be null or {{r: 8, alpha: 16, dropout: 0.05, target_modules: "
-                              f"[Wqkv]}} with r > 0 and at least one target module; got {lora!r}.")
-    if int(train["max_duration_batches"]) <= 0:
-        raise ConfigError(f"{where}.train.max_duration_batches must be positive.")
-    gbs = int(train["global_batch_size"])
-    mb = int(train["microbatch_size"])
-    if mb <= 0:
-        raise ConfigError(f"{where}.train.microbatch_size must be positive, got {mb}.")
-    per_node = world_size(dict(res, nodes=1))
-    counts = sorted({int(res.get("nodes", 1))} | set(rc["node_counts"]))
-    for nodes in counts:
-        ws = nodes * per_node
-        kind = "GPUs" if int(res.get("gpus_per_node", 0) or 0) > 0 else "tasks"
-        if gbs % ws:
-            raise ConfigError(
-                f"{where}.train.global_batch_size ({gbs}) is not divisible by the number of {kind} at {nodes} "
-                f"node(s) ({ws} = {nodes} x {per_node} per node); global_train_batch_size must split evenly over "
-                f"the devices at every node count of this finetune ({', '.join(map(str, counts))}). Fix: make "
-                f"global_batch_size a multiple of {_lcm([n * per_node for n in counts])}, or change "
-                f"{where}.resources.nodes / node_counts.")
-        per_device = gbs // ws
-        if per_device % mb and mb < per_device:
-            raise ConfigError(f"{where}.train.microbatch_size ({mb}) does not divide the per-device batch at "
-                              f"{nodes} node(s) ({per_device} = {gbs} / {ws}). Fix: pick a divisor of {per_device}.")
+    rs = RunSettings.from_run_config(rc, tokenizer=tcfg).check(node_counts, counts_where)
     compile_settings(train, f"{where}.train")
     check_attn_impl(train, f"{where}.train")
-    return rc
-
-
-def _lcm(values: list[int]) -> int:
-    out = 1
-    for v in values:
-        out = out * v // math.gcd(out, v)
-    return out
+    return rc, rs
 
 
 def instructions_identity(config: dict, name: str) -> str:

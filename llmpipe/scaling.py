@@ -67,26 +67,20 @@ def study_identity(config: dict, run: str) -> str:
 def check_study(config: dict, run: str, nodes: list[int] | None = None) -> dict[int, dict]:
     """Validate the study's training at every node count while the DAG is built (the dry run says it).
 
+    One check of the run's settings (:func:`llmpipe.config.validate_run`, the same as its own training's) with the
+    study's node counts added to those the batch must split at (:meth:`llmpipe.settings.RunSettings.check_batch`).
+
     Returns node count -> resources. Raises:
-        ConfigError: listing every node count where the run's settings fail (e.g. ``global_batch_size`` not
-            divisible by the devices: seed 001 learned that at run time), or a multi-node count on an executor that
-            runs one machine.
+        ConfigError: the run's settings fail, listing every node count where the batch does not split (e.g.
+            ``global_batch_size`` not divisible by the devices), or a multi-node count on an executor that runs
+            one machine.
     """
     nodes = nodes or settings(config)["nodes"]
-    problems, out = [], {}
-    for n in nodes:
-        sc = study_config(config, run, n)
-        try:
-            validate_run(sc, run)
-        except ConfigError as exc:
-            problems.append(f"  at {n} node(s): {exc}")
-            continue
-        out[n] = step_resources(sc, "train", run)
-    if problems:
-        raise ConfigError(f"the node-scaling study of {run} (scaling.nodes = {nodes}) cannot run at every node "
-                          f"count:\n" + "\n".join(problems) +
-                          "\nFix: drop those counts from scaling.nodes, or choose a global_batch_size (and "
-                          "microbatch_size) that divides at every count.")
+    try:  # at the smallest count: the run's own node count is replaced by the study's
+        validate_run(study_config(config, run, min(nodes)), run, node_counts=nodes, counts_where="scaling.nodes")
+    except ConfigError as exc:
+        raise ConfigError(f"the node-scaling study of {run} (scaling.nodes = {nodes}) cannot run: {exc}") from None
+    out = {n: step_resources(study_config(config, run, n), "train", run) for n in nodes}
     from llmpipe.dispatch import check_executor
     for n in nodes:
         check_executor(config, n, f"the node-scaling study of {run} at {n} nodes")

@@ -32,7 +32,8 @@ def test_missing_local_data_source(workdir, tmp_path):
 def test_global_batch_not_divisible_by_devices(workdir):
     # 3 nodes x 8 GPUs = 24 devices; 256 is not a multiple of 24
     out = dry_fail(workdir, "results/mpt-125m/train.json", "--config", "models={'mpt-125m': {'resources': {'nodes': 3}}}")
-    assert "models.mpt-125m.train.global_batch_size (256) is not divisible by the number of devices (24" in out
+    assert ("models.mpt-125m.train.global_batch_size (256) is not divisible by the number of GPUs at 3 node(s) "
+            "(24 = 3 x 8 per node). Fix: make global_batch_size a multiple of 24") in out
 
 
 def test_concat_tokens_larger_than_max_seq_len(workdir):

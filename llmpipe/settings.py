@@ -1,0 +1,400 @@
+"""Typed settings of one run (pretraining or finetune) and their cross-field checks.
+
+A :class:`RunSettings` is built once from a run's merged settings (the dict :func:`llmpipe.config.run_config`
+returns; :func:`llmpipe.config.run_settings` builds and checks it from the workflow config). Each part checks its
+own values when it is built (``__post_init__``); :meth:`RunSettings.check` holds the checks that span parts: the
+global batch splits over the devices at every node count the run trains at, the microbatch divides the per-device
+batch, ``concat_tokens`` fits ``max_seq_len``, a trained tokenizer's vocabulary fits the model. Pretraining,
+finetuning and the node-scaling study (:func:`llmpipe.scaling.check_study`, with its own node counts) all use this
+one implementation.
+
+Every error is a :class:`ConfigError` naming the setting's full config path (``models.mpt-tiny.train.microbatch_size``)
+and the fix. The checks run while the DAG is built (the dry run, on the login node): no torch here, and no import of
+:mod:`llmpipe.config` (which imports this module).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Literal, Mapping
+
+RUN_KINDS = ("pretrain", "finetune")
+
+
+class ConfigError(ValueError):
+    """A setting in the experiment configuration is wrong; the message names the setting and the fix."""
+
+
+def lcm(values: Iterable[int]) -> int:
+    """Least common multiple of positive integers (1 for none)."""
+    out = 1
+    for v in values:
+        out = out * int(v) // math.gcd(out, int(v))
+    return out
+
+
+def whole(value: Any, path: str) -> int:
+    """``value`` as an int (``'8'`` and ``8.0`` too, as ``int()`` reads them; not ``true``).
+
+    Raises:
+        ConfigError: naming ``path`` when the value is missing or not a whole number.
+    """
+    if value is None:
+        raise ConfigError(f"{path} is missing. Fix: set it to a whole number.")
+    try:
+        out = int(value)
+    except (TypeError, ValueError):
+        raise ConfigError(f"{path} is {value!r}; it must be a whole number.") from None
+    if isinstance(value, bool) or isinstance(value, float) and value != out:
+        raise ConfigError(f"{path} is {value!r}; it must be a whole number.")
+    return out
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Resources:
+    """The training step's placement (a run's ``resources:``): how many processes train, one per device."""
+
+    #: Config path of the section, for messages (``models.mpt-1b.resources``).
+    where: str = field(default="resources", compare=False, repr=False)
+    #: Machines the training runs on (``resources.nodes``, >= 1).
+    nodes: int = 1
+    #: GPUs per machine (``resources.gpus_per_node``); 0 = CPU-only nodes.
+    gpus_per_node: int = 0
+    #: Processes per machine on CPU-only nodes (``resources.tasks_per_node``); one per GPU otherwise.
+    tasks_per_node: int = 1
+
+    def __post_init__(self) -> None:
+        if self.nodes < 1:
+            raise ConfigError(f"{self.where}.nodes must be at least 1, got {self.nodes}.")
+        if self.gpus_per_node < 0:
+            raise ConfigError(f"{self.where}.gpus_per_node must be 0 (CPU) or more, got {self.gpus_per_node}.")
+        if self.tasks_per_node < 1:
+            raise ConfigError(f"{self.where}.tasks_per_node must be at least 1, got {self.tasks_per_node}.")
+
+    @classmethod
+    def from_dict(cls, res: Mapping, where: str = "resources") -> Resources:
+        """From a resources mapping; missing keys take the defaults above (``null`` gpus/tasks too).
+
+        Raises:
+            ConfigError: a value that is not a whole number, or out of range, naming ``{where}.<key>``.
+        """
+        gpus, tasks = res.get("gpus_per_node"), res.get("tasks_per_node")
+        return cls(where=where, nodes=whole(res.get("nodes", 1), f"{where}.nodes"),
+                   gpus_per_node=whole(gpus or 0, f"{where}.gpus_per_node"),
+                   tasks_per_node=whole(tasks or 1, f"{where}.tasks_per_node"))
+
+    @property
+    def per_node(self) -> int:
+        """Training processes per machine: one per GPU on GPU nodes, else ``tasks_per_node``."""
+        return self.gpus_per_node if self.gpus_per_node > 0 else self.tasks_per_node
+
+    @property
+    def device_kind(self) -> str:
+        """What a process runs on, for messages: ``GPUs`` or ``tasks``."""
+        return "GPUs" if self.gpus_per_node > 0 else "tasks"
+
+    def devices(self, nodes: int | None = None) -> int:
+        """Training processes (ranks, the world size) at ``nodes`` machines (default: :attr:`nodes`)."""
+        return (self.nodes if nodes is None else int(nodes)) * self.per_node
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class DataSettings:
+    """What a run trains on (a run's ``data:``)."""
+
+    where: str = field(default="data", compare=False, repr=False)
+    #: Corpus under ``corpora:`` (pretraining) or the corpus the ICL tasks come from (a finetune's ``icl_corpus``).
+    corpus: str | None = None
+    #: Tokenizer under ``tokenizers:``.
+    tokenizer: str | None = None
+    #: Tokens per training sample: ``data.concat_tokens`` of a pretraining run, ``data.max_seq_len`` of a finetune.
+    concat_tokens: int
+    #: Config key of :attr:`concat_tokens` under ``data:``, for messages.
+    concat_key: str = field(default="concat_tokens", compare=False, repr=False)
+    #: Instruction set under ``instruction_sets:`` (finetunes only).
+    instructions: str | None = None
+    #: llm-foundry's on-the-fly packing (finetunes only): None (off), ``'auto'`` or a number >= 1.
+    packing_ratio: float | str | None = None
+
+    def __post_init__(self) -> None:
+        if self.concat_tokens < 2:
+            raise ConfigError(f"{self.where}.{self.concat_key} must be at least 2, got {self.concat_tokens}.")
+        pr = self.packing_ratio
+        if pr is not None and pr != "auto" and (isinstance(pr, bool) or not isinstance(pr, (int, float))
+                                                 or float(pr) < 1):
+            raise ConfigError(f"{self.where}.packing_ratio is {pr!r}; it must be null, 'auto' or a number >= 1.")
+
+
+#: The ``arch:`` keys every run must have (the shape the MFU formula and the checks read).
+ARCH_REQUIRED = ("d_model", "n_heads", "n_layers", "vocab_size", "max_seq_len")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ArchSettings:
+    """The model's shape (a run's ``arch:``; a finetune's base model's)."""
+
+    #: Config path of the section the shape is written in (``models.mpt-tiny.arch`` also for a finetune of it).
+    where: str = field(default="arch", compare=False, repr=False)
+    d_model: int
+    n_heads: int
+    n_layers: int
+    #: Token ids the embedding holds; a tokenizer's vocabulary must fit.
+    vocab_size: int
+    #: Longest sequence the model takes, in tokens.
+    max_seq_len: int
+
+    def __post_init__(self) -> None:
+        for key in ARCH_REQUIRED:
+            if getattr(self, key) < 1:
+                raise ConfigError(f"{self.where}.{key} must be positive, got {getattr(self, key)}.")
+        if self.d_model % self.n_heads:
+            raise ConfigError(f"{self.where}.d_model ({self.d_model}) does not divide by n_heads ({self.n_heads}). "
+                              f"Fix: choose n_heads that divides d_model.")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class TrainSettings:
+    """The batch and length of training (part of a run's ``train:``; the rest is read where it is used)."""
+
+    where: str = field(default="train", compare=False, repr=False)
+    #: Samples per optimizer step over all devices.
+    global_batch_size: int
+    #: Samples per forward/backward on one device (speed only); divides the per-device batch.
+    microbatch_size: int
+    #: Optimizer steps of the training.
+    max_duration_batches: int
+
+    def __post_init__(self) -> None:
+        if self.max_duration_batches <= 0:
+            raise ConfigError(f"{self.where}.max_duration_batches must be positive, got {self.max_duration_batches}.")
+        if self.microbatch_size <= 0:
+            raise ConfigError(f"{self.where}.microbatch_size must be positive, got {self.microbatch_size}.")
+        if self.global_batch_size <= 0:
+            raise ConfigError(f"{self.where}.global_batch_size must be positive, got {self.global_batch_size}.")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class BaseModel:
+    """Where a finetune starts (``finetunes.<run>.base``): one of our runs, or hub weights."""
+
+    where: str = field(default="base", compare=False, repr=False)
+    #: A pretraining run under ``models:`` (its Hugging Face export).
+    run: str | None = None
+    #: A hub repo id or a local folder in the hub's layout.
+    hub: str | None = None
+    #: The hub revision; llm-foundry loads ``main`` only.
+    revision: str | None = None
+
+    def __post_init__(self) -> None:
+        if bool(self.run) == bool(self.hub):
+            raise ConfigError(f"{self.where} must name exactly one of `run` (one of our models, e.g. "
+                              f"{{run: mpt-tiny}}) or `hub` (a hub repo id, e.g. {{hub: mosaicml/mpt-7b}}); got "
+                              f"run={self.run!r}, hub={self.hub!r}. Fix: set one of them.")
+        if self.hub and self.revision not in (None, "main"):
+            raise ConfigError(f"{self.where}.revision is {self.revision!r}, but llm-foundry's hf_causal_lm loads a "
+                              f"hub model's main revision only. Fix: download that revision (huggingface-cli download "
+                              f"--revision ...) and set base.hub to the local folder, or use revision: main.")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class LoraSettings:
+    """Low-rank adapters of a finetune (``finetunes.<run>.lora``; llm-foundry's ``peft_config``)."""
+
+    #: Rank of the adapters (> 0).
+    r: int
+    #: Modules that get adapters, e.g. ``("Wqkv",)`` (at least one).
+    target_modules: tuple[str, ...]
+    alpha: float | None = None
+    dropout: float | None = None
+
+    @classmethod
+    def from_value(cls, value: Any, where: str) -> LoraSettings | None:
+        """From ``lora:`` (None = off).
+
+        Raises:
+            ConfigError: not a mapping, ``r`` not positive, or no target module, naming ``where``.
+        """
+        if value is None:
+            return None
+        wrong = ConfigError(f"{where} must be null or {{r: 8, alpha: 16, dropout: 0.05, target_modules: [Wqkv]}} "
+                            f"with r > 0 and at least one target module; got {value!r}.")
+        if not isinstance(value, Mapping) or not value.get("target_modules"):
+            raise wrong
+        try:
+            r = int(value.get("r", 0))
+        except (TypeError, ValueError):
+            raise wrong from None
+        if r <= 0:
+            raise wrong
+        modules = value["target_modules"]
+        return cls(r=r, target_modules=(modules,) if isinstance(modules, str) else tuple(modules),
+                   alpha=value.get("alpha"), dropout=value.get("dropout"))
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class RunSettings:
+    """One run's settings, typed: built by :meth:`from_run_config`, checked by :meth:`check`."""
+
+    #: The run's name: its folder results/<name>/ and its key under ``models:`` or ``finetunes:``.
+    name: str
+    kind: Literal["pretrain", "finetune"] = "pretrain"
+    data: DataSettings
+    arch: ArchSettings
+    train: TrainSettings
+    resources: Resources
+    #: Other node counts the run trains at (a finetune's ``node_counts``, for its scaling study); sorted, unique.
+    node_counts: tuple[int, ...] = ()
+    #: The finetune's starting point (None for pretraining).
+    base: BaseModel | None = None
+    #: The finetune's adapters (None: full finetuning, and always for pretraining).
+    lora: LoraSettings | None = None
+    #: A trained tokenizer's vocabulary (``tokenizers.<name>.vocab_size``); None when it is known only once the
+    #: tokenizer is fetched (hub or local: :meth:`check_vocab` then checks its manifest).
+    tokenizer_vocab_size: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.kind not in RUN_KINDS:
+            raise ConfigError(f"{self.where} has kind {self.kind!r}; it must be one of {', '.join(RUN_KINDS)}.")
+        bad = [n for n in self.node_counts if n < 1]
+        if bad:
+            raise ConfigError(f"{self.where}.node_counts must list node counts >= 1, got {list(self.node_counts)}.")
+
+    @property
+    def where(self) -> str:
+        """The run's config section: ``models.<name>`` or ``finetunes.<name>``."""
+        return f"{'finetunes' if self.kind == 'finetune' else 'models'}.{self.name}"
+
+    @classmethod
+    def from_run_config(cls, rc: Mapping, tokenizer: Mapping | None = None) -> RunSettings:
+        """Build from a run's merged settings (:func:`llmpipe.config.run_config`'s dict: ``name``, ``data``,
+        ``arch``, ``train``, ``resources``; a finetune's also ``kind``, ``base``, ``lora``, ``node_counts``).
+
+        ``tokenizer`` is the run's entry under ``tokenizers:``; a trained one (``source: train``) gives
+        :attr:`tokenizer_vocab_size`. Only each part's own checks run here; call :meth:`check` for the rest.
+
+        Raises:
+            ConfigError: a missing or wrong value, naming its config path.
+        """
+        name = str(rc["name"])
+        kind = "finetune" if rc.get("kind") == "finetune" else "pretrain"
+        where = f"{'finetunes' if kind == 'finetune' else 'models'}.{name}"
+        data, arch, train = rc.get("data") or {}, rc.get("arch") or {}, rc.get("train") or {}
+        base = None
+        arch_where = f"{where}.arch"
+        if kind == "finetune":
+            b = rc.get("base") or {}
+            base = BaseModel(where=f"{where}.base", run=b.get("run"), hub=b.get("hub"), revision=b.get("revision"))
+            if base.run:
+                arch_where = f"models.{base.run}.arch"
+        for key in ARCH_REQUIRED:
+            if key not in arch or arch[key] is None:
+                if base is not None and base.hub:
+                    raise ConfigError(f"{arch_where}.{key} is missing: for hub weights, arch must describe the hub "
+                                      f"model (used for MFU). Fix: copy it from the model's config.json.")
+                raise ConfigError(f"{arch_where}.{key} is missing. Fix: set it (see the published MPT sizes in "
+                                  f"config/config.yaml).")
+        concat_key = "max_seq_len" if kind == "finetune" else "concat_tokens"
+        vocab = None
+        if tokenizer is not None and tokenizer.get("source") == "train":
+            vocab = whole(tokenizer.get("vocab_size"), f"tokenizers.{data.get('tokenizer')}.vocab_size")
+        return cls(
+            name=name, kind=kind, base=base, tokenizer_vocab_size=vocab,
+            data=DataSettings(where=f"{where}.data", corpus=data.get("corpus"), tokenizer=data.get("tokenizer"),
+                              concat_tokens=whole(data.get("concat_tokens"), f"{where}.data.{concat_key}"),
+                              concat_key=concat_key, instructions=data.get("instructions"),
+                              packing_ratio=data.get("packing_ratio")),
+            arch=ArchSettings(where=arch_where, **{k: whole(arch[k], f"{arch_where}.{k}") for k in ARCH_REQUIRED}),
+            train=TrainSettings(where=f"{where}.train", **{
+                k: whole(train.get(k), f"{where}.train.{k}")
+                for k in ("global_batch_size", "microbatch_size", "max_duration_batches")}),
+            resources=Resources.from_dict(rc.get("resources") or {}, f"{where}.resources"),
+            node_counts=tuple(sorted({whole(n, f"{where}.node_counts") for n in rc.get("node_counts") or ()})),
+            lora=LoraSettings.from_value(rc.get("lora"), f"{where}.lora"),
+        )
+
+    # ------------------------------------------------------------------------------------------ checks
+
+    def check(self, node_counts: Iterable[int] = (), counts_where: str | None = None) -> RunSettings:
+        """The cross-field checks; returns ``self``.
+
+        ``concat_tokens`` (a finetune's ``max_seq_len``) fits the model's ``max_seq_len``; a trained tokenizer's
+        vocabulary fits ``arch.vocab_size``; the global batch splits over the devices, and the microbatch divides
+        the per-device batch, at every node count in :meth:`node_counts_to_check` (``node_counts``: more counts,
+        e.g. a scaling study's, named by ``counts_where`` in the fix).
+
+        Raises:
+            ConfigError: the first failing check; for the batch, every node count where it fails.
+        """
+        d, a = self.data, self.arch
+        if d.concat_tokens > a.max_seq_len:
+            if self.kind == "finetune":
+                raise ConfigError(f"{d.where}.{d.concat_key} ({d.concat_tokens}) is larger than the base model's "
+                                  f"max_seq_len ({a.max_seq_len}, {a.where}.max_seq_len). Fix: lower max_seq_len.")
+            raise ConfigError(f"{d.where}.{d.concat_key} ({d.concat_tokens}) is larger than {a.where}.max_seq_len "
+                              f"({a.max_seq_len}): samples would not fit the model. Fix: lower concat_tokens or "
+                              f"raise max_seq_len.")
+        if self.tokenizer_vocab_size is not None:
+            self.check_vocab(self.tokenizer_vocab_size, f"tokenizers.{d.tokenizer}.vocab_size")
+        self.check_batch(node_counts, counts_where)
+        return self
+
+    def check_vocab(self, vocab_size: int, source: str) -> None:
+        """Raise ConfigError unless a tokenizer of ``vocab_size`` tokens fits the model's embedding.
+
+        ``source`` says where the tokenizer's size comes from: its config path (``tokenizers.<name>.vocab_size``)
+        before it is trained, or its manifest once it is prepared.
+        """
+        if int(vocab_size) > self.arch.vocab_size:
+            raise ConfigError(f"{source} ({int(vocab_size)}) exceeds {self.arch.where}.vocab_size "
+                              f"({self.arch.vocab_size}): the tokenizer {self.data.tokenizer} has more tokens than "
+                              f"the model's embedding. Fix: raise the model's vocab_size or lower the tokenizer's.")
+
+    def node_counts_to_check(self, node_counts: Iterable[int] = ()) -> list[int]:
+        """Every node count the run trains at: ``resources.nodes``, :attr:`node_counts`, and ``node_counts``."""
+        return sorted({self.resources.nodes, *self.node_counts, *(int(n) for n in node_counts)})
+
+    def batch_problem(self, nodes: int) -> str | None:
+        """Why the batch cannot train at ``nodes`` nodes (the setting, its value and the device count), or None."""
+        t, r = self.train, self.resources
+        ws = r.devices(nodes)
+        if t.global_batch_size % ws:
+            return (f"{t.where}.global_batch_size ({t.global_batch_size}) is not divisible by the number of "
+                    f"{r.device_kind} at {nodes} node(s) ({ws} = {nodes} x {r.per_node} per node)")
+        per_device = t.global_batch_size // ws
+        if per_device % t.microbatch_size and t.microbatch_size < per_device:
+            return (f"{t.where}.microbatch_size ({t.microbatch_size}) does not divide the per-device batch at "
+                    f"{nodes} node(s) ({per_device} = {t.global_batch_size} / {ws} {r.device_kind})")
+        return None
+
+    def check_batch(self, node_counts: Iterable[int] = (), counts_where: str | None = None) -> None:
+        """Raise ConfigError unless the batch trains at every node count (:meth:`node_counts_to_check`).
+
+        The message lists each failing count (``at N node(s): ...``) and the fix: a global batch that is a multiple
+        of every count's devices, a microbatch that divides every per-device batch, or other node counts
+        (``counts_where``, else the run's ``resources.nodes`` / ``node_counts``).
+        """
+        counts = self.node_counts_to_check(node_counts)
+        problems = {n: p for n in counts if (p := self.batch_problem(n))}
+        if not problems:
+            return
+        t, r = self.train, self.resources
+        devices = lcm(r.devices(n) for n in counts)
+        if any(t.global_batch_size % r.devices(n) for n in problems):
+            what = f"make global_batch_size a multiple of {devices}"
+        else:  # the largest smaller microbatch that fits every count (1 always does)
+            per_device = [t.global_batch_size // r.devices(n) for n in counts]
+            fits = max(m for m in range(1, t.microbatch_size)
+                       if all(b % m == 0 or m >= b for b in per_device))
+            what = (f"pick a microbatch_size that divides the per-device batch ({', '.join(map(str, per_device))}), "
+                    f"e.g. {fits}")
+        if counts_where:
+            change = counts_where + (f" / {self.where}.node_counts" if self.node_counts else "")
+        else:
+            change = f"{self.where}.resources.nodes" + (" / node_counts" if self.kind == "finetune" else "")
+        fix = f"Fix: {what}, or change {change}."
+        if len(counts) == 1:
+            raise ConfigError(f"{problems[counts[0]]}. {fix}")
+        lines = "\n".join(f"  at {n} node(s): {p}" for n, p in problems.items())
+        raise ConfigError(f"the batch of {self.where} must split evenly over the devices at every node count it "
+                          f"trains at ({', '.join(map(str, counts))}), but it does not:\n{lines}\n{fix}")
