@@ -218,6 +218,16 @@ def check(config: dict) -> None:
         raise ConfigError(message(max(errors, key=relevance)))
 
 
+def check_part(value: Any, shape: str, where: str) -> None:
+    """Raise :class:`ConfigError` when ``value`` (a part of the config written at ``where``, e.g. a step's
+    ``resources.slurm``) breaks the shape ``$defs.<shape>``; the message names ``where`` and the key below it."""
+    from jsonschema.exceptions import relevance
+
+    errors = list(_validator().evolve(schema=load()["$defs"][shape]).iter_errors(value))
+    if errors:
+        raise ConfigError(message(max(errors, key=relevance), prefix=where.split(".")))
+
+
 def prepare(config: dict) -> dict:
     """Type ``config``'s values as YAML would (:func:`coerce`) in place, then :func:`check` it; return it.
 
@@ -288,16 +298,17 @@ def _described(node: dict) -> str:
     return f" ({d.rstrip('.')})" if d else ""
 
 
-def message(error: Any) -> str:
+def message(error: Any, prefix: list[str] | tuple = ()) -> str:
     """The user's message for one ``jsonschema.ValidationError`` of the workflow config: the setting's full path (where
-    it is written), what is wrong, the closest known key for an unknown one, and the fix."""
-    parts = list(error.absolute_path)
+    it is written), what is wrong, the closest known key for an unknown one, and the fix. ``prefix``: the path of
+    the part checked when that is not the whole config (:func:`check_part`)."""
+    parts = [*prefix, *error.absolute_path]
     where = _path(parts)
     node, kind, value = error.schema if isinstance(error.schema, dict) else {}, error.validator, error.instance
     if kind in ("anyOf", "oneOf"):
-        deeper = [e for e in error.context if len(e.absolute_path) > len(parts)]
+        deeper = [e for e in error.context if len(e.absolute_path) > len(error.absolute_path)]
         if deeper:
-            return message(max(deeper, key=lambda e: len(e.absolute_path)))
+            return message(max(deeper, key=lambda e: len(e.absolute_path)), prefix)
     if kind == "additionalProperties":
         known = sorted(node.get("properties") or {})
         key = sorted(set(value) - set(known))[0]
@@ -311,7 +322,7 @@ def message(error: Any) -> str:
         missing = [k for k in node.get("required", []) if k not in value]
         return f"{where}.{missing[0]} is missing. Fix: set it{_described((node.get('properties') or {}).get(missing[0], {}))}."
     if kind in ("type", "enum", "anyOf", "oneOf", "const", "pattern"):
-        if len(parts) == 1 and isinstance(load()["properties"].get(parts[0], {}).get("default"), dict):
+        if not prefix and len(parts) == 1 and isinstance(load()["properties"].get(parts[0], {}).get("default"), dict):
             return (f"`{where}:` is {value!r}; it must be a mapping of settings. Fix: remove it (the defaults apply) or "
                     f"give its keys, e.g. {where}: {{key: value}} (schemas/config.schema.yaml lists them).")
         fix = (f"give its keys, e.g. {parts[-1] if parts else 'section'}: {{key: value}}" if "object" in (_types(node) or ())
