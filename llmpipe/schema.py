@@ -337,9 +337,13 @@ def message(error: Any, prefix: list[str] | tuple = ()) -> str:
     where = _path(parts)
     node, kind, value = error.schema if isinstance(error.schema, dict) else {}, error.validator, error.instance
     if kind in ("anyOf", "oneOf"):
-        deeper = [e for e in error.context if len(e.absolute_path) > len(error.absolute_path)]
-        if deeper:
-            return message(max(deeper, key=lambda e: len(e.absolute_path)), prefix)
+        # a mapping or list: report inside the alternative of that shape (e.g. its unknown key), not the alternatives
+        inside = [e for e in error.context if isinstance(value, (dict, list)) and not (
+            e.validator == "type" and len(e.absolute_path) == len(error.absolute_path))]
+        if inside:
+            from jsonschema.exceptions import relevance
+
+            return message(max(inside, key=relevance), prefix)
     if kind == "additionalProperties":
         known = sorted(node.get("properties") or {})
         key = sorted(set(value) - set(known))[0]
