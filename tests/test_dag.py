@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from tests.conftest import REPO, planned_jobs, snakemake
+from tests.conftest import REPO, planned_jobs, project_config, snakemake
 
 ALL_RULES = {"corpus", "tokenizer", "mds", "verify_mds", "icl_task", "train", "convert", "generate", "eval"}
 
@@ -44,8 +44,7 @@ def test_dry_run_plans_whole_chain_fast_without_torch(workdir, no_torch, model):
 
 
 def test_default_target_plans_tiny_pipeline(workdir):
-    import yaml
-    n_icl = len(yaml.safe_load((REPO / "config/config.yaml").read_text())["eval"]["icl_tasks"])
+    n_icl = len(project_config()["eval"]["icl_tasks"])
     jobs = planned_jobs(snakemake(workdir, "-n"))
     assert jobs == {r: 1 for r in ALL_RULES} | {"all": 1, "icl_task": n_icl}, jobs
 

@@ -9,7 +9,7 @@ import os
 import pytest
 import yaml
 
-from tests.conftest import REPO, copy_run, no_symlink_env, planned_jobs, snakemake
+from tests.conftest import REPO, copy_run, no_symlink_env, planned_jobs, project_config, snakemake
 
 pytestmark = pytest.mark.slow
 
@@ -23,7 +23,7 @@ def load(wd, rel):
 
 def test_tiny_pipeline_trains_and_evaluates(tiny_run):
     train = load(tiny_run, "mpt-tiny/train.json")
-    cfg = yaml.safe_load((REPO / "config/config.yaml").read_text())
+    cfg = project_config()
     tiny = cfg["models"]["mpt-tiny"]
     assert train["steps"] == tiny["train"]["max_duration_batches"]
     assert train["tokens"] == train["steps"] * tiny["train"]["global_batch_size"] * tiny["data"]["concat_tokens"]
