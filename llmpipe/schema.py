@@ -110,8 +110,9 @@ def coerce(config: dict) -> dict:
 
     ``snakemake --config`` hands nested values over as strings (``{'train': {'seed': 17}}`` gives ``'17'``). A string
     where the schema does not take that string is read as YAML (and as a number: ``'1e-3'``); the reading is kept when
-    the schema takes it. A null text (``'null'``, ``''``) becomes None where the schema allows null, and ``{}`` for a
-    section whose schema default is a mapping (its defaults apply, as for a YAML null). Inside open mappings
+    the schema takes it. A null (or null text: ``'null'``, ``''``) becomes ``{}`` for a section whose schema default is
+    a mapping (its defaults apply, as for a section not written), else a null text becomes None where the schema
+    allows null. Inside open mappings
     (optimizer and scheduler arguments, ``attn_config``, FSDP settings) number, true/false and null texts are read as
     YAML. Values the schema refuses either way are left for :func:`check` to name.
     """
@@ -200,10 +201,8 @@ def _coerce(nodes: list[Any], value: Any) -> Any:
     nodes = [x for n in nodes for x in _expand(n)]
     if not nodes:
         return _open(value)
-    if _is_null_text(value) and not _valid(nodes, None):
-        if any(isinstance(n.get("default"), dict) for n in nodes):
-            return {}  # a settings section given as null: its defaults apply
-        return value
+    if _is_null_text(value) and any(isinstance(n.get("default"), dict) for n in nodes):
+        return {}  # a settings section (or slurm.container) given as null: its defaults apply
     alternatives = [x for n in nodes for alt in (n.get("anyOf") or []) + (n.get("oneOf") or []) for x in _expand(alt)]
     if isinstance(value, dict):
         shapes = [n for n in nodes + alternatives if _admits(n, "object") and (

@@ -470,6 +470,8 @@ def test_null_strings_from_the_command_line_mean_null():
     assert scaling.settings(c)["nodes"] == scaling.DEFAULTS["nodes"]
     c = schema.resolve(deep_merge(_raw_config(), {"allreduce": {"gate": "null"}}))
     assert allreduce.settings(c)["gate"] is None
+    c = schema.resolve(deep_merge(_raw_config(), {"slurm": {"container": None, "partition": "null"}}))
+    assert c["slurm"]["container"]["type"] is None and c["slurm"]["partition"] is None  # no container, default partition
 
 
 def test_local_run_refuses_multi_node_training_before_anything_runs(workdir):
