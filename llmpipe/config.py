@@ -1,7 +1,10 @@
 """Experiment configuration: merging, validation and step identity.
 
 This module is imported by the Snakefile on the login node, so it must stay light: no torch, no
-transformers, no llm-foundry. Everything here works on plain dicts loaded from ``config/config.yaml``.
+transformers, no llm-foundry. Everything here works on plain dicts: the workflow config after
+:func:`llmpipe.schema.prepare` (keys and types checked against ``schemas/config.schema.yaml``) and Snakemake's
+``validate`` (the settings' defaults filled in). The checks here are those across settings (batch divisibility,
+sequence lengths, vocabulary sizes, named corpora and tokenizers).
 
 Vocabulary used throughout the project:
 
