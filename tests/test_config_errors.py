@@ -328,6 +328,18 @@ def test_every_key_of_the_shipped_files_is_in_the_schema():
     assert not missing, missing
 
 
+def test_commented_examples_of_the_slurm_site_file_are_valid_settings():
+    """config/slurm-site.yaml documents every site setting as a commented example: uncommented, they pass the schema."""
+    import re
+
+    import yaml
+
+    text = "\n".join(re.sub(r"^(\s+)# ", r"\1", line) for line in SITE.read_text().splitlines())
+    site = yaml.safe_load(text)["slurm"]
+    assert set(site) == set(schema.load()["$defs"]["slurm"]["properties"]), sorted(site)
+    schema.check(schema.coerce(dict(_raw_config(), slurm=site)))
+
+
 def test_every_default_in_the_schema_is_valid():
     """Each ``default`` is valid against the node it sits in, and the defaults together pass the schema."""
     from jsonschema import Draft202012Validator
