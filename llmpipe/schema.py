@@ -319,7 +319,7 @@ def _must(node: dict) -> str:
     if "enum" in node:
         return f"be one of {', '.join(_show(v) for v in node['enum'])}"
     types = _types(node) or set()
-    words = [_TYPE_WORDS[t] for t in ("object", "array", "string", "integer", "number", "boolean", "null") if t in types]
+    words = [word for t, word in _TYPE_WORDS.items() if t in types]
     return "be " + " or ".join(words) if words else "match its description"
 
 
@@ -353,14 +353,18 @@ def message(error: Any, prefix: list[str] | tuple = ()) -> str:
         return (f"{where}.{key} is not a {what}; {f'did you mean {close[0]}? ' if close else ''}Known ones: "
                 f"{', '.join(known)}.{hint} Fix: {fix} (schemas/config.schema.yaml lists every setting).")
     if kind == "required":
-        missing = [k for k in node.get("required", []) if k not in value]
-        return f"{where}.{missing[0]} is missing. Fix: set it{_described((node.get('properties') or {}).get(missing[0], {}))}."
+        missing = [k for k in node.get("required", []) if k not in value][0]
+        about = _described((node.get("properties") or {}).get(missing, {}))
+        return f"{where}.{missing} is missing. Fix: set it{about}."
     if kind in ("type", "enum", "anyOf", "oneOf", "const", "pattern"):
-        if not prefix and len(parts) == 1 and isinstance(load()["properties"].get(parts[0], {}).get("default"), dict):
-            return (f"`{where}:` is {value!r}; it must be a mapping of settings. Fix: remove it (the defaults apply) or "
-                    f"give its keys, e.g. {where}: {{key: value}} (schemas/config.schema.yaml lists them).")
-        fix = (f"give its keys, e.g. {parts[-1] if parts else 'section'}: {{key: value}}" if "object" in (_types(node) or ())
-               else f"set {where} to such a value")
+        section = load()["properties"].get(parts[0], {}) if not prefix and len(parts) == 1 else {}
+        if isinstance(section.get("default"), dict):
+            return (f"`{where}:` is {value!r}; it must be a mapping of settings. Fix: remove it (the defaults apply) "
+                    f"or give its keys, e.g. {where}: {{key: value}} (schemas/config.schema.yaml lists them).")
+        if "object" in (_types(node) or ()):
+            fix = f"give its keys, e.g. {parts[-1] if parts else 'section'}: {{key: value}}"
+        else:
+            fix = f"set {where} to such a value"
         return f"{where} is {value!r}; it must {_must(node)}{_described(node)}. Fix: {fix}."
     bounds = {"minimum": ">=", "exclusiveMinimum": ">", "maximum": "<=", "exclusiveMaximum": "<"}
     if kind in bounds:
