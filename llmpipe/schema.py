@@ -81,13 +81,18 @@ def _expand(node: Any) -> list[dict]:
     out = [node]
     ref = node.get("$ref")
     if ref:
-        out += _expand(_ref(ref))
+        out += _expand(node_at(ref))
     for sub in node.get("allOf") or []:
         out += _expand(sub)
     return out
 
 
-def _ref(ref: str) -> dict:
+def node_at(ref: str) -> dict:
+    """The schema node a local reference (``#/$defs/train``) points at.
+
+    Raises:
+        ValueError: ``ref`` is not local to the schema file; KeyError: it points at nothing.
+    """
     if not ref.startswith("#/"):
         raise ValueError(f"only local references are supported in {SCHEMA_PATH}, got {ref!r}")
     node: Any = load()
@@ -154,7 +159,7 @@ def _takes(node: Any, value: Any) -> bool:
         return False
     if "pattern" in node and isinstance(value, str) and not re.search(node["pattern"], value):
         return False
-    if "$ref" in node and not _takes(_ref(node["$ref"]), value):
+    if "$ref" in node and not _takes(node_at(node["$ref"]), value):
         return False
     if any(not _takes(sub, value) for sub in node.get("allOf") or []):
         return False

@@ -288,7 +288,7 @@ def _schema_nodes(nodes: list, key) -> tuple[list, bool]:
     def expand(n):
         out = [n]
         if "$ref" in n:
-            out += expand(schema._ref(n["$ref"]))
+            out += expand(schema.node_at(n["$ref"]))
         for alt in n.get("anyOf", []) + n.get("oneOf", []) + n.get("allOf", []):
             out += expand(alt)
         return out
@@ -361,6 +361,7 @@ def test_every_default_in_the_schema_is_valid():
     assert not bad, bad
     filled = schema.resolve({})
     schema.check(filled)
+    assert schema.fill_defaults({}) == filled  # the jobs' reading of the defaults is Snakemake's
     assert filled["convert"]["resources"]["time_min"] == 120 and filled["slurm"]["container"]["python"] == "python"
 
 
