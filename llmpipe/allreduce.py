@@ -31,6 +31,7 @@ import time
 from typing import Any
 
 from llmpipe.plots import finish_and_save
+from llmpipe.schema import section_defaults
 from llmpipe.config import ConfigError, step_resources, world_size
 from llmpipe.dispatch import check_executor  # noqa: F401 - used here and by rules/bench.smk
 from llmpipe.steps import _logged
@@ -44,20 +45,9 @@ COLUMNS = ["size_bytes", "count", "type", "redop", "root",
 #: Part of the bench's identity (its Snakemake params): bump when a change here changes what the bench measures.
 VERSION = 1
 
-#: Settings of the bench when the config has no ``allreduce:`` section.
-DEFAULTS: dict[str, Any] = {
-    "min_bytes": 8,
-    "max_bytes": 8 * 2**30,
-    "factor": 2,
-    "dtype": "float",
-    "warmup": 5,
-    "iters": 20,
-    "backend": "auto",
-    "check": True,
-    "nodes": [1, 2],
-    "gate": None,
-    "resources": {"gpus_per_node": 8, "cpus_per_task": 8, "mem_gb": 0, "time_min": 30},
-}
+#: Settings of the bench the config does not set: the schema's defaults of ``allreduce:``.
+DEFAULTS: dict[str, Any] = section_defaults("allreduce")
+
 
 #: nccl-tests' type names -> torch dtype names and element sizes (bytes).
 DTYPES = {"float": ("float32", 4), "double": ("float64", 8), "half": ("float16", 2),

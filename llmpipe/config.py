@@ -1,7 +1,10 @@
 """Experiment configuration: merging, validation and step identity.
 
 This module is imported by the Snakefile on the login node, so it must stay light: no torch, no
-transformers, no llm-foundry. Everything here works on plain dicts loaded from ``config/config.yaml``.
+transformers, no llm-foundry. Everything here works on plain dicts: the workflow config after
+:func:`llmpipe.schema.prepare` (keys and types checked against ``schemas/config.schema.yaml``) and Snakemake's
+``validate`` (the settings' defaults filled in). The checks here are those across settings (batch divisibility,
+sequence lengths, vocabulary sizes, named corpora and tokenizers).
 
 Vocabulary used throughout the project:
 
@@ -19,15 +22,15 @@ Vocabulary used throughout the project:
 from __future__ import annotations
 
 import copy
-import functools
 import json
 import math
 import os
-from typing import Any, Iterable, Sequence
+from typing import Any, Iterable
 
-# ConfigError lives in llmpipe.settings (imported by this module, never the reverse); llmpipe.config.ConfigError
-# is the same class.
-from llmpipe.settings import ConfigError, Resources, RunSettings
+from llmpipe.schema import speed_only_keys
+# ConfigError lives in llmpipe.settings (imported by this module and by llmpipe.schema, never the reverse);
+# llmpipe.config.ConfigError is the same class.
+from llmpipe.settings import ConfigError, Resources, RunSettings  # noqa: F401 - ConfigError re-exported
 
 #: Bump a step's version when a change in our code changes what that step produces. The version is part of
 #: the step's identity (its Snakemake params), so bumping it reruns that step and everything after it.
@@ -46,35 +49,9 @@ STEP_VERSIONS = {
     "finetune_eval": 1,
 }
 
-#: Keys under a model's ``train:`` that only change speed or placement; they are never part of identity.
-SPEED_ONLY_TRAIN_KEYS = frozenset({
-    "microbatch_size",
-    "eval_microbatch_size",
-    "attn_impl",
-    "fsdp",
-    "compile",
-    "num_workers",
-    "save_interval_batches",
-    "checkpoints_to_keep",
-    "log_interval_batches",
-    "eval_interval_batches",
-    "eval_subset_batches",
-    "fused_optimizer",
-    "train_metrics",
-    "fused_loss",
-})
-
-#: Every key a model's or finetune's ``train:`` may have: the speed-only ones plus those that define the run.
-KNOWN_TRAIN_KEYS = SPEED_ONLY_TRAIN_KEYS | frozenset({
-    "global_batch_size",
-    "max_duration_batches",
-    "precision",
-    "optimizer",
-    "scheduler",
-    "seed",
-    "grad_clip_norm",
-    "loss_fn",
-})
+#: Keys under a model's ``train:`` that only change speed or placement (``x-speed-only`` in the schema's ``train``);
+#: they are never part of identity.
+SPEED_ONLY_TRAIN_KEYS = speed_only_keys("train")
 
 #: Names that cannot be run names because they are folders of their own under results/.
 RESERVED_RUN_NAMES = frozenset({"data", "tokenizers", "report", "scaling", "bench", "logs"})
@@ -125,19 +102,9 @@ def run_config(config: dict, run: str) -> dict:
             f"unknown model or run {run!r}: known ones are {', '.join(known_runs(config))}. "
             f"Fix: use one of those names in the target (results/<run>/eval.json), or add "
             f"`models: {{{run}: {{arch: ...}}}}` (or `finetunes: {{{run}: ...}}`) to your config file.")
-    merged = _yaml_scalars(deep_merge(config.get("model_defaults", {}), models[run] or {}))
+    merged = deep_merge(config.get("model_defaults", {}), models[run] or {})
     merged["name"] = run
     return merged
-
-
-def _yaml_scalars(tree: Any) -> Any:
-    """``tree`` with every ``'true'``/``'false'``/``'null'`` string read as YAML would (``snakemake --config``
-    hands nested values over as strings, so ``train: {compile: false}`` arrives as ``'False'``)."""
-    if isinstance(tree, dict):
-        return {k: _yaml_scalars(v) for k, v in tree.items()}
-    if isinstance(tree, list):
-        return [_yaml_scalars(v) for v in tree]
-    return _yaml_scalar(tree)
 
 
 def dataset_dir(config: dict, run: str) -> str:
@@ -191,7 +158,6 @@ def _validated(config: dict, run: str, node_counts: Iterable[int], counts_where:
     if is_finetune(config, run):
         return _validated_finetune(config, run, node_counts, counts_where)
     where = f"models.{run}"
-    check_run_sections(config, run)
     rc = run_config(config, run)
     data, train = rc["data"], rc["train"]
 
@@ -212,214 +178,7 @@ def _validated(config: dict, run: str, node_counts: Iterable[int], counts_where:
     validate_data_prep(config, rs.data.concat_tokens, f"{where}.data.concat_tokens")
     fused_loss_settings(train, f"{where}.train")
     compile_settings(train, f"{where}.train")
-    check_attn_impl(train, f"{where}.train")
     return rc, rs
-
-
-def refuse_unknown_keys(given: dict, known: Sequence[str], where: str, what: str, also: str = "") -> None:
-    """Raise ConfigError for the first key of ``given`` (sorted) not in ``known``: ``{where}.{key} is not a
-    {what}; did you mean <closest known key>? Known ones: ...`` followed by ``also``."""
-    import difflib
-
-    for key in sorted(set(given) - set(known)):
-        close = difflib.get_close_matches(key, list(known), n=1)
-        hint = f"did you mean {close[0]}? " if close else ""
-        raise ConfigError(f"{where}.{key} is not a {what}; {hint}Known ones: {', '.join(known)}.{also}")
-
-
-#: The sections of ``model_defaults`` that runs read (``step_resources`` are per run, or ``finetune_defaults``).
-MODEL_DEFAULTS_KEYS = ("arch", "data", "resources", "train")
-#: Sections of a run that must be mappings when given (null would replace the defaults with nothing).
-RUN_MAPPING_SECTIONS = ("arch", "data", "resources", "train")
-
-
-def _run_sources(config: dict, run: str) -> list[tuple[str, Any]]:
-    """Where a run's settings are written, highest priority first: ``(config path, section)``; a pretraining run
-    reads ``models.<run>`` over ``model_defaults``, a finetune ``finetunes.<run>`` over ``finetune_defaults`` over
-    ``model_defaults`` (:func:`finetune_run_config`)."""
-    if is_finetune(config, run):
-        return [(f"finetunes.{run}", (config.get("finetunes") or {}).get(run)),
-                ("finetune_defaults", config.get("finetune_defaults")), ("model_defaults", config.get("model_defaults"))]
-    return [(f"models.{run}", (config.get("models") or {}).get(run)), ("model_defaults", config.get("model_defaults"))]
-
-
-def check_run_sections(config: dict, run: str) -> None:
-    """Check a run's settings where they are written (the run's own section and the defaults it inherits), so that
-    an error names the line to fix: an unknown section (``resource:``), a section that is not a mapping
-    (``train: null``), an unknown key under ``train:`` (and, for pretraining, ``arch:`` / ``data:``) or
-    ``resources:`` (with its ``slurm:``), and an unknown step under ``step_resources:``.
-
-    Raises:
-        ConfigError: naming the config path of the first wrong key and the closest known one.
-    """
-    finetune = is_finetune(config, run)
-    for where, sec in _run_sources(config, run):
-        if _yaml_scalar(sec) is None:
-            continue
-        if not isinstance(sec, dict):
-            raise ConfigError(f"{where} is {sec!r}; it must be a mapping of sections (train, resources, ...). "
-                              f"Fix: give its sections as in config/config.yaml.")
-        defaults = where == "model_defaults"
-        known = MODEL_DEFAULTS_KEYS if defaults else FINETUNE_RUN_KEYS if where.startswith("finetune") \
-            else PRETRAIN_RUN_KEYS
-        what = "section of model_defaults" if defaults else "section of a finetune" if where.startswith("finetune") \
-            else "section of a model"
-        refuse_unknown_keys(sec, known, where, what, " (A misspelled section would be ignored, e.g. its node count.)")
-        for sub in RUN_MAPPING_SECTIONS:
-            if sub in sec and not isinstance(sec[sub], dict):
-                raise ConfigError(f"{where}.{sub} is {sec[sub]!r}; it must be a mapping. Fix: remove it (the "
-                                  f"defaults apply) or give its keys, e.g. {sub}: {{key: value}}.")
-        refuse_unknown_keys(sec.get("train") or {}, sorted(KNOWN_TRAIN_KEYS), f"{where}.train", "train setting")
-        if not finetune:  # a finetune's data and arch are its own kind (instructions; the hub model's shape)
-            refuse_unknown_keys(sec.get("data") or {}, PRETRAIN_DATA_KEYS, f"{where}.data",
-                                "data setting of a pretraining run")
-            refuse_unknown_keys(sec.get("arch") or {}, PRETRAIN_ARCH_KEYS, f"{where}.arch",
-                                "model setting the training step passes to MPT",
-                                " Other MPTConfig settings are not passed on; see llmpipe.train.foundry_train_config.")
-        if "resources" in sec:
-            check_resource_keys(sec["resources"], f"{where}.resources")
-        if not defaults:
-            check_step_resource_steps(sec, where)
-
-
-#: Top-level sections besides those of ``config/config.yaml``: Slurm site settings (``config/slurm-site.yaml``).
-EXTRA_TOP_LEVEL_KEYS = ("slurm",)
-
-
-@functools.lru_cache(maxsize=4)
-def _defaults(defaults_file: str) -> dict:
-    """``config/config.yaml`` parsed once per process (:func:`check_top_level_keys` and :func:`check_section_keys`
-    both read it at the start of every Snakemake run); read only."""
-    import yaml
-
-    with open(defaults_file) as f:
-        return yaml.safe_load(f) or {}
-
-
-def check_top_level_keys(config: dict, defaults_file: str) -> None:
-    """Raise ConfigError for a top-level key of the merged workflow config that nothing reads (e.g.
-    ``model_default:`` from a ``--configfile`` or ``--config``: its settings would be dropped silently), naming
-    the closest known one. Known: the sections of ``defaults_file`` (``config/config.yaml``) and
-    :data:`EXTRA_TOP_LEVEL_KEYS`."""
-    known = sorted(set(_defaults(defaults_file)) | set(EXTRA_TOP_LEVEL_KEYS))
-    refuse_unknown_keys(config, known, "config", "top-level section of the workflow config",
-                        " (Its settings would be ignored.)")
-
-
-#: Settings sections whose keys are checked one by one (:func:`check_section_keys`) against those of
-#: ``config/config.yaml``. (Sections of named entries - corpora, tokenizers, models, finetunes, instruction_sets,
-#: gpu_peak_flops - are checked where each entry is read.)
-CHECKED_SECTIONS = ("data_prep", "convert", "generate", "eval", "dispatch", "allreduce", "scaling", "report")
-#: Of those, the ones whose defaults live only in ``config/config.yaml`` (the others have code defaults, e.g.
-#: :data:`llmpipe.report.DEFAULTS`): null there would drop the defaults, so it is an error.
-REQUIRED_SECTIONS = ("convert", "data_prep", "dispatch", "eval", "generate")
-#: The keys of one entry of ``eval.icl_tasks`` (read by llmpipe.data.icl and llmpipe.evaluate).
-ICL_TASK_KEYS = ("kind", "label", "num_fewshot", "num_items", "seed")
-#: The keys of ``allreduce.gate`` (llmpipe.allreduce).
-ALLREDUCE_GATE_KEYS = ("min_busbw_gbps", "size_bytes")
-#: Steps whose resources a model or finetune may override under ``step_resources:``.
-STEP_RESOURCE_STEPS = ("convert", "eval", "generate")
-
-
-def check_section_keys(config: dict, defaults_file: str) -> None:
-    """Raise ConfigError for a settings section that is not a mapping, or a key in it that nothing reads, e.g.
-    ``eval: {val_batchs: 3}`` or ``slurm: {partiton: gpu}`` (the value would be ignored silently and the default
-    used), naming the closest known key. Checks :data:`CHECKED_SECTIONS` against ``defaults_file``
-    (``config/config.yaml``), ``report.projection`` likewise, ``eval.icl_tasks`` (a list; each entry against
-    :data:`ICL_TASK_KEYS`), ``allreduce.gate`` against :data:`ALLREDUCE_GATE_KEYS`, and ``slurm`` and
-    ``slurm.container`` against :data:`llmpipe.slurm.DEFAULTS` (a step's ``resources.slurm`` is checked with its
-    resources, :func:`check_resource_keys`).
-
-    ``snakemake --config 'report=null'`` hands over the string ``'null'``: for the sections whose defaults live in
-    code (all but :data:`REQUIRED_SECTIONS`) and for ``allreduce.gate`` it is set to None here, in ``config``,
-    so that the defaults apply as they do for a YAML null.
-    """
-    defaults = _defaults(defaults_file)
-    also = " (Its value would be ignored.)"
-    for sec in CHECKED_SECTIONS + ("slurm",):
-        if sec not in config:
-            continue
-        given = config[sec]
-        if _yaml_scalar(given) is None and sec not in REQUIRED_SECTIONS:
-            config[sec] = None  # an empty section: the defaults (llmpipe.report/scaling/allreduce/slurm) apply
-            continue
-        if not isinstance(given, dict):
-            src = "config/slurm-site.yaml" if sec == "slurm" else "config/config.yaml"
-            raise ConfigError(f"`{sec}:` is {given!r}; it must be a mapping of settings. Fix: remove it (the "
-                              f"defaults apply) or give its keys as in {src}, e.g. {sec}: {{key: value}}.")
-        if sec == "slurm":
-            check_slurm_keys(given, "slurm")
-            continue
-        refuse_unknown_keys(given, sorted(defaults.get(sec) or {}), sec, f"setting of `{sec}:`", also)
-    report = config.get("report") or {}
-    if "projection" in report:
-        if not isinstance(report["projection"], dict):
-            raise ConfigError(f"report.projection is {report['projection']!r}; it must be a mapping, e.g. "
-                              f"{{nodes: [1, 8, 64]}} (see config/config.yaml).")
-        refuse_unknown_keys(report["projection"], sorted(defaults["report"]["projection"]), "report.projection",
-                            "setting of `report.projection:`", also)
-    allreduce = config.get("allreduce") or {}
-    if "gate" in allreduce:
-        if _yaml_scalar(allreduce["gate"]) is None:
-            allreduce["gate"] = None
-        elif not isinstance(allreduce["gate"], dict):
-            raise ConfigError(f"allreduce.gate is {allreduce['gate']!r}; it must be null (no gate) or a mapping, "
-                              f"e.g. {{size_bytes: 1073741824, min_busbw_gbps: 100}}.")
-        else:
-            refuse_unknown_keys(allreduce["gate"], ALLREDUCE_GATE_KEYS, "allreduce.gate",
-                                "setting of the all-reduce gate", also)
-    ev = config.get("eval") or {}
-    if "icl_tasks" in ev:
-        if not isinstance(ev["icl_tasks"], list):
-            raise ConfigError(f"eval.icl_tasks is {ev['icl_tasks']!r}; it must be a list of tasks ([] for none), "
-                              f"as in config/config.yaml.")
-        for i, task in enumerate(ev["icl_tasks"]):
-            if not isinstance(task, dict):
-                raise ConfigError(f"eval.icl_tasks[{i}] is {task!r}; it must be a mapping with "
-                                  f"{', '.join(ICL_TASK_KEYS)}.")
-            refuse_unknown_keys(task, ICL_TASK_KEYS, f"eval.icl_tasks[{i}]", "setting of an ICL task", also)
-
-
-def check_slurm_keys(site: dict, where: str) -> None:
-    """Raise ConfigError for a key of Slurm site settings (``slurm:`` or a step's ``resources.slurm``) or of their
-    ``container:`` that :data:`llmpipe.slurm.DEFAULTS` does not have, naming ``where`` and the closest key."""
-    from llmpipe.slurm import DEFAULTS as SLURM_DEFAULTS
-
-    also = " (Its value would be ignored.)"
-    refuse_unknown_keys(site, sorted(SLURM_DEFAULTS), where, "Slurm site setting (config/slurm-site.yaml)", also)
-    container = site.get("container")
-    if _yaml_scalar(container) is not None and not isinstance(container, dict):
-        raise ConfigError(f"{where}.container is {container!r}; it must be null (no container) or a mapping, e.g. "
-                          f"{{type: pyxis, image: ...}} (config/slurm-site.yaml).")
-    if isinstance(container, dict):
-        refuse_unknown_keys(site["container"], sorted(SLURM_DEFAULTS["container"]), f"{where}.container",
-                            "container setting (config/slurm-site.yaml)", also)
-
-
-#: Sections of an entry under ``models:`` and under ``finetunes:``.
-PRETRAIN_RUN_KEYS = ("arch", "data", "resources", "step_resources", "train")
-FINETUNE_RUN_KEYS = ("arch", "base", "data", "lora", "node_counts", "resources", "step_resources", "train")
-#: ``data`` keys of a pretraining run (finetunes have their own, :func:`validate_finetune`).
-PRETRAIN_DATA_KEYS = ("concat_tokens", "corpus", "tokenizer")
-#: ``arch`` keys :func:`llmpipe.train.foundry_train_config` passes to llm-foundry's MPT (a key outside these would be
-#: silently ignored by training while, e.g., the MFU formula read it).
-PRETRAIN_ARCH_KEYS = ("attn_config", "d_model", "expansion_ratio", "max_seq_len", "n_heads", "n_kv_heads", "n_layers",
-                      "no_bias", "norm_type", "vocab_size")
-
-
-#: ``train.attn_impl`` values: ours (llmpipe.attention, PyTorch SDPA) and llm-foundry's two.
-ATTN_IMPLS = ("sdpa", "torch", "flash")
-
-
-def check_attn_impl(train: dict, where: str = "train") -> None:
-    """Raise ConfigError (naming ``{where}.attn_impl`` and the choices) unless it is one of :data:`ATTN_IMPLS`
-    (missing means llm-foundry's ``torch``). Checked at plan time: the job itself would only fail when it built
-    the model."""
-    value = train.get("attn_impl", "torch")
-    if value not in ATTN_IMPLS:
-        raise ConfigError(f"{where}.attn_impl is {value!r}; it must be one of {', '.join(ATTN_IMPLS)} (sdpa: PyTorch "
-                          f"scaled_dot_product_attention through llmpipe.attention, the fast default; flash needs "
-                          f"flash-attn installed).")
 
 
 def compile_settings(train: dict, where: str = "train") -> dict | None:
@@ -495,9 +254,7 @@ def fused_loss_settings(train: dict, where: str = "train") -> dict | None:
     ``fused_loss`` is ``false``/``null`` (off), ``true`` (on, default chunk and kernel), or a mapping with
     ``chunk_size`` (tokens per chunk, a positive integer or null for the default) and ``kernel`` (the per-chunk
     softmax/gradient, one of :data:`FUSED_LOSS_KERNELS`; default :data:`FUSED_LOSS_DEFAULT_KERNEL`; see
-    :mod:`llmpipe.fused_loss`). ``train`` comes from :func:`run_config`, which already reads ``'True'``/``'null'``
-    strings from ``snakemake --config`` as YAML; a ``chunk_size`` given as a digit string (``'4096'``) is read as
-    that number.
+    :mod:`llmpipe.fused_loss`). Values given with ``snakemake --config`` arrive typed (:func:`llmpipe.schema.coerce`).
 
     Returns:
         None when off, else ``{"chunk_size": int | None, "kernel": str}``.
@@ -518,15 +275,16 @@ def fused_loss_settings(train: dict, where: str = "train") -> dict | None:
         old = [k for k in ("softmax_grad", "compile") if k in value]
         if old:
             meant = {"softmax_grad": "softmax", "compile": "compile"}
-            on = [k for k in old if _yaml_scalar(value[k]) not in (False, None)]
+            on = [k for k in old if value[k] not in (False, None)]
             fix = (f"remove {' and '.join(old)} and set kernel: {meant[on[0]]}" if on else
                    f"remove {' and '.join(old)} (kernel left out means {FUSED_LOSS_DEFAULT_KERNEL})")
             raise ConfigError(f"{where}.fused_loss.{old[0]} was replaced by {where}.fused_loss.kernel "
                               f"({' | '.join(FUSED_LOSS_KERNELS)}). Fix: {fix}.")
-        refuse_unknown_keys(value, ("chunk_size", "kernel"), f"{where}.fused_loss", "fused_loss setting")
+        unknown = sorted(set(value) - {"chunk_size", "kernel"})
+        if unknown:
+            raise ConfigError(f"{where}.fused_loss.{unknown[0]} is not a fused_loss setting; it takes chunk_size and "
+                              f"kernel. Fix: remove it.")
         chunk = value.get("chunk_size")
-        if isinstance(chunk, str) and chunk.strip().isdigit():
-            chunk = int(chunk)
         if chunk is not None and (isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1):
             raise ConfigError(f"{where}.fused_loss.chunk_size must be a positive integer (tokens per chunk) or "
                               f"null (default: 8192, fewer if one chunk's fp32 logits would exceed 2 GiB), got {chunk!r}.")
@@ -539,18 +297,6 @@ def fused_loss_settings(train: dict, where: str = "train") -> dict | None:
         return {"chunk_size": chunk, "kernel": kernel}
     raise ConfigError(f"{where}.fused_loss is {value!r}; it must be true, false, or a mapping "
                       f"{{chunk_size: <tokens or null>, kernel: <{'|'.join(FUSED_LOSS_KERNELS)}>}}.")
-
-
-def _yaml_scalar(value: Any) -> Any:
-    """``'true'``/``'false'``/``'null'`` (any case; how ``snakemake --config`` passes nested values) as YAML
-    reads them; anything else unchanged."""
-    if isinstance(value, str):
-        low = value.strip().lower()
-        if low in ("true", "false"):
-            return low == "true"
-        if low in ("null", "none", "~", ""):
-            return None
-    return value
 
 
 def validate_corpus(config: dict, corpus: str) -> dict:
@@ -588,7 +334,7 @@ def validate_tokenizer(config: dict, tok: str) -> dict:
             raise ConfigError(f"{where}.vocab_size must be at least 256 for a trained BPE tokenizer.")
     elif not t.get("name"):
         raise ConfigError(f"{where}.name is not set. Fix: a hub repo id (source: hub) or a folder (source: local).")
-    eos = _yaml_scalar(t.get("eos_text"))  # `--config` hands a null over as the string 'null'
+    eos = t.get("eos_text")
     if eos is not None and not isinstance(eos, str):
         raise ConfigError(f"{where}.eos_text is {eos!r}; it must be the tokenizer's end-of-text text, e.g. "
                           f"\"<|endoftext|>\".")
@@ -636,11 +382,11 @@ def validate_data_prep(config: dict, concat: int, concat_where: str = "concat_to
     from llmpipe.data.mds_writer import MAX_SHARD_BYTES, STREAMING_COMPRESSIONS
 
     dp = config.get("data_prep") or {}
-    comp = _yaml_scalar(dp.get("compression"))
+    comp = dp.get("compression")
     if comp not in STREAMING_COMPRESSIONS:
         raise ConfigError(f"data_prep.compression is {comp!r}, which mosaicml-streaming cannot read. Fix: use "
                           f"zstd (default), zstd:1 .. zstd:22, gz, gz:0 .. gz:9, bz2, br, snappy, or null.")
-    raw = _yaml_scalar(dp.get("size_limit", 1 << 26))
+    raw = dp.get("size_limit", 1 << 26)
     try:
         size_limit = int(raw or 0)
         if isinstance(raw, float) or isinstance(raw, bool):
@@ -698,44 +444,6 @@ def eval_identity(config: dict, run: str) -> str:
                      icl_tasks=e.get("icl_tasks"))
 
 
-#: The keys a step's resources may have (what llmpipe.dispatch and llmpipe.slurm read; ``slurm``: per-step Slurm
-#: site settings, docs/slurm.md).
-RESOURCE_KEYS = ("nodes", "gpus_per_node", "tasks_per_node", "cpus_per_task", "mem_gb", "time_min", "slurm")
-
-
-def check_step_resource_steps(run_section: dict, where: str) -> None:
-    """Raise ConfigError for a step name under a run's ``step_resources:`` that has no resources of its own
-    (e.g. ``evals:``; its override would be ignored), naming the closest of :data:`STEP_RESOURCE_STEPS`; and check
-    each override's keys (:func:`check_resource_keys`)."""
-    steps = _yaml_scalar(run_section.get("step_resources"))
-    if steps is None:
-        return
-    if not isinstance(steps, dict):
-        raise ConfigError(f"{where}.step_resources is {steps!r}; it must map steps ({', '.join(STEP_RESOURCE_STEPS)}) "
-                          f"to resources, e.g. step_resources: {{eval: {{gpus_per_node: 0}}}}.")
-    refuse_unknown_keys(steps, STEP_RESOURCE_STEPS, f"{where}.step_resources", "step with its own resources",
-                        " (Training's resources are the run's own `resources:`.)")
-    for step, over in steps.items():
-        over = _yaml_scalar(over)
-        if over is not None and not isinstance(over, dict):
-            raise ConfigError(f"{where}.step_resources.{step} is {over!r}; it must be a mapping of resources, "
-                              f"e.g. {{gpus_per_node: 0, cpus_per_task: 2}}.")
-        check_resource_keys(over or {}, f"{where}.step_resources.{step}")
-
-
-def check_resource_keys(res: dict, where: str) -> None:
-    """Raise ConfigError for a resources key that nothing reads (a typo such as ``gpus_per_nodes: 8`` would be
-    ignored and the job would get the default, e.g. no GPU), naming the key, the closest known one and where Slurm
-    site settings go instead; and for an unknown key of its per-step Slurm settings (``slurm:``)."""
-    if not isinstance(res, dict):
-        raise ConfigError(f"{where} is {res!r}; it must be a mapping, e.g. {{nodes: 1, gpus_per_node: 8}}.")
-    refuse_unknown_keys(res, RESOURCE_KEYS, where, "resource setting",
-                        f" Slurm site settings (partition, account, qos, constraint, ...) go under slurm:, for all "
-                        f"steps or for this step alone as {where}.slurm (docs/slurm.md).")
-    if isinstance(res.get("slurm"), dict):
-        check_slurm_keys(res["slurm"], f"{where}.slurm")
-
-
 def step_resources(config: dict, step: str, run: str | None = None) -> dict:
     """Resources of one step: ``nodes, gpus_per_node, tasks_per_node, cpus_per_task, mem_gb, time_min``.
 
@@ -745,23 +453,16 @@ def step_resources(config: dict, step: str, run: str | None = None) -> dict:
     ``finetunes.<run>.step_resources.<step>``.
 
     Raises:
-        ConfigError: a key outside :data:`RESOURCE_KEYS` (:func:`check_resource_keys`), naming where it is.
+        KeyError: ``step`` has no resources of its own (keys are checked by :func:`llmpipe.schema.check`).
     """
-    sect = None if run is None else f"{'finetunes' if is_finetune(config, run) else 'models'}.{run}"
     if step == "train":
         res = dict(run_config(config, run)["resources"])
-        check_resource_keys(res, f"{sect}.resources")
     elif step == "data":
         res = dict(config.get("data_resources", {}))
-        check_resource_keys(res, "data_resources")
     else:
         res = dict(config[step].get("resources", {}))
-        check_resource_keys(res, f"{step}.resources")
         if run is not None:
-            steps = _yaml_scalar(_run_section(config, run).get("step_resources")) or {}
-            over = _yaml_scalar(steps.get(step)) if isinstance(steps, dict) else None
-            check_resource_keys(over or {}, f"{sect}.step_resources.{step}")
-            res.update(over or {})
+            res.update((_run_section(config, run).get("step_resources") or {}).get(step) or {})
     res.setdefault("nodes", 1)
     res.setdefault("gpus_per_node", 0)
     res.setdefault("cpus_per_task", 1)
@@ -792,8 +493,9 @@ def ln_vocab(vocab_size: int) -> float:
 # pretraining run's, and run_config() gives it the same keys (data, arch, train, resources), so the shared
 # steps (convert, generate, train.json's summary with MFU) work unchanged.
 
-#: Keys under a finetune's ``data:`` that only change speed (padding trimmed per batch); never identity.
-SPEED_ONLY_FINETUNE_DATA_KEYS = frozenset({"allow_pad_trimming"})
+#: Keys under a finetune's ``data:`` that only change speed (``x-speed-only`` in the schema's ``finetune_data``, e.g.
+#: padding trimmed per batch); never identity.
+SPEED_ONLY_FINETUNE_DATA_KEYS = speed_only_keys("finetune_data")
 
 #: Sources of an instruction set: written by the project, read from the hub, or a local folder in the hub's layout.
 INSTRUCTION_SOURCES = ("builtin", "hub", "local")
@@ -854,9 +556,9 @@ def finetune_run_config(config: dict, run: str) -> dict:
         "base": base,
         "data": data,
         "arch": arch,
-        "train": _yaml_scalars(deep_merge(md.get("train", {}), ft.get("train"))),
-        "resources": _yaml_scalars(deep_merge(md.get("resources", {}), ft.get("resources"))),
-        "lora": _yaml_scalars(ft.get("lora")) or None,
+        "train": deep_merge(md.get("train", {}), ft.get("train")),
+        "resources": deep_merge(md.get("resources", {}), ft.get("resources")),
+        "lora": ft.get("lora") or None,
         "node_counts": [int(n) for n in (ft.get("node_counts") or [])],
         "step_resources": ft.get("step_resources") or {},
     }
@@ -910,7 +612,6 @@ def _validated_finetune(config: dict, run: str, node_counts: Iterable[int], coun
                         ) -> tuple[dict, RunSettings]:
     """:func:`validate_finetune`'s checks; returns the merged run config and its typed settings."""
     where = f"finetunes.{run}"
-    check_run_sections(config, run)
     if run in (config.get("models") or {}):
         raise ConfigError(f"{run!r} is both a model under `models:` and a finetune under `finetunes:`; "
                           f"results/{run}/ can hold only one. Fix: rename the finetune.")
@@ -931,7 +632,6 @@ def _validated_finetune(config: dict, run: str, node_counts: Iterable[int], coun
     validate_corpus(config, corpus)
     rs = RunSettings.from_run_config(rc, tokenizer=tcfg).check(node_counts, counts_where)
     compile_settings(train, f"{where}.train")
-    check_attn_impl(train, f"{where}.train")
     return rc, rs
 
 

@@ -25,18 +25,14 @@ import re
 from typing import Any
 
 from llmpipe.plots import finish_and_save
+from llmpipe.schema import section_defaults
 from llmpipe.config import ConfigError, run_config, tokens_per_run
 from llmpipe.mfu import flops_per_token, mpt_param_count
 from llmpipe.scaling import markdown
 
-#: Defaults of the ``report:`` section.
-DEFAULTS: dict[str, Any] = {
-    "runs": ["mpt-tiny"],
-    "include_existing": True,
-    "scaling_runs": [],
-    "allreduce_nodes": [],
-    "projection": {"reference": None, "nodes": [1, 8, 64], "assume_mfu": None, "models": None},
-}
+#: Settings of the report the config does not set: the schema's defaults of ``report:``.
+DEFAULTS: dict[str, Any] = section_defaults("report")
+
 
 BASE_MODEL = "mpt-125m"  # the seed's ratios are to MPT-125M
 

@@ -19,11 +19,13 @@ import os
 from typing import Any
 
 from llmpipe.plots import finish_and_save
+from llmpipe.schema import section_defaults
 from llmpipe.config import (ConfigError, deep_merge, is_finetune, step_resources, train_identity, validate_run,
                             world_size)
 
-#: Defaults of the ``scaling:`` section.
-DEFAULTS: dict[str, Any] = {"nodes": [1, 2, 4, 8], "runs": [], "max_duration_batches": None}
+#: Settings of the studies the config does not set: the schema's defaults of ``scaling:``.
+DEFAULTS: dict[str, Any] = section_defaults("scaling")
+
 
 #: Columns of scaling.csv, in order.
 COLUMNS = ["run", "nodes", "devices", "wall_clock_s", "wall_clock", "tokens", "tokens_per_s",

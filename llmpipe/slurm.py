@@ -19,36 +19,12 @@ import shutil
 import subprocess
 from typing import Any
 
-from llmpipe.config import ConfigError, check_slurm_keys, deep_merge
+from llmpipe.config import ConfigError, deep_merge
+from llmpipe.schema import check_part, section_defaults
 
-#: Site settings read from ``config['slurm']``; every key is documented in ``config/slurm-site.yaml``.
-DEFAULTS: dict[str, Any] = {
-    "partition": None,
-    "account": None,
-    "qos": None,
-    "constraint": None,
-    "exclusive": False,
-    "gpu_type": None,
-    "sbatch_args": {},
-    "srun_args": [],
-    "setup": [],
-    "env": {},
-    "container": {
-        "type": None,
-        "image": None,
-        "mounts": [],
-        "workdir": None,
-        "python": "python",
-        "apptainer": "apptainer",
-        "apptainer_args": ["--nv"],
-        "pyxis_args": [],
-    },
-    "signal_delay_s": 120,
-    "max_requeue_timeouts": 3,
-    "poll_s": 30,
-    "preflight": True,
-    "command_timeout_s": 30,
-}
+#: Site settings read from ``config['slurm']`` when it does not set them: the schema's defaults of ``slurm:``
+#: (schemas/config.schema.yaml, which documents every key).
+DEFAULTS: dict[str, Any] = section_defaults("slurm")
 
 
 def site_config(config: dict, resources: dict | None = None) -> dict:
@@ -57,53 +33,22 @@ def site_config(config: dict, resources: dict | None = None) -> dict:
     :data:`DEFAULTS`, overlaid with ``config['slurm']``, overlaid with ``resources['slurm']`` (per-step overrides).
 
     Raises:
-        ConfigError: ``slurm`` (or ``resources.slurm``) is not a mapping or has a key not in :data:`DEFAULTS`, or
-            ``slurm.container.type`` is unknown.
+        ConfigError: ``slurm`` (or ``resources.slurm``) breaks the schema's ``slurm`` shape (an unknown key, a
+            wrong type, an unknown ``container.type``), or a container type has no image.
     """
     site = config.get("slurm") or {}
-    if not isinstance(site, dict):
-        raise ConfigError(f"`slurm:` must be a mapping of site settings, got {site!r}. "
-                          f"Fix: see config/slurm-site.yaml for the keys.")
-    check_slurm_keys(site, "slurm")
+    check_part(site, "slurm", "slurm")
     out = deep_merge(DEFAULTS, site)
     over = (resources or {}).get("slurm")
     if over:
-        if not isinstance(over, dict):
-            raise ConfigError(f"resources.slurm must be a mapping of site settings, got {over!r}.")
-        check_slurm_keys(over, "resources.slurm")
+        check_part(over, "slurm", "resources.slurm")
         out = deep_merge(out, over)
-    # `--config slurm={...}` hands every nested value over as a string ('false', 'null', '20'): read them as YAML would
-    for key in ("exclusive", "preflight"):
-        out[key] = _flag(out.get(key), key)
-    for key in ("partition", "account", "qos", "constraint", "gpu_type"):
-        if _is_null(out.get(key)):
-            out[key] = None
-    out["container"] = {} if _is_null(out.get("container")) else dict(out["container"])
-    if _is_null(out["container"].get("type")) or str(out["container"].get("type")).lower() == "none":
-        out["container"]["type"] = None
+    out["container"] = dict(out.get("container") or {})
     ctype = out["container"].get("type")
-    if ctype not in (None, "pyxis", "apptainer"):
-        raise ConfigError(f"slurm.container.type is {ctype!r}; it must be null, pyxis or apptainer.")
     if ctype in ("pyxis", "apptainer") and not out["container"].get("image"):
         raise ConfigError(f"slurm.container.type is {ctype} but slurm.container.image is not set. "
                           f"Fix: set the image (a registry reference or a .sqsh/.sif file), or type: null.")
     return out
-
-
-def _is_null(value: Any) -> bool:
-    return value is None or (isinstance(value, str) and value.strip().lower() in ("", "null", "~"))
-
-
-def _flag(value: Any, key: str) -> bool:
-    """A yes/no site setting; accepts the strings Snakemake's ``--config`` produces (``'false'``, ``'True'``)."""
-    if isinstance(value, str):
-        v = value.strip().lower()
-        if v in ("true", "yes", "on", "1"):
-            return True
-        if v in ("false", "no", "off", "0", "", "null", "none", "~"):
-            return False
-        raise ConfigError(f"slurm.{key} is {value!r}; it must be true or false.")
-    return bool(value)
 
 
 def tasks_per_node(resources: dict) -> int:

@@ -1,18 +1,23 @@
 # Helpers shared by all rule files: config access, step identity (params), resources and input paths.
 # Only light imports here: `snakemake -n` must not import torch.
-import os
 import sys
 
 sys.path.insert(0, workflow.basedir)
 
+from snakemake.utils import validate
+
 from llmpipe import config as cfg
+from llmpipe import schema
 from llmpipe.preflight import check_results_dir
+
+# The config against schemas/config.schema.yaml: --config values typed as in a YAML file, then an unknown key or a
+# wrong value stops here naming its path and the fix (ConfigError); validate() fills the settings' defaults.
+schema.prepare(config)
+validate(config, str(schema.SCHEMA_PATH))
 
 RESULTS = config["results_dir"]
 LOGS = f"{RESULTS}/logs"
 check_results_dir(RESULTS)
-cfg.check_top_level_keys(config, os.path.join(workflow.basedir, "config", "config.yaml"))
-cfg.check_section_keys(config, os.path.join(workflow.basedir, "config", "config.yaml"))
 
 
 wildcard_constraints:

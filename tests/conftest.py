@@ -15,6 +15,14 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 SNAKEMAKE = [sys.executable, "-m", "snakemake"]
 
+def project_config() -> dict:
+    """config/config.yaml as a workflow run sees it: typed, checked, the schema's defaults filled in
+    (:func:`llmpipe.schema.load_config`)."""
+    from llmpipe.schema import load_config
+
+    return load_config(REPO / "config" / "config.yaml")
+
+
 pytest_plugins = ["tests.slurm_cluster.fixture"] if (REPO / "tests/slurm_cluster/fixture.py").exists() else []
 
 

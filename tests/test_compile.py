@@ -82,7 +82,8 @@ def test_train_and_finetune_configs_carry_the_compile_scope():
     assert 'compile_config' not in cfg and cfg['callbacks']['llmpipe_compile_blocks'] == {}
     opts = deep_merge(config, {'models': {'mpt-125m': {'train': {'compile': {'scope': 'blocks', 'mode': 'max-autotune'}}}}})
     assert built(opts)['callbacks']['llmpipe_compile_blocks'] == {'mode': 'max-autotune'}
-    off = deep_merge(config, {'models': {'mpt-125m': {'train': {'compile': 'False'}}}})   # snakemake --config
+    from llmpipe.schema import coerce   # snakemake --config passes 'False'; rules/common.smk types it
+    off = coerce(deep_merge(config, {'models': {'mpt-125m': {'train': {'compile': 'False'}}}}))
     cfg = built(off)
     assert 'compile_config' not in cfg and 'llmpipe_compile_blocks' not in cfg['callbacks']
     ft = deep_merge(config, {'finetunes': {'mpt-tiny-sft': {'train': {'compile': 'blocks'}}}})

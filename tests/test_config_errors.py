@@ -7,9 +7,12 @@ import stat
 
 import pytest
 
-from llmpipe.config import ConfigError
+from llmpipe import schema
+from llmpipe.config import ConfigError, deep_merge
 
 from tests.conftest import REPO, snakemake
+
+SITE = REPO / "config/slurm-site.yaml"
 
 
 def dry_fail(workdir, *args) -> str:
@@ -63,9 +66,11 @@ def test_tokenizer_eos_text_null_from_the_command_line():
     """``--config`` hands a nested ``null`` over as the string 'null', which became the literal end-of-text text."""
     from llmpipe.config import validate_tokenizer
 
-    config = _shipped_config()
+    config = _raw_config()
     config["tokenizers"]["bpe-builtin-docs"]["eos_text"] = "null"
-    with pytest.raises(ConfigError, match=r"tokenizers\.bpe-builtin-docs\.eos_text is empty \('null'\)"):
+    config = schema.coerce(config)
+    assert config["tokenizers"]["bpe-builtin-docs"]["eos_text"] is None
+    with pytest.raises(ConfigError, match=r"tokenizers\.bpe-builtin-docs\.eos_text is empty \(None\)"):
         validate_tokenizer(config, "bpe-builtin-docs")
 
 
@@ -91,8 +96,30 @@ def test_unknown_corpus_in_model(workdir):
 
 
 def _shipped_config() -> dict:
+    """config/config.yaml as a workflow run sees it (typed, checked, defaults filled)."""
+    return schema.load_config(REPO / "config/config.yaml")
+
+
+def _raw_config() -> dict:
+    """config/config.yaml and config/slurm-site.yaml as written (the profile's merge), nothing filled in."""
     import yaml
-    return yaml.safe_load((REPO / "config/config.yaml").read_text())
+    from snakemake.utils import update_config
+
+    config = yaml.safe_load((REPO / "config/config.yaml").read_text())
+    update_config(config, yaml.safe_load(SITE.read_text()))
+    return config
+
+
+def schema_error(override: dict) -> str:
+    """The message of the config check for the shipped config (with the Slurm site file) with ``override`` merged in
+    as ``--config`` merges it; fails when the check passes."""
+    from snakemake.utils import update_config
+
+    config = _raw_config()
+    update_config(config, override)
+    with pytest.raises(ConfigError) as err:
+        schema.check(schema.coerce(config))
+    return str(err.value)
 
 
 def test_every_shipped_model_and_finetune_passes_validation():
@@ -101,37 +128,366 @@ def test_every_shipped_model_and_finetune_passes_validation():
     from llmpipe.config import known_runs, validate_run
 
     config = _shipped_config()
-    config.setdefault("results_dir", "results")
     runs = known_runs(config)
     assert {"mpt-125m", "mpt-760m", "mpt-70b", "mpt-7b-dolly"} <= set(runs)
     for run in runs:
         validate_run(config, run)
 
 
+
+
+# ---------------------------------------------------------------------------------------------- the schema's check
+# Each row: a change merged into config/config.yaml + config/slurm-site.yaml as --config merges it, and what the
+# message must say (a regex searched in it): the setting's full path where it is written, the closest known key or
+# what the value must be, and a fix.
+SCHEMA_ERRORS = [
+    # unknown keys of a run, named where they are written
+    ({"models": {"mpt-125m": {"train": {"microbatch": 8}}}},
+     r"^models\.mpt-125m\.train\.microbatch is not a train setting; did you mean microbatch_size\?"),
+    ({"finetunes": {"mpt-tiny-sft": {"train": {"compiles": True}}}},
+     r"^finetunes\.mpt-tiny-sft\.train\.compiles is not a train setting; did you mean compile\?"),
+    ({"models": {"mpt-1b": {"resources": {"gpus_per_nodes": 8}}}},
+     r"^models\.mpt-1b\.resources\.gpus_per_nodes is not a resource setting; did you mean gpus_per_node\?"),
+    ({"models": {"mpt-tiny": {"step_resources": {"eval": {"partition": "gpu"}}}}},
+     r"^models\.mpt-tiny\.step_resources\.eval\.partition is not a resource setting.* go under slurm:.*"
+     r"as models\.mpt-tiny\.step_resources\.eval\.slurm"),
+    ({"models": {"mpt-125m": {"arch": {"d_modle": 1}}}}, r"^models\.mpt-125m\.arch\.d_modle is not a model setting "
+                                                        r"the training step passes to MPT; did you mean d_model\?"),
+    ({"models": {"mpt-125m": {"arch": {"tie_word_embeddings": 1}}}},
+     r"^models\.mpt-125m\.arch\.tie_word_embeddings is not a model setting [^;]*; Known ones: .*Other MPTConfig"),
+    ({"models": {"mpt-125m": {"data": {"concat_token": 1}}}},
+     r"^models\.mpt-125m\.data\.concat_token is not a data setting of a pretraining run; did you mean concat_tokens\?"),
+    ({"models": {"mpt-125m": {"resource": {"nodes": 2}}}},
+     r"^models\.mpt-125m\.resource is not a section of a model; did you mean resources\?.*would be ignored"),
+    ({"models": {"mpt-125m": {"trian": {"nodes": 2}}}}, r"^models\.mpt-125m\.trian is not a section of a model; "
+                                                       r"did you mean train\?"),
+    ({"finetunes": {"mpt-tiny-sft": {"node_count": [2]}}},
+     r"^finetunes\.mpt-tiny-sft\.node_count is not a section of a finetune; did you mean node_counts\?"),
+    ({"models": {"mpt-tiny": {"step_resources": {"evals": {"gpus_per_node": 1}}}}},
+     r"^models\.mpt-tiny\.step_resources\.evals is not a step with its own resources; did you mean eval\?"),
+    ({"models": {"mpt-tiny": {"step_resources": {"eval": {"slurm": {"qoss": "x"}}}}}},
+     r"^models\.mpt-tiny\.step_resources\.eval\.slurm\.qoss is not a Slurm site setting .*did you mean qos\?"),
+    ({"data_resources": {"slurm": {"partiton": "cpu"}}},
+     r"^data_resources\.slurm\.partiton is not a Slurm site setting"),
+    # a typo in the defaults is named where it is written, not at the model inheriting it
+    ({"model_defaults": {"train": {"microbatch": 8}}},
+     r"^model_defaults\.train\.microbatch is not a train setting; did you mean microbatch_size\?"),
+    ({"finetune_defaults": {"train": {"seeed": 1}}},
+     r"^finetune_defaults\.train\.seeed is not a train setting; did you mean seed\?"),
+    ({"model_defaults": {"resources": {"gpus_per_nodes": 8}}},
+     r"^model_defaults\.resources\.gpus_per_nodes is not a resource setting"),
+    ({"finetune_defaults": {"resources": {"slurm": {"qoss": "x"}}}},
+     r"^finetune_defaults\.resources\.slurm\.qoss is not a Slurm site setting"),
+    ({"finetune_defaults": {"step_resources": {"evals": {"gpus_per_node": 1}}}},
+     r"^finetune_defaults\.step_resources\.evals is not a step with its own resources"),
+    ({"model_defaults": {"resource": {"nodes": 2}}},
+     r"^model_defaults\.resource is not a section of model_defaults; did you mean resources\?"),
+    ({"model_defaults": {"step_resources": {"eval": {}}}}, r"^model_defaults\.step_resources is not a section of "
+                                                           r"model_defaults"),
+    ({"model_defaults": {"arch": {"d_modle": 3}}}, r"^model_defaults\.arch\.d_modle is not a model setting"),
+    # unknown top-level sections and keys of settings sections
+    ({"model_default": {"train": {"seed": 1}}},
+     r"^config\.model_default is not a top-level section of the workflow config; did you mean model_defaults\?"),
+    ({"eval": {"val_batchs": 3}}, r"^eval\.val_batchs is not a setting of `eval:`; did you mean val_batches\?.*"
+                                  r"\(Its value would be ignored\.\)"),
+    ({"generate": {"max_tokens": 5}}, r"^generate\.max_tokens is not a setting of `generate:`; did you mean "
+                                      r"max_new_tokens\?.*\(Its value would be ignored\.\)"),
+    ({"data_prep": {"worker": 4}}, r"^data_prep\.worker is not a setting of `data_prep:`; did you mean workers\?"),
+    ({"convert": {"dtpye": "float16"}}, r"^convert\.dtpye is not a setting of `convert:`; did you mean dtype\?"),
+    ({"dispatch": {"pol_s": 1}}, r"^dispatch\.pol_s is not a setting of `dispatch:`; did you mean poll_s\?"),
+    ({"allreduce": {"max_byte": 8}},
+     r"^allreduce\.max_byte is not a setting of `allreduce:`; did you mean max_bytes\?"),
+    ({"scaling": {"node": [1]}}, r"^scaling\.node is not a setting of `scaling:`; did you mean nodes\?"),
+    ({"report": {"projection": {"assume_mf": 0.4}}},
+     r"^report\.projection\.assume_mf is not a setting of `report\.projection:`; did you mean assume_mfu\?"),
+    ({"eval": {"icl_tasks": [{"label": "x", "num_item": 3}]}},
+     r"^eval\.icl_tasks\[0\]\.num_item is not a setting of an ICL task; did you mean num_items\?.*ignored"),
+    ({"slurm": {"partiton": "gpu"}}, r"^slurm\.partiton is not a Slurm site setting \(config/slurm-site\.yaml\); did "
+                                     r"you mean partition\?.*\(Its value would be ignored\.\)"),
+    ({"slurm": {"container": {"typ": "pyxis"}}}, r"^slurm\.container\.typ is not a container setting "
+                                                 r"\(config/slurm-site\.yaml\); did you mean type\?"),
+    ({"allreduce": {"gate": {"size_bytes": 1 << 30, "min_busbw_gbps": 100, "min_busbw_gbs": 90}}},
+     r"^allreduce\.gate\.min_busbw_gbs is not a setting of the all-reduce gate; did you mean min_busbw_gbps\?"),
+    # wrong values
+    ({"models": {"mpt-125m": {"train": {"attn_impl": "sdpaa"}}}},
+     r"^models\.mpt-125m\.train\.attn_impl is 'sdpaa'; it must be one of sdpa, torch, flash \(sdpa: PyTorch"),
+    ({"models": {"mpt-125m": {"train": {"optimizer": {"lr": "fast"}}}}},
+     r"^models\.mpt-125m\.train\.optimizer\.lr is 'fast'; it must be a number"),
+    ({"models": {"mpt-125m": {"train": {"microbatch_size": 0}}}},
+     r"^models\.mpt-125m\.train\.microbatch_size is 0; it must be >= 1"),
+    ({"models": {"mpt-125m": {"train": {"fused_loss": {"kernal": "liger"}}}}},
+     r"^models\.mpt-125m\.train\.fused_loss\.kernal is not a fused_loss setting; did you mean kernel\?"),
+    ({"models": {"mpt-125m": {"train": {"compile": "layers"}}}},
+     r"^models\.mpt-125m\.train\.compile is 'layers'; it must be false, true .*'blocks'"),
+    ({"slurm": {"container": {"type": "docker"}}}, r"^slurm\.container\.type is 'docker'; it must be one of null, "
+                                                   r"pyxis, apptainer"),
+    # sections that are not mappings (a YAML null in a settings section means its defaults: see below)
+    ({"eval": "x"}, r"^`eval:` is 'x'; it must be a mapping of settings\. Fix: remove it \(the defaults apply\)"),
+    ({"report": "x"}, r"^`report:` is 'x'; it must be a mapping of settings\. Fix: remove it"),
+    ({"data_prep": 3}, r"^`data_prep:` is 3; it must be a mapping of settings\. Fix: remove it"),
+    ({"slurm": "gpu"}, r"^`slurm:` is 'gpu'; it must be a mapping of settings\. Fix: remove it"),
+    ({"models": {"mpt-tiny": {"train": None}}}, r"^models\.mpt-tiny\.train is None; it must be a mapping"),
+    ({"models": {"mpt-tiny": {"step_resources": 3}}}, r"^models\.mpt-tiny\.step_resources is 3; it must map steps"),
+    ({"models": {"mpt-tiny": {"step_resources": {"eval": "x"}}}},
+     r"^models\.mpt-tiny\.step_resources\.eval is 'x'; it must be a mapping of resources"),
+    ({"models": {"mpt-tiny": {"resources": "x"}}}, r"^models\.mpt-tiny\.resources is 'x'; it must be a mapping"),
+    ({"model_defaults": 3}, r"^model_defaults is 3; it must be a mapping of sections"),
+    ({"eval": {"icl_tasks": 3}}, r"^eval\.icl_tasks is 3; it must be a list of tasks"),
+    ({"eval": {"icl_tasks": ["x"]}}, r"^eval\.icl_tasks\[0\] is 'x'; it must be a mapping"),
+    ({"allreduce": {"gate": 5}}, r"^allreduce\.gate is 5; it must be null \(no gate\) or a mapping"),
+    ({"report": {"projection": "x"}}, r"^report\.projection is 'x'; it must be a mapping"),
+    ({"slurm": {"container": "x"}}, r"^slurm\.container is 'x'; it must be null \(no container\) or a mapping"),
+]
+
+
+@pytest.mark.parametrize("override, expected", SCHEMA_ERRORS, ids=[m[1][1:40] for m in SCHEMA_ERRORS])
+def test_schema_names_the_setting_and_the_fix(override, expected):
+    """A key nothing reads would be dropped silently (the default used: e.g. no GPU, one node, or a retrained run);
+    a wrong value would fail inside the job. The check names the full path where it is written, the closest key
+    or what the value must be, and a fix."""
+    import re
+
+    msg = schema_error(override)
+    assert re.search(expected, msg), msg
+    assert "Fix:" in msg, msg
+
+
+def test_unknown_top_level_section_fails_the_dry_run(workdir):
+    out = dry_fail(workdir, "results/mpt-125m/train.json", "--config", "model_default={'train': {'seed': 1}}")
+    assert "config.model_default is not a top-level section" in out and "did you mean model_defaults?" in out
+
+
+def test_misspelled_train_setting_fails_the_dry_run_where_it_is_written(workdir):
+    """A typo under train: is an error (ignored, it would also have changed the run's identity and retrained it);
+    one under model_defaults is named there, not at a model inheriting it."""
+    out = dry_fail(workdir, "results/mpt-125m/train.json", "--config",
+                   "model_defaults={'train': {'microbatch': 8}}")
+    assert "model_defaults.train.microbatch is not a train setting; did you mean microbatch_size?" in out
+    out = dry_fail(workdir, "results/mpt-tiny/eval.json", "--config", "eval={'val_batchs': 3}")
+    assert "eval.val_batchs is not a setting of `eval:`; did you mean val_batches?" in out
+
+
+def test_misspelled_slurm_setting_fails_the_dry_run_of_the_slurm_profile(workdir):
+    out = dry_fail(workdir, "results/mpt-tiny/train.json", "--profile", str(REPO / "profiles/slurm"), "--config",
+                   "slurm={'partiton': 'gpu'}")
+    assert "slurm.partiton is not a Slurm site setting (config/slurm-site.yaml); did you mean partition?" in out
+
+
+def test_per_step_slurm_settings_are_resources(workdir):
+    """A per-step slurm mapping is a resource key (docs/slurm.md): the plan goes through."""
+    snakemake(workdir, "-n", "results/mpt-tiny/eval.json", "--config",
+              "models={'mpt-tiny': {'step_resources': {'eval': {'slurm': {'partition': 'cpu'}}}}}")
+
+
+def test_shipped_config_and_slurm_site_pass_the_schema():
+    schema.check(schema.coerce(_raw_config()))
+    full = schema.load_config(REPO / "config/config.yaml", SITE)
+    assert full["dispatch"]["executor"] == "slurm" and full["slurm"]["poll_s"] == 30
+
+
+def _schema_nodes(nodes: list, key) -> tuple[list, bool]:
+    """The subschemas of ``key`` under ``nodes`` and whether the key is described (a property, or a named entry)
+    rather than let through by an open mapping."""
+    def expand(n):
+        out = [n]
+        if "$ref" in n:
+            out += expand(schema.node_at(n["$ref"]))
+        for alt in n.get("anyOf", []) + n.get("oneOf", []) + n.get("allOf", []):
+            out += expand(alt)
+        return out
+
+    flat = [x for n in nodes if isinstance(n, dict) for x in expand(n)]
+    if isinstance(key, int):
+        return [n["items"] for n in flat if isinstance(n.get("items"), dict)], True
+    props = [n["properties"][key] for n in flat if key in (n.get("properties") or {})]
+    if props:
+        return props, True
+    named = [n["additionalProperties"] for n in flat if isinstance(n.get("additionalProperties"), dict)]
+    return named, bool(named)
+
+
+def test_every_key_of_the_shipped_files_is_in_the_schema():
+    """Every key written in config/config.yaml and config/slurm-site.yaml has its own entry in the schema (a type and
+    a description), not only a pass through an open mapping (optimizer arguments, attn_config)."""
+    import yaml
+
+    missing = []
+
+    def walk(value, nodes, path):
+        if isinstance(value, dict):
+            items = value.items()
+        elif isinstance(value, list):
+            items = enumerate(value)
+        else:
+            return
+        for key, sub in items:
+            subs, described = _schema_nodes(nodes, key)
+            if not described and path[-1:] != ["attn_config"]:
+                missing.append(".".join(map(str, path + [key])))
+            walk(sub, subs, path + [key])
+
+    for f in ("config/config.yaml", "config/slurm-site.yaml"):
+        walk(yaml.safe_load((REPO / f).read_text()), [schema.load()], [])
+    assert not missing, missing
+
+
+def test_commented_examples_of_the_slurm_site_file_are_valid_settings():
+    """config/slurm-site.yaml documents every site setting as a commented example: uncommented, they pass the schema."""
+    import re
+
+    import yaml
+
+    text = "\n".join(re.sub(r"^(\s+)# ", r"\1", line) for line in SITE.read_text().splitlines())
+    site = yaml.safe_load(text)["slurm"]
+    assert set(site) == set(schema.load()["$defs"]["slurm"]["properties"]), sorted(site)
+    schema.check(schema.coerce(dict(_raw_config(), slurm=site)))
+
+
+def test_every_default_in_the_schema_is_valid():
+    """Each ``default`` is valid against the node it sits in, and the defaults together pass the schema."""
+    from jsonschema import Draft202012Validator
+
+    validator = Draft202012Validator(schema.load())
+    bad = []
+
+    def walk(node, path):
+        if isinstance(node, dict):
+            if "default" in node and not validator.evolve(schema=node).is_valid(node["default"]):
+                bad.append(path)
+            for k, v in node.items():
+                walk(v, f"{path}/{k}")
+        elif isinstance(node, list):
+            for i, v in enumerate(node):
+                walk(v, f"{path}/{i}")
+
+    walk(schema.load(), "#")
+    assert not bad, bad
+    filled = schema.resolve({})
+    schema.check(filled)
+    assert schema.fill_defaults({}) == filled  # the jobs' reading of the defaults is Snakemake's
+    assert filled["convert"]["resources"]["time_min"] == 120 and filled["slurm"]["container"]["python"] == "python"
+
+
+def test_speed_only_settings_are_marked_in_the_schema():
+    """Step identity leaves out exactly the settings the schema marks x-speed-only."""
+    from llmpipe.config import SPEED_ONLY_FINETUNE_DATA_KEYS, SPEED_ONLY_TRAIN_KEYS
+
+    assert SPEED_ONLY_TRAIN_KEYS == {
+        "microbatch_size", "eval_microbatch_size", "attn_impl", "fsdp", "compile", "num_workers",
+        "save_interval_batches", "checkpoints_to_keep", "log_interval_batches", "eval_interval_batches",
+        "eval_subset_batches", "fused_optimizer", "train_metrics", "fused_loss"}
+    assert SPEED_ONLY_FINETUNE_DATA_KEYS == {"allow_pad_trimming"}
+    train = schema.load()["$defs"]["train"]["properties"]
+    assert {k for k, v in train.items() if v.get("x-speed-only")} == SPEED_ONLY_TRAIN_KEYS
+
+
+# ---------------------------------------------------------------------------------------------- --config typing
+
 def test_config_strings_from_the_command_line_read_as_yaml():
-    """`snakemake --config` hands nested values over as strings: 'False' must switch compile off."""
+    """`snakemake --config` hands nested values over as strings: each is read as a YAML file would have it where the
+    schema wants a number, integer, true/false or null ('False' must switch compile off; a learning rate '1e-3' is a
+    float); text stays text."""
     from llmpipe.config import run_config
 
-    config = {"model_defaults": {"train": {"compile": True, "train_metrics": False}},
-              "models": {"m": {"train": {"compile": "False", "train_metrics": "true", "fsdp": "null"}}}}
-    train = run_config(config, "m")["train"]
+    config = deep_merge(_raw_config(), {"models": {"mpt-tiny": {"train": {
+        "compile": "False", "train_metrics": "true", "fsdp": "null", "seed": "17", "grad_clip_norm": "0.5",
+        "optimizer": {"lr": "1e-3", "betas": ["0.8", "0.9"], "amsgrad": "True"}, "attn_impl": "torch",
+        "fused_loss": {"chunk_size": "4096", "kernel": "torch"}}}}})
+    train = run_config(schema.coerce(config), "mpt-tiny")["train"]
     assert train["compile"] is False and train["train_metrics"] is True and train["fsdp"] is None
+    assert train["seed"] == 17 and isinstance(train["seed"], int) and train["grad_clip_norm"] == 0.5
+    assert train["optimizer"]["lr"] == 1e-3 and isinstance(train["optimizer"]["lr"], float)
+    assert train["optimizer"]["betas"] == [0.8, 0.9] and train["optimizer"]["amsgrad"] is True
+    assert train["attn_impl"] == "torch" and train["fused_loss"] == {"chunk_size": 4096, "kernel": "torch"}
 
 
-def test_unknown_attention_implementation(workdir):
-    out = dry_fail(workdir, "results/mpt-125m/train.json", "--config",
-                   "models={'mpt-125m': {'train': {'attn_impl': 'sdpaa'}}}")
-    assert "models.mpt-125m.train.attn_impl is 'sdpaa'; it must be one of sdpa, torch, flash" in out
+def test_restating_a_value_from_the_command_line_keeps_the_identity():
+    """``--config`` with ``seed: 17`` (arriving as '17') restates the shipped value: the training's identity text,
+    hence its Snakemake params, is unchanged and nothing retrains."""
+    from llmpipe.config import train_identity
+
+    base = _shipped_config()
+    restated = schema.resolve(deep_merge(_raw_config(), {"models": {"mpt-tiny": {"train": {"seed": "17"}}}}))
+    assert train_identity(restated, "mpt-tiny") == train_identity(base, "mpt-tiny")
+    changed = schema.resolve(deep_merge(_raw_config(), {"models": {"mpt-tiny": {"train": {"seed": "18"}}}}))
+    assert train_identity(changed, "mpt-tiny") != train_identity(base, "mpt-tiny")
 
 
-def test_misspelled_train_setting(workdir):
-    """A typo under train: is an error (ignored, it would also have changed the run's identity and retrained it)."""
-    out = dry_fail(workdir, "results/mpt-125m/train.json", "--config",
-                   "models={'mpt-125m': {'train': {'microbatch': 8}}}")
-    assert "models.mpt-125m.train.microbatch is not a train setting; did you mean microbatch_size?" in out
-    out = dry_fail(workdir, "results/mpt-tiny-sft/eval.json", "--config",
-                   "finetunes={'mpt-tiny-sft': {'train': {'compiles': True}}}")
-    assert "finetunes.mpt-tiny-sft.train.compiles is not a train setting; did you mean compile?" in out
+PROBE = """
+import json
+configfile: {config!r}
+include: {common!r}
+print("TRAIN=" + json.dumps(config["models"]["mpt-tiny"]["train"]))
+print("IDENTITY=" + cfg.train_identity(config, "mpt-tiny"))
+rule probe:
+    output: "x"
+    shell: "touch {{output}}"
+"""
+
+
+def _probe(tmp_path, *args) -> tuple[dict, str]:
+    """The workflow config's mpt-tiny train section and training identity as rules/common.smk leaves them."""
+    import json
+    import subprocess
+    import sys
+
+    snakefile = tmp_path / "Snakefile"
+    snakefile.write_text(PROBE.format(config=str(REPO / "config/config.yaml"), common=str(REPO / "rules/common.smk")))
+    p = subprocess.run([sys.executable, "-m", "snakemake", "-s", str(snakefile), "-d", str(tmp_path), "-n", *args],
+                       cwd=tmp_path, capture_output=True, text=True, timeout=300,
+                       env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert p.returncode == 0, p.stdout + p.stderr
+    lines = (p.stdout + p.stderr).splitlines()
+    train = json.loads(next(x for x in lines if x.startswith("TRAIN="))[len("TRAIN="):])
+    return train, next(x for x in lines if x.startswith("IDENTITY="))
+
+
+def test_nested_config_overrides_reach_the_jobs_typed(tmp_path):
+    """The README's override form through a real Snakemake start: the jobs get a float learning rate, and restating
+    the seed leaves the training's params text as it was."""
+    base_train, base_id = _probe(tmp_path)
+    train, ident = _probe(tmp_path, "--config", "models={'mpt-tiny': {'train': {'optimizer': {'lr': '1e-3'}, "
+                                                "'seed': '17'}}}")
+    assert train["optimizer"]["lr"] == 1e-3 and train["seed"] == 17
+    _, restated = _probe(tmp_path, "--config", "models={'mpt-tiny': {'train': {'seed': 17}}}")
+    assert restated == base_id and ident != base_id
+
+
+# ---------------------------------------------------------------------------------------------- null and defaults
+
+@pytest.mark.parametrize("section", ["eval", "report", "data_prep", "dispatch", "scaling", "allreduce", "slurm"])
+@pytest.mark.parametrize("value", [None, "null", ""])
+def test_empty_settings_sections_mean_the_defaults(section, value):
+    """``eval:`` left empty in a config file, or ``--config 'report=null'`` (the string 'null'), means the schema's
+    defaults of that section, as for a section that is not written at all."""
+    config = _raw_config()
+    config[section] = value
+    resolved = schema.resolve(config)
+    assert resolved[section] == schema.resolve(dict(_raw_config(), **{section: {}}))[section]
+    assert resolved[section] == schema.section_defaults(section) or section == "dispatch"
+
+
+def test_null_strings_from_the_command_line_mean_null():
+    """``--config 'step_resources=null'`` and friends arrive as the string 'null'; they mean the defaults, as a YAML
+    null does, instead of crashing in the code that reads them."""
+    from llmpipe import allreduce, report, scaling
+    from llmpipe.config import step_resources, validate_run
+
+    base = _shipped_config()
+    c = schema.resolve(deep_merge(_raw_config(), {"models": {"mpt-tiny": {"step_resources": "null"}}}))
+    validate_run(c, "mpt-tiny")
+    assert step_resources(c, "eval", "mpt-tiny")["gpus_per_node"] == base["eval"]["resources"]["gpus_per_node"]
+    c = schema.resolve(deep_merge(_raw_config(), {"models": {"mpt-tiny": {"step_resources": {"eval": "null"}}}}))
+    validate_run(c, "mpt-tiny")
+    assert step_resources(c, "eval", "mpt-tiny")["gpus_per_node"] == base["eval"]["resources"]["gpus_per_node"]
+    c = schema.resolve(dict(_raw_config(), allreduce="null", report="null", scaling="null", slurm="null"))
+    assert allreduce.settings(c)["iters"] == allreduce.DEFAULTS["iters"]
+    assert report.settings(c)["runs"] == report.DEFAULTS["runs"]
+    assert scaling.settings(c)["nodes"] == scaling.DEFAULTS["nodes"]
+    c = schema.resolve(deep_merge(_raw_config(), {"allreduce": {"gate": "null"}}))
+    assert allreduce.settings(c)["gate"] is None
+    c = schema.resolve(deep_merge(_raw_config(), {"slurm": {"container": None, "partition": "null"}}))
+    assert c["slurm"]["container"]["type"] is None and c["slurm"]["partition"] is None  # no container, default partition
 
 
 def test_local_run_refuses_multi_node_training_before_anything_runs(workdir):
@@ -161,88 +517,6 @@ def test_local_executor_never_runs_a_multi_node_step_on_one_node(tmp_path):
                                "x")
 
 
-def test_misspelled_resource_key_names_the_closest(workdir):
-    """A typo under resources (here gpus_per_nodes) would be ignored and the job would get no GPU: the dry run
-    stops, naming the key, the closest known one and where Slurm site settings go."""
-    out = dry_fail(workdir, "results/mpt-1b/train.json", "--config",
-                   "models={'mpt-1b': {'resources': {'gpus_per_nodes': 8}}}")
-    assert "models.mpt-1b.resources.gpus_per_nodes is not a resource setting; did you mean gpus_per_node?" in out
-    out = dry_fail(workdir, "results/mpt-tiny/eval.json", "--config",
-                   "models={'mpt-tiny': {'step_resources': {'eval': {'partition': 'gpu'}}}}")
-    assert "models.mpt-tiny.step_resources.eval.partition is not a resource setting" in out
-    assert "models.mpt-tiny.step_resources.eval.slurm" in out
-    # a per-step slurm mapping is a resource key (docs/slurm.md): the plan goes through
-    snakemake(workdir, "-n", "results/mpt-tiny/eval.json", "--config",
-              "models={'mpt-tiny': {'step_resources': {'eval': {'slurm': {'partition': 'cpu'}}}}}")
-
-
-@pytest.mark.parametrize('section,key,close', [('arch', 'd_modle', 'd_model'), ('arch', 'tie_word_embeddings', None),
-                                               ('data', 'concat_token', 'concat_tokens')])
-def test_unknown_arch_or_data_key_of_a_pretraining_run_is_a_config_error(section, key, close):
-    """A key under a pretraining run's arch/data that the training step never reads (a typo, or an MPTConfig
-    setting it does not pass on) would be ignored by training while other steps (the MFU formula) read it."""
-    from llmpipe.config import ConfigError, deep_merge, validate_run
-    config = _shipped_config()   # which passes: test_every_shipped_model_and_finetune_passes_validation
-    bad = deep_merge(config, {'models': {'mpt-125m': {section: {key: 1}}}})
-    with pytest.raises(ConfigError, match=rf'models\.mpt-125m\.{section}\.{key} is not a') as err:
-        validate_run(bad, 'mpt-125m')
-    assert (f'did you mean {close}?' in str(err.value)) == bool(close)
-
-
-@pytest.mark.parametrize('section,typo,close', [('models', 'resource', 'resources'), ('models', 'trian', 'train'),
-                                                ('finetunes', 'node_count', 'node_counts')])
-def test_misspelled_section_of_a_run_is_a_config_error(section, typo, close):
-    """A misspelled section of a model or finetune (e.g. `resource: {nodes: 2}`) would otherwise be dropped
-    silently, and the run would use the defaults (one node)."""
-    from llmpipe.config import ConfigError, deep_merge, validate_run
-    config = _shipped_config()
-    run = 'mpt-125m' if section == 'models' else next(iter(config['finetunes']))
-    with pytest.raises(ConfigError, match=rf'{section}\.{run}\.{typo} is not a section of a .*did you mean {close}\?'):
-        validate_run(deep_merge(config, {section: {run: {typo: {'nodes': 2}}}}), run)
-
-
-def test_misspelled_top_level_section_is_a_config_error(workdir):
-    out = dry_fail(workdir, "results/mpt-125m/train.json", "--config", "model_default={'train': {'seed': 1}}")
-    assert "config.model_default is not a top-level section" in out and "did you mean model_defaults?" in out
-
-
-@pytest.mark.parametrize("override, message", [
-    ({"eval": {"val_batchs": 3}}, "eval.val_batchs is not a setting of `eval:`; did you mean val_batches?"),
-    ({"generate": {"max_tokens": 5}}, "generate.max_tokens is not a setting of `generate:`; did you mean max_new_tokens?"),
-    ({"data_prep": {"worker": 4}}, "data_prep.worker is not a setting of `data_prep:`; did you mean workers?"),
-    ({"convert": {"dtpye": "float16"}}, "convert.dtpye is not a setting of `convert:`; did you mean dtype?"),
-    ({"dispatch": {"pol_s": 1}}, "dispatch.pol_s is not a setting of `dispatch:`; did you mean poll_s?"),
-    ({"allreduce": {"max_byte": 8}}, "allreduce.max_byte is not a setting of `allreduce:`; did you mean max_bytes?"),
-    ({"scaling": {"node": [1]}}, "scaling.node is not a setting of `scaling:`; did you mean nodes?"),
-    ({"report": {"projection": {"assume_mf": 0.4}}},
-     "report.projection.assume_mf is not a setting of `report.projection:`; did you mean assume_mfu?"),
-    ({"eval": {"icl_tasks": [{"label": "x", "num_item": 3}]}},
-     "eval.icl_tasks[0].num_item is not a setting of an ICL task; did you mean num_items?"),
-    ({"slurm": {"partiton": "gpu"}}, "slurm.partiton is not a Slurm site setting (config/slurm-site.yaml); did you "
-                                     "mean partition?"),
-    ({"slurm": {"container": {"typ": "pyxis"}}}, "slurm.container.typ is not a container setting "
-                                                 "(config/slurm-site.yaml); did you mean type?"),
-    ({"allreduce": {"gate": {"size_bytes": 1 << 30, "min_busbw_gbps": 100, "min_busbw_gbs": 90}}},
-     "allreduce.gate.min_busbw_gbs is not a setting of the all-reduce gate; did you mean min_busbw_gbps?"),
-])
-def test_misspelled_key_of_a_settings_section(override, message):
-    """A key inside a settings section that nothing reads was dropped silently (the default used instead)."""
-    from llmpipe.config import check_section_keys, deep_merge
-
-    with pytest.raises(ConfigError) as err:
-        check_section_keys(deep_merge(_shipped_config(), override), str(REPO / "config/config.yaml"))
-    assert message in str(err.value) and "(Its value would be ignored.)" in str(err.value)
-
-
-def test_shipped_settings_sections_pass_the_key_check():
-    import yaml
-
-    from llmpipe.config import check_section_keys, deep_merge
-
-    site = yaml.safe_load((REPO / "config/slurm-site.yaml").read_text())
-    config = deep_merge(_shipped_config(), site)
-    check_section_keys(config, str(REPO / "config/config.yaml"))
-
 
 def test_misspelled_slurm_setting_of_a_step_or_container():
     """Per-step ``resources.slurm`` and ``slurm.container`` keys are checked when a step's Slurm settings are built
@@ -255,129 +529,6 @@ def test_misspelled_slurm_setting_of_a_step_or_container():
         site_config({"slurm": {"container": {"type": "pyxis", "imag": "nvcr.io/x"}}})
     assert site_config({"slurm": {"container": {"type": "pyxis", "image": "nvcr.io/x"}}})["container"]["type"] == "pyxis"
 
-
-def test_misspelled_section_key_fails_the_dry_run(workdir):
-    out = dry_fail(workdir, "results/mpt-tiny/eval.json", "--config", "eval={'val_batchs': 3}")
-    assert "eval.val_batchs is not a setting of `eval:`; did you mean val_batches?" in out
-
-
-@pytest.mark.parametrize("section, value", [("eval", "x"), ("eval", "null"), ("eval", None), ("report", "x"),
-                                            ("data_prep", 3), ("data_prep", "null"), ("dispatch", None),
-                                            ("slurm", "gpu")])
-def test_settings_section_that_is_not_a_mapping(section, value):
-    """``--config 'eval=3'`` (or ``eval: null`` in a config file) crashed later with a bare Python error."""
-    from llmpipe.config import check_section_keys
-
-    config = dict(_shipped_config(), **{section: value})
-    with pytest.raises(ConfigError, match=rf"`{section}:` is .*; it must be a mapping of settings\. Fix: remove it"):
-        check_section_keys(config, str(REPO / "config/config.yaml"))
-
-
-def test_empty_optional_sections_mean_the_defaults():
-    from llmpipe.config import check_section_keys
-
-    config = dict(_shipped_config(), report=None, scaling="", allreduce=None, slurm=None)
-    check_section_keys(config, str(REPO / "config/config.yaml"))
-
-
-def test_step_resources_of_an_unknown_step_and_its_slurm_keys_are_named():
-    """``step_resources: {evals: ...}`` was ignored; a per-step ``slurm:`` typo is named with its full path."""
-    from llmpipe.config import deep_merge, step_resources, validate_run
-
-    base = dict(_shipped_config(), results_dir="results")
-    bad = deep_merge(base, {"models": {"mpt-tiny": {"step_resources": {"evals": {"gpus_per_node": 1}}}}})
-    with pytest.raises(ConfigError, match=r"models\.mpt-tiny\.step_resources\.evals is not a step with its own "
-                                          r"resources; did you mean eval\?"):
-        validate_run(bad, "mpt-tiny")
-    bad = deep_merge(base, {"models": {"mpt-tiny": {"step_resources": {"eval": {"slurm": {"qoss": "x"}}}}}})
-    with pytest.raises(ConfigError, match=r"models\.mpt-tiny\.step_resources\.eval\.slurm\.qoss is not a Slurm "
-                                          r"site setting .*did you mean qos\?"):
-        validate_run(bad, "mpt-tiny")
-    bad = deep_merge(base, {"data_resources": {"slurm": {"partiton": "cpu"}}})
-    with pytest.raises(ConfigError, match=r"data_resources\.slurm\.partiton is not a Slurm site setting"):
-        step_resources(bad, "data")
-
-
-def test_typo_in_the_defaults_is_named_where_it_is_written():
-    """A key misspelled under model_defaults / finetune_defaults was reported against the first run checked
-    (models.mpt-125m.train.microbatch), where the user finds no such line."""
-    from llmpipe.config import deep_merge, validate_run
-
-    base = dict(_shipped_config(), results_dir="results")
-    cases = [
-        ({"model_defaults": {"train": {"microbatch": 8}}}, "mpt-125m", r"model_defaults\.train\.microbatch is not a "
-                                                                       r"train setting; did you mean microbatch_size\?"),
-        ({"model_defaults": {"train": {"microbatch": 8}}}, "mpt-tiny-sft", r"model_defaults\.train\.microbatch "),
-        ({"finetune_defaults": {"train": {"seeed": 1}}}, "mpt-7b-dolly", r"finetune_defaults\.train\.seeed is not"),
-        ({"models": {"mpt-125m": {"train": {"microbatch": 8}}}}, "mpt-125m", r"models\.mpt-125m\.train\.microbatch "),
-        ({"model_defaults": {"resources": {"gpus_per_nodes": 8}}}, "mpt-1b",
-         r"model_defaults\.resources\.gpus_per_nodes is not a resource setting"),
-        ({"finetune_defaults": {"resources": {"slurm": {"qoss": "x"}}}}, "mpt-tiny-sft",
-         r"finetune_defaults\.resources\.slurm\.qoss is not a Slurm site setting"),
-        ({"finetune_defaults": {"step_resources": {"evals": {"gpus_per_node": 1}}}}, "mpt-tiny-sft",
-         r"finetune_defaults\.step_resources\.evals is not a step with its own resources"),
-        ({"model_defaults": {"resource": {"nodes": 2}}}, "mpt-tiny", r"model_defaults\.resource is not a section of "
-                                                                     r"model_defaults; did you mean resources\?"),
-        ({"model_defaults": {"step_resources": {"eval": {}}}}, "mpt-tiny",
-         r"model_defaults\.step_resources is not a section of model_defaults"),
-        ({"model_defaults": {"arch": {"d_modle": 3}}}, "mpt-1b", r"model_defaults\.arch\.d_modle is not a model "
-                                                                 r"setting"),
-    ]
-    for override, run, message in cases:
-        with pytest.raises(ConfigError, match="^" + message):
-            validate_run(deep_merge(base, override), run)
-
-
-@pytest.mark.parametrize("override, message", [
-    ({"models": {"mpt-tiny": {"train": None}}}, r"models\.mpt-tiny\.train is None; it must be a mapping"),
-    ({"models": {"mpt-tiny": {"step_resources": 3}}}, r"models\.mpt-tiny\.step_resources is 3; it must map steps"),
-    ({"models": {"mpt-tiny": {"step_resources": {"eval": "x"}}}},
-     r"models\.mpt-tiny\.step_resources\.eval is 'x'; it must be a mapping of resources"),
-    ({"models": {"mpt-tiny": {"resources": "x"}}}, r"models\.mpt-tiny\.resources is 'x'; it must be a mapping"),
-    ({"model_defaults": 3}, r"model_defaults is 3; it must be a mapping of sections"),
-])
-def test_run_section_that_is_not_a_mapping(override, message):
-    from llmpipe.config import deep_merge, validate_run
-
-    with pytest.raises(ConfigError, match="^" + message):
-        validate_run(deep_merge(dict(_shipped_config(), results_dir="results"), override), "mpt-tiny")
-
-
-def test_null_strings_from_the_command_line_mean_null():
-    """``--config 'step_resources=null'`` and friends arrive as the string 'null'; they mean the defaults, as a YAML
-    null does, instead of crashing in the code that reads them."""
-    from llmpipe import allreduce, report, scaling
-    from llmpipe.config import check_section_keys, deep_merge, step_resources, validate_run
-
-    base = dict(_shipped_config(), results_dir="results")
-    c = deep_merge(base, {"models": {"mpt-tiny": {"step_resources": "null"}}})
-    validate_run(c, "mpt-tiny")
-    assert step_resources(c, "eval", "mpt-tiny")["gpus_per_node"] == base["eval"]["resources"]["gpus_per_node"]
-    c = deep_merge(base, {"models": {"mpt-tiny": {"step_resources": {"eval": "null"}}}})
-    validate_run(c, "mpt-tiny")
-    assert step_resources(c, "eval", "mpt-tiny")["gpus_per_node"] == base["eval"]["resources"]["gpus_per_node"]
-    c = dict(base, allreduce="null", report="null", scaling="null", slurm="null")
-    check_section_keys(c, str(REPO / "config/config.yaml"))
-    assert allreduce.settings(c)["iters"] == allreduce.DEFAULTS["iters"]
-    assert report.settings(c)["runs"] == report.DEFAULTS["runs"]
-    assert scaling.settings(c)["nodes"] == scaling.DEFAULTS["nodes"]
-    c = deep_merge(base, {"allreduce": {"gate": "null"}})
-    check_section_keys(c, str(REPO / "config/config.yaml"))
-    assert allreduce.settings(c)["gate"] is None
-
-
-@pytest.mark.parametrize("override, message", [
-    ({"eval": {"icl_tasks": 3}}, r"eval\.icl_tasks is 3; it must be a list of tasks"),
-    ({"eval": {"icl_tasks": ["x"]}}, r"eval\.icl_tasks\[0\] is 'x'; it must be a mapping"),
-    ({"allreduce": {"gate": 5}}, r"allreduce\.gate is 5; it must be null \(no gate\) or a mapping"),
-    ({"report": {"projection": "x"}}, r"report\.projection is 'x'; it must be a mapping"),
-    ({"slurm": {"container": "x"}}, r"slurm\.container is 'x'; it must be null \(no container\) or a mapping"),
-])
-def test_settings_subsection_that_is_not_a_mapping(override, message):
-    from llmpipe.config import check_section_keys, deep_merge
-
-    with pytest.raises(ConfigError, match="^" + message):
-        check_section_keys(deep_merge(_shipped_config(), override), str(REPO / "config/config.yaml"))
 
 
 def test_eos_text_that_is_not_text():

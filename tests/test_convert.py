@@ -8,9 +8,8 @@ import sys
 
 import pytest
 import torch
-import yaml
 
-from tests.conftest import REPO
+from tests.conftest import project_config
 
 pytestmark = pytest.mark.slow
 
@@ -55,7 +54,7 @@ def composer_logits(config: dict, run: str, ckpt: str, ids: torch.Tensor) -> tor
 def test_export_matches_composer_logits(tiny_run, tmp_path, dtype, tol):
     from llmpipe.convert import convert_checkpoint
 
-    config = yaml.safe_load((REPO / "config/config.yaml").read_text())
+    config = project_config()
     train = json.loads((tiny_run / "results/mpt-tiny/train.json").read_text())
     ckpt = str(tiny_run / train["final_checkpoint"])
     out = tmp_path / "hf"

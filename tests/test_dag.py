@@ -7,7 +7,7 @@ import re
 
 import pytest
 
-from tests.conftest import REPO, planned_jobs, snakemake
+from tests.conftest import REPO, planned_jobs, project_config, snakemake
 
 ALL_RULES = {"corpus", "tokenizer", "mds", "verify_mds", "icl_task", "train", "convert", "generate", "eval"}
 
@@ -40,8 +40,7 @@ def test_dry_run_plans_whole_chain_without_torch(workdir, no_torch, model):
 
 
 def test_default_target_plans_tiny_pipeline(workdir):
-    import yaml
-    n_icl = len(yaml.safe_load((REPO / "config/config.yaml").read_text())["eval"]["icl_tasks"])
+    n_icl = len(project_config()["eval"]["icl_tasks"])
     jobs = planned_jobs(snakemake(workdir, "-n"))
     assert jobs == {r: 1 for r in ALL_RULES} | {"all": 1, "icl_task": n_icl}, jobs
 

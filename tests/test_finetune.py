@@ -10,9 +10,8 @@ import os
 import time
 
 import pytest
-import yaml
 
-from tests.conftest import REPO, copy_run, planned_jobs, snakemake
+from tests.conftest import REPO, copy_run, planned_jobs, project_config, snakemake
 
 SFT = "mpt-tiny-sft"
 SFT_TARGETS = [f"results/{SFT}/eval.json", f"results/{SFT}/generate.json"]
@@ -20,7 +19,7 @@ AFTER_FINETUNE = {"finetune": 1, "convert": 1, "generate": 1, "finetune_eval": 1
 
 
 def load_config() -> dict:
-    return yaml.safe_load((REPO / "config/config.yaml").read_text())
+    return project_config()
 
 
 def load(wd, rel):

@@ -26,7 +26,7 @@ from llmfoundry.models.mpt.modeling_mpt import compute_loss_from_logits  # noqa:
 
 import llmpipe.attention as A  # noqa: E402
 from llmpipe import fused_loss as FL  # noqa: E402
-from tests.conftest import REPO  # noqa: E402
+from tests.conftest import REPO  # noqa: E402, project_config
 
 V, D = 101, 24
 
@@ -535,8 +535,8 @@ def test_fsdp_gradients_equal_stock(tmp_path):
 # ------------------------------------------------------------------------------------------ config and training
 
 def _project_config():
-    import yaml
-    return yaml.safe_load((REPO / 'config/config.yaml').read_text())
+    from tests.conftest import project_config
+    return project_config()
 
 
 def test_train_config_selects_the_fused_model():
@@ -562,13 +562,14 @@ def test_train_config_selects_the_fused_model():
     assert model(sm)['fused_loss_kernel'] == 'softmax' and model(sm)['fused_loss_chunk_size'] is None
     dflt = deep_merge(config, {'models': {'mpt-125m': {'train': {'fused_loss': {'chunk_size': 1024}}}}})
     assert model(dflt)['fused_loss_kernel'] == 'liger'
-    # snakemake --config passes nested values as strings
-    cli = deep_merge(config, {'models': {'mpt-125m': {'train': {'fused_loss': {'chunk_size': '4096',
-                                                                                'kernel': 'torch'}}}}})
+    # snakemake --config passes nested values as strings; rules/common.smk types them (llmpipe.schema.coerce)
+    from llmpipe.schema import coerce
+    cli = coerce(deep_merge(config, {'models': {'mpt-125m': {'train': {'fused_loss': {'chunk_size': '4096',
+                                                                                'kernel': 'torch'}}}}}))
     assert (model(cli)['fused_loss_chunk_size'], model(cli)['fused_loss_kernel']) == (4096, 'torch')
-    cli_off = deep_merge(config, {'models': {'mpt-125m': {'train': {'fused_loss': 'false'}}}})
+    cli_off = coerce(deep_merge(config, {'models': {'mpt-125m': {'train': {'fused_loss': 'false'}}}}))
     assert model(cli_off)['name'] == 'mpt_causal_lm'
-    cli_on = deep_merge(config, {'models': {'mpt-tiny': {'train': {'fused_loss': 'True'}}}})
+    cli_on = coerce(deep_merge(config, {'models': {'mpt-tiny': {'train': {'fused_loss': 'True'}}}}))
     assert model(cli_on, 'mpt-tiny')['name'] == FL.FUSED_LOSS_MODEL_NAME
     metrics = deep_merge(config, {'models': {'mpt-125m': {'train': {'train_metrics': True}}}})
     assert model(metrics)['name'] == 'mpt_causal_lm'   # the metrics need the logits

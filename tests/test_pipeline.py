@@ -9,7 +9,7 @@ import os
 import pytest
 import yaml
 
-from tests.conftest import REPO, copy_run, no_symlink_env, planned_jobs, snakemake
+from tests.conftest import REPO, copy_run, no_symlink_env, planned_jobs, project_config, snakemake
 
 pytestmark = pytest.mark.slow
 
@@ -23,7 +23,7 @@ def load(wd, rel):
 
 def test_tiny_pipeline_trains_and_evaluates(tiny_run):
     train = load(tiny_run, "mpt-tiny/train.json")
-    cfg = yaml.safe_load((REPO / "config/config.yaml").read_text())
+    cfg = project_config()
     tiny = cfg["models"]["mpt-tiny"]
     assert train["steps"] == tiny["train"]["max_duration_batches"]
     assert train["tokens"] == train["steps"] * tiny["train"]["global_batch_size"] * tiny["data"]["concat_tokens"]
@@ -64,7 +64,9 @@ def test_tiny_pipeline_trains_and_evaluates(tiny_run):
     (["tokenizers={'bpe-builtin-docs': {'vocab_size': 2048}}"],
      {"tokenizer": 1, "mds": 1, "verify_mds": 1} | AFTER_TRAIN),
     (["models={'mpt-tiny': {'data': {'concat_tokens': 64}}}"], {"mds": 1, "verify_mds": 1} | AFTER_TRAIN),
-], ids=["nothing", "eval-only", "prompts", "width", "speed-only", "tokenizer", "concat"])
+    # restating shipped values: --config hands them over as strings ('17', '3.0e-3'), typed as the YAML file has them
+    (["models={'mpt-tiny': {'train': {'seed': 17, 'optimizer': {'lr': 3.0e-3}, 'compile': False}}}"], {}),
+], ids=["nothing", "eval-only", "prompts", "width", "speed-only", "tokenizer", "concat", "restated"])
 def test_rerun_scope(tiny_run, tmp_path, change, expected):
     wd = copy_run(tiny_run, tmp_path / "wd")
     args = ["--config", *change] if change else []

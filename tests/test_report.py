@@ -8,18 +8,17 @@ import math
 
 import pandas as pd
 import pytest
-import yaml
 
 from llmpipe import report
 from llmpipe.config import tokens_per_run
 from llmpipe.mfu import flops_per_token
-from tests.conftest import REPO, copy_run, planned_jobs, snakemake
+from tests.conftest import copy_run, planned_jobs, project_config, snakemake
 
 PNG = b"\x89PNG\r\n\x1a\n"
 
 
 def load_config() -> dict:
-    return yaml.safe_load((REPO / "config/config.yaml").read_text())
+    return project_config()
 
 
 def test_dry_run_includes_only_requested_runs(workdir):

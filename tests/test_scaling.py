@@ -11,11 +11,11 @@ import yaml
 
 from llmpipe import scaling
 from llmpipe.config import train_identity
-from tests.conftest import REPO, planned_jobs, snakemake
+from tests.conftest import REPO, planned_jobs, project_config, snakemake
 
 
 def load_config() -> dict:
-    return yaml.safe_load((REPO / "config/config.yaml").read_text())
+    return project_config()
 
 
 def test_nodes_are_not_identity():

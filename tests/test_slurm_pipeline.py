@@ -27,7 +27,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.conftest import REPO, SNAKEMAKE, copy_run, planned_jobs, snakemake
+from tests.conftest import REPO, SNAKEMAKE, copy_run, planned_jobs, project_config, snakemake
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
 
@@ -228,7 +228,7 @@ def site(tmp_path_factory) -> Site:
     fake.chmod(0o755)
     image = d / "llm-foundry.sif"
     image.write_text("not really an image")
-    base = yaml.safe_load((REPO / "config/config.yaml").read_text())
+    base = project_config()
     icl = [dict(t, num_items=16) for t in base["eval"]["icl_tasks"]]
     conf = {
         "dispatch": {"poll_s": 1},

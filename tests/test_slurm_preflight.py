@@ -105,12 +105,17 @@ def test_what_preflight_rejects_really_would_wait_forever(slurm_cluster):
 
 
 # ---------------------------------------------------------------------------------------------- the slurm profile
-# (no cluster needed: a one-rule Snakefile that loads config/config.yaml like ours and prints what it got)
+# (no cluster needed: a one-rule Snakefile that loads config/config.yaml like ours, resolves it against the schema as
+# rules/common.smk does, and prints what it got)
 
 REPO = Path(__file__).resolve().parents[1]
 PROBE = """
 import json
+import sys
+sys.path.insert(0, {repo!r})
+from llmpipe import schema
 configfile: {config!r}
+schema.resolve(config)
 print("CONFIG=" + json.dumps({{"dispatch": config["dispatch"], "has_slurm": "slurm" in config,
                                "partition": (config.get("slurm") or {{}}).get("partition", "-"),
                                "results_dir": config["results_dir"]}}))
@@ -122,7 +127,7 @@ rule all:
 
 def probe_config(tmp_path: Path, *args: str, env: dict | None = None) -> dict:
     snakefile = tmp_path / "Snakefile"
-    snakefile.write_text(PROBE.format(config=str(REPO / "config" / "config.yaml")))
+    snakefile.write_text(PROBE.format(repo=str(REPO), config=str(REPO / "config" / "config.yaml")))
     p = subprocess.run([sys.executable, "-m", "snakemake", "-s", str(snakefile), "-d", str(tmp_path), "-n",
                         "--workflow-profile", str(REPO / "profiles" / "default"), *args],
                        cwd=tmp_path, capture_output=True, text=True, timeout=120, env={**os.environ, **(env or {})})

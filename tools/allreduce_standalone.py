@@ -35,6 +35,7 @@ def main(argv: list[str] | None = None) -> int:
     import yaml
 
     from llmpipe import allreduce
+    from llmpipe import schema
     from llmpipe.config import deep_merge
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -47,7 +48,7 @@ def main(argv: list[str] | None = None) -> int:
         config = yaml.safe_load(fh)
     config = deep_merge(config, {"results_dir": args.out, "dispatch": {"executor": "local"},
                                  "allreduce": {"resources": {"gpus_per_node": args.gpus}}})
-    config = deep_merge(config, yaml.safe_load(args.set) if args.set else {})
+    config = schema.resolve(deep_merge(config, yaml.safe_load(args.set) if args.set else {}))  # + the defaults
     os.makedirs(args.out, exist_ok=True)
     out = _Files([os.path.join(args.out, "nodes1.csv"), os.path.join(args.out, "nodes1.md")])
     out.csv, out.md = out

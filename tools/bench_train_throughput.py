@@ -238,9 +238,8 @@ def _make_timer() -> Any:
 # ------------------------------------------------------------------------------------- config
 
 def _load_project_config(path: str) -> dict:
-    import yaml
-    with open(path) as f:
-        return yaml.safe_load(f)
+    from llmpipe.schema import load_config
+    return load_config(path)
 
 
 def build_train_config(config: dict, run: str, variant: dict, *, steps: int, mb_override: Optional[int],
