@@ -724,7 +724,7 @@ def test_gpu_idle_report_attributes_gaps_to_frames():
 
 def test_kernel_report_keeps_lambda_kernels_and_drops_profiler_ranges():
     """PyTorch's elementwise kernels name C++ lambdas ('{lambda()#3}'); they are kernels and must be counted
-    (an earlier filter on '#' dropped them: 20 ms a step of casts went missing); the profiler's own ranges
+    (dropping names with '#' loses about 20 ms a step of casts); the profiler's own ranges
     ('Optimizer.step#FusedAdamW.step', 'ProfilerStep#3') are not."""
     from tools import bench_profile as prof
     copy = 'void at::native::unrolled_elementwise_kernel<at::native::direct_copy_kernel_cuda(at::TensorIteratorBase&)::{lambda()#3}>'
