@@ -25,23 +25,6 @@ import math
 import os
 from typing import Any, Sequence
 
-#: Bump a step's version when a change in our code changes what that step produces. The version is part of
-#: the step's identity (its Snakemake params), so bumping it reruns that step and everything after it.
-STEP_VERSIONS = {
-    "corpus": 1,
-    "tokenizer": 1,
-    "mds": 1,
-    "verify": 1,
-    "icl_tasks": 1,
-    "train": 1,
-    "convert": 1,
-    "generate": 1,
-    "eval": 1,
-    "instructions": 1,
-    "finetune": 1,
-    "finetune_eval": 1,
-}
-
 #: Keys under a model's ``train:`` that only change speed or placement; they are never part of identity.
 SPEED_ONLY_TRAIN_KEYS = frozenset({
     "microbatch_size",
@@ -618,28 +601,6 @@ def validate_tokenizer(config: dict, tok: str) -> dict:
     return t
 
 
-# ------------------------------------------------------------------------------------------------ identity
-
-def _identity(step: str, **parts: Any) -> str:
-    return canonical({"step": step, "version": STEP_VERSIONS[step], **parts})
-
-
-def corpus_identity(config: dict, corpus: str) -> str:
-    """What determines a corpus' raw files: source, repo, subset, which files. (Not retries or mirror path.)"""
-    c = config["corpora"][corpus]
-    keep = {k: c.get(k) for k in ("source", "repo_id", "revision", "subset", "train_files", "val_files")}
-    return _identity("corpus", **keep)
-
-
-def tokenizer_identity(config: dict, tok: str) -> str:
-    """What determines a tokenizer: its source and name, or its training corpus and vocabulary size."""
-    t = config["tokenizers"][tok]
-    keep = {k: t.get(k) for k in ("source", "name", "corpus", "vocab_size", "eos_text")}
-    if t.get("source") == "train":
-        keep["corpus_identity"] = corpus_identity(config, t["corpus"])
-    return _identity("tokenizer", **keep)
-
-
 def validate_data_prep(config: dict, concat: int, concat_where: str = "concat_tokens") -> dict:
     """Check ``data_prep`` for datasets of ``concat`` tokens per sample.
 
@@ -675,46 +636,6 @@ def validate_data_prep(config: dict, concat: int, concat_where: str = "concat_to
                           f"{concat_where}={concat} int32 ids ({4 * int(concat)} bytes + headers). Fix: "
                           f"raise data_prep.size_limit (default 67108864) or set it to 0 (one shard per unit).")
     return {"compression": comp, "size_limit": size_limit or None}
-
-
-def mds_identity(config: dict, corpus: str, tok: str, concat: int) -> str:
-    """What determines an MDS dataset: corpus, tokenizer, concat length and shard format."""
-    shards = validate_data_prep(config, concat)
-    return _identity("mds", corpus=corpus_identity(config, corpus), tokenizer=tokenizer_identity(config, tok),
-                     concat_tokens=int(concat), compression=shards["compression"])
-
-
-def train_identity(config: dict, run: str) -> str:
-    """What determines a trained model: architecture, data, optimizer, steps, global batch, seed, precision.
-
-    Keys in :data:`SPEED_ONLY_TRAIN_KEYS`, the resources and the attention implementation are left out.
-    """
-    if is_finetune(config, run):
-        return finetune_identity(config, run)
-    rc = run_config(config, run)
-    train = {k: v for k, v in rc["train"].items() if k not in SPEED_ONLY_TRAIN_KEYS}
-    d = rc["data"]
-    return _identity("train", arch=rc["arch"], train=train,
-                     data=mds_identity(config, d["corpus"], d["tokenizer"], d["concat_tokens"]))
-
-
-def convert_identity(config: dict, run: str) -> str:
-    """What determines the exported Hugging Face model: the trained model and the export dtype."""
-    return _identity("convert", dtype=config["convert"]["dtype"])
-
-
-def generate_identity(config: dict, run: str) -> str:
-    """What determines generate.json: prompts and sampling settings."""
-    g = config["generate"]
-    return _identity("generate", **{k: g.get(k) for k in ("prompts", "max_new_tokens", "do_sample",
-                                                           "temperature", "top_p", "seed")})
-
-
-def eval_identity(config: dict, run: str) -> str:
-    """What determines eval.json: eval-only settings (val batches, batch size, ICL tasks)."""
-    e = config["eval"]
-    return _identity("eval", val_batches=e.get("val_batches"), batch_size=e.get("batch_size"),
-                     icl_tasks=e.get("icl_tasks"))
 
 
 #: The keys a step's resources may have (what llmpipe.dispatch and llmpipe.slurm read; ``slurm``: per-step Slurm
@@ -993,47 +914,3 @@ def _lcm(values: list[int]) -> int:
     for v in values:
         out = out * v // math.gcd(out, v)
     return out
-
-
-def instructions_identity(config: dict, name: str) -> str:
-    """What determines a prepared instruction set: its source, dataset id, revision, splits, columns, row caps.
-
-    The mirror folder of a local source is left out (as for corpora): the same data read from another path is
-    the same data.
-    """
-    s = config["instruction_sets"][name]
-    keep = {k: s.get(k) for k in ("source", "hf_name", "revision", "train_split", "eval_split", "columns",
-                                  "max_rows", "max_items", "eval_percent", "seed")}
-    return _identity("instructions", **keep)
-
-
-def finetune_identity(config: dict, run: str) -> str:
-    """What determines a finetuned model: the base model (for our runs: the base's training and export
-    identity, so retraining the base reruns the finetune), the instruction set, the tokenizer, the data settings,
-    the optimizer, steps, global batch, seed, precision and LoRA settings.
-
-    Speed-only keys (:data:`SPEED_ONLY_TRAIN_KEYS`, :data:`SPEED_ONLY_FINETUNE_DATA_KEYS`), resources and node
-    counts are left out; so is ``arch`` for hub bases (it describes the hub model; it does not change it).
-    """
-    rc = run_config(config, run)
-    base = rc["base"]
-    if base.get("run"):
-        base_id = {"run": base["run"], "train": train_identity(config, base["run"]),
-                   "convert": convert_identity(config, base["run"])}
-    else:
-        base_id = {"hub": base["hub"], "revision": base.get("revision")}
-    d = rc["data"]
-    data = {k: v for k, v in d.items()
-            if k not in SPEED_ONLY_FINETUNE_DATA_KEYS and k not in ("corpus", "icl_corpus", "concat_tokens")}
-    data["instructions"] = instructions_identity(config, d["instructions"])
-    data["tokenizer"] = tokenizer_identity(config, d["tokenizer"])
-    train = {k: v for k, v in rc["train"].items() if k not in SPEED_ONLY_TRAIN_KEYS}
-    return _identity("finetune", base=base_id, data=data, train=train, lora=rc["lora"])
-
-
-def finetune_eval_identity(config: dict, run: str) -> str:
-    """What determines a finetune's eval.json: the eval settings, the held-out split and its sequence length."""
-    d = run_config(config, run)["data"]
-    return _identity("finetune_eval", eval=eval_identity(config, run),
-                     instructions=instructions_identity(config, d["instructions"]),
-                     max_seq_len=int(d["concat_tokens"]), icl_corpus=d["icl_corpus"])

@@ -24,9 +24,9 @@ import os
 import re
 from typing import Any
 
-from llmpipe.plots import finish_and_save
 from llmpipe.config import ConfigError, run_config, tokens_per_run
 from llmpipe.mfu import flops_per_token, mpt_param_count
+from llmpipe.plots import finish_and_save
 from llmpipe.scaling import markdown
 
 #: Defaults of the ``report:`` section.
@@ -456,7 +456,7 @@ def plot_mfu(results_dir: str, runs: list[str], png: str) -> None:
     plt.close(fig)
 
 
-# ------------------------------------------------------------------------------------------- rule glue
+# ------------------------------------------------------------------------------------------- files
 
 def _write_table(df, csv_path: str, md_path: str, title: str) -> None:
     tmp = csv_path + ".tmp"
@@ -498,17 +498,3 @@ def build(config: dict, results_dir: str, out: dict[str, str], runs: list[str], 
         if os.path.exists(p):
             studies[r] = pd.read_csv(p)
     plot_speedup(studies, out["speedup"])
-
-
-def report_step(smk) -> None:
-    """Rule ``report``: every file of ``results/report/`` from the inputs Snakemake resolved."""
-    from llmpipe.steps import _start_log
-    _start_log(smk)
-    build(smk.config, smk.config["results_dir"], dict(smk.output.items()), list(smk.params.runs),
-          list(smk.params.scaling), list(smk.params.allreduce))
-
-
-def main(smk) -> None:
-    """What ``scripts/report.py`` calls."""
-    from llmpipe.steps import _logged
-    _logged(report_step)(smk)

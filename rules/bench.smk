@@ -3,13 +3,14 @@
 #   snakemake results/bench/allreduce/nodes2.csv --profile profiles/slurm   # one node count
 #   snakemake allreduce_all --profile profiles/slurm                         # every count in allreduce.nodes + plot
 from llmpipe import allreduce as allreduce_mod
+from llmpipe.dispatch import check_executor
 
 
 def allreduce_plan(wildcards):
     """No input files; checks the sweep and the executor, and runs the Slurm preflight, while the DAG is built."""
     nodes = int(wildcards.nodes)
     allreduce_mod.settings(config)
-    allreduce_mod.check_executor(config, nodes, f"the all-reduce bench (results/bench/allreduce/nodes{nodes}.csv)")
+    check_executor(config, nodes, f"the all-reduce bench (results/bench/allreduce/nodes{nodes}.csv)")
     if config["dispatch"]["executor"] == "slurm" and ("allreduce", nodes) not in _PREFLIGHT_DONE:
         from llmpipe import slurm
 
@@ -26,7 +27,26 @@ def allreduce_res(key):
 
 
 def allreduce_threads(wildcards):
-    return dispatch_threads(lambda: allreduce_mod.bench_resources(config, int(wildcards.nodes)))
+    return dispatch_threads(allreduce_mod.bench_resources, config, int(wildcards.nodes))
+
+
+def allreduce_node_count(wildcards):
+    """``nodes`` resource of the bench: the node count in its path."""
+    return int(wildcards.nodes)
+
+
+def allreduce_identity(wildcards):
+    return identity_text(allreduce_steps.allreduce_identity(config))
+
+
+def allreduce_csvs(wildcards):
+    """The bench's CSV at every node count of allreduce.nodes."""
+    return [f"{RESULTS}/bench/allreduce/nodes{n}.csv" for n in allreduce_mod.settings(config)["nodes"]]
+
+
+def allreduce_gate_settings(wildcards):
+    """``allreduce.gate`` as text: a changed threshold re-checks the gate (it never re-measures)."""
+    return identity_text(allreduce_mod.settings(config)["gate"])
 
 
 def allreduce_gate_input(wildcards):
@@ -55,12 +75,12 @@ rule allreduce:
     wildcard_constraints:
         nodes=r"\d+",
     params:
-        identity=lambda wc: allreduce_mod.identity(config),
+        identity=allreduce_identity,
     log:
         f"{LOGS}/allreduce/nodes{{nodes}}.log",
     threads: allreduce_threads
     resources:
-        nodes=lambda wc: int(wc.nodes),
+        nodes=allreduce_node_count,
         gpus_per_node=allreduce_res("gpus_per_node"),
         tasks_per_node=allreduce_res("tasks_per_node"),
         cpus_per_task=allreduce_res("cpus_per_task"),
@@ -71,7 +91,7 @@ rule allreduce:
 
 rule allreduce_plot:
     input:
-        lambda wc: [f"{RESULTS}/bench/allreduce/nodes{n}.csv" for n in allreduce_mod.settings(config)["nodes"]],
+        allreduce_csvs,
     output:
         report(f"{RESULTS}/bench/allreduce/busbw.png", caption="../report/busbw.rst", category="All-reduce bandwidth"),
     log:
@@ -87,7 +107,7 @@ rule allreduce_gate:
     output:
         f"{RESULTS}/bench/allreduce/gate/{{run}}.json",
     params:
-        gate=lambda wc: cfg.canonical(allreduce_mod.settings(config)["gate"]),
+        gate=allreduce_gate_settings,
     log:
         f"{LOGS}/allreduce/gate-{{run}}.log",
     localrule: True
@@ -103,7 +123,7 @@ rule scaling_allreduce_gate:
     wildcard_constraints:
         nodes=r"\d+",
     params:
-        gate=lambda wc: cfg.canonical(allreduce_mod.settings(config)["gate"]),
+        gate=allreduce_gate_settings,
     log:
         f"{LOGS}/allreduce/gate-{{run}}-nodes{{nodes}}.log",
     localrule: True
@@ -113,5 +133,5 @@ rule scaling_allreduce_gate:
 
 rule allreduce_all:
     input:
-        lambda wc: [f"{RESULTS}/bench/allreduce/nodes{n}.csv" for n in allreduce_mod.settings(config)["nodes"]],
+        allreduce_csvs,
         f"{RESULTS}/bench/allreduce/busbw.png",

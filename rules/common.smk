@@ -23,6 +23,19 @@ wildcard_constraints:
     label=r"[A-Za-z0-9_.-]+",
 
 
+# ------------------------------------------------------------------------------------------- step identity
+# Each step module of llmpipe/steps/ gives its identity as a dict; identity_text makes it the canonical text a
+# rule's `params: identity=` holds, here at the rule boundary only. Snakemake reruns a step when that text changes.
+from llmpipe.identity import identity_text
+from llmpipe.steps import allreduce as allreduce_steps
+from llmpipe.steps import convert as convert_steps
+from llmpipe.steps import data as data_steps
+from llmpipe.steps import evaluate as eval_steps
+from llmpipe.steps import generate as generate_steps
+from llmpipe.steps import scaling as scaling_steps
+from llmpipe.steps import train as train_steps
+
+
 def run_cfg(wildcards):
     """Validated settings of the run in the target path (clear ConfigError if it is wrong)."""
     return cfg.validate_run(config, wildcards.run)
@@ -31,6 +44,11 @@ def run_cfg(wildcards):
 def dataset_path(wildcards, leaf):
     d = run_cfg(wildcards)["data"]
     return f"{RESULTS}/data/{d['corpus']}/{d['tokenizer']}/concat{d['concat_tokens']}/{leaf}"
+
+
+def verified_dataset(wildcards):
+    """The verification record of the run's dataset (its MDS shards are beside it, in mds/)."""
+    return dataset_path(wildcards, "verified.json")
 
 
 def tokenizer_manifest_of_run(wildcards):
@@ -88,14 +106,14 @@ def res(step, key, default=0):
     return get
 
 
-def dispatch_threads(resources):
+def dispatch_threads(resources, *args):
     """Cores a dispatching rule takes from Snakemake's --cores: all the CPUs of its job when the job runs here
-    (``resources()``: the step's resources), none when the rule only waits on Slurm. With none, the Slurm profile's
-    ``jobs`` alone bounds how many rules wait at once; ``cores: all`` of profiles/default (which wins over the Slurm
-    profile's keys) would otherwise cap them at the login node's core count."""
+    (``resources(*args)``: the step's resources, computed only then), none when the rule only waits on Slurm. With
+    none, the Slurm profile's ``jobs`` alone bounds how many rules wait at once; ``cores: all`` of profiles/default
+    (which wins over the Slurm profile's keys) would otherwise cap them at the login node's core count."""
     if config["dispatch"]["executor"] != "local":
         return 0
-    r = resources()
+    r = resources(*args)
     return max(1, int(r["cpus_per_task"]) * int(r["tasks_per_node"]))
 
 
@@ -103,6 +121,6 @@ def step_threads(step):
     """``threads:`` of a rule that dispatches ``step`` (:func:`dispatch_threads`)."""
 
     def get(wildcards):
-        return dispatch_threads(lambda: cfg.step_resources(config, step, getattr(wildcards, "run", None)))
+        return dispatch_threads(cfg.step_resources, config, step, getattr(wildcards, "run", None))
 
     return get

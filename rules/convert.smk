@@ -1,6 +1,10 @@
 # Conversion of the final composer checkpoint to a Hugging Face model folder (safetensors + tokenizer).
 
 
+def convert_identity(wildcards):
+    return identity_text(convert_steps.convert_identity(config, wildcards.run))
+
+
 rule convert:
     input:
         train=f"{RESULTS}/{{run}}/train.json",
@@ -8,7 +12,7 @@ rule convert:
     output:
         f"{RESULTS}/{{run}}/hf/manifest.json",
     params:
-        identity=lambda wc: cfg.convert_identity(config, wc.run),
+        identity=convert_identity,
     log:
         f"{LOGS}/convert/{{run}}.log",
     threads: step_threads("convert")

@@ -4,12 +4,12 @@
 
 def corpus_identity(wildcards):
     cfg.validate_corpus(config, wildcards.corpus)
-    return cfg.corpus_identity(config, wildcards.corpus)
+    return identity_text(data_steps.corpus_identity(config, wildcards.corpus))
 
 
 def tokenizer_identity(wildcards):
     cfg.validate_tokenizer(config, wildcards.tokenizer)
-    return cfg.tokenizer_identity(config, wildcards.tokenizer)
+    return identity_text(data_steps.tokenizer_identity(config, wildcards.tokenizer))
 
 
 def tokenizer_inputs(wildcards):
@@ -18,7 +18,17 @@ def tokenizer_inputs(wildcards):
 
 
 def mds_identity(wildcards):
-    return cfg.mds_identity(config, wildcards.corpus, wildcards.tokenizer, int(wildcards.concat))
+    return identity_text(data_steps.mds_identity(config, wildcards.corpus, wildcards.tokenizer,
+                                                 int(wildcards.concat)))
+
+
+def verify_identity(wildcards):
+    return identity_text(data_steps.verify_identity(config, wildcards.corpus, wildcards.tokenizer,
+                                                    int(wildcards.concat)))
+
+
+def icl_task_identity(wildcards):
+    return identity_text(data_steps.icl_task_identity(config, wildcards.label))
 
 
 rule corpus:
@@ -79,7 +89,7 @@ rule verify_mds:
     output:
         f"{RESULTS}/data/{{corpus}}/{{tokenizer}}/concat{{concat}}/verified.json",
     params:
-        identity=mds_identity,
+        identity=verify_identity,
     log:
         f"{LOGS}/verify/{{corpus}}-{{tokenizer}}-concat{{concat}}.log",
     threads: 1
@@ -96,10 +106,7 @@ rule icl_task:
     output:
         f"{RESULTS}/data/{{corpus}}/icl/{{label}}.jsonl",
     params:
-        identity=lambda wc: cfg.canonical(
-            [t for t in config["eval"]["icl_tasks"] if t["label"] == wc.label]
-            + [cfg.STEP_VERSIONS["icl_tasks"]]
-        ),
+        identity=icl_task_identity,
     log:
         f"{LOGS}/icl/{{corpus}}-{{label}}.log",
     threads: 1

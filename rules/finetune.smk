@@ -47,6 +47,20 @@ def finetune_icl_files(wildcards):
     return [f"{RESULTS}/data/{corpus}/icl/{t['label']}.jsonl" for t in config["eval"]["icl_tasks"]]
 
 
+def instructions_identity(wildcards):
+    cfg.validate_instruction_set(config, wildcards.iset)
+    return identity_text(data_steps.instructions_identity(config, wildcards.iset))
+
+
+def finetune_identity(wildcards):
+    finetune_cfg(wildcards)
+    return identity_text(train_steps.train_identity(config, wildcards.run))
+
+
+def finetune_eval_identity(wildcards):
+    return identity_text(eval_steps.finetune_eval_identity(config, wildcards.run))
+
+
 ruleorder: finetune > train
 ruleorder: finetune_eval > eval
 
@@ -55,9 +69,7 @@ rule instructions:
     output:
         f"{RESULTS}/data/instructions/{{iset}}/manifest.json",
     params:
-        identity=lambda wc: cfg.validate_instruction_set(config, wc.iset) and cfg.instructions_identity(
-            config, wc.iset
-        ),
+        identity=instructions_identity,
     log:
         f"{LOGS}/instructions/{{iset}}.log",
     wildcard_constraints:
@@ -76,7 +88,7 @@ rule finetune:
     output:
         f"{RESULTS}/{{run}}/train.json",
     params:
-        identity=lambda wc: finetune_cfg(wc) and cfg.train_identity(config, wc.run),
+        identity=finetune_identity,
     log:
         f"{LOGS}/finetune/{{run}}.log",
     wildcard_constraints:
@@ -100,7 +112,7 @@ rule finetune_eval:
     output:
         f"{RESULTS}/{{run}}/eval.json",
     params:
-        identity=lambda wc: cfg.finetune_eval_identity(config, wc.run),
+        identity=finetune_eval_identity,
     log:
         f"{LOGS}/eval/{{run}}.log",
     wildcard_constraints:

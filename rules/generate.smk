@@ -1,13 +1,17 @@
 # Generation: the converted model answers the configured prompts.
 
 
+def generate_identity(wildcards):
+    return identity_text(generate_steps.generate_identity(config, wildcards.run))
+
+
 rule generate:
     input:
         f"{RESULTS}/{{run}}/hf/manifest.json",
     output:
         f"{RESULTS}/{{run}}/generate.json",
     params:
-        identity=lambda wc: cfg.generate_identity(config, wc.run),
+        identity=generate_identity,
     log:
         f"{LOGS}/generate/{{run}}.log",
     threads: step_threads("generate")

@@ -16,6 +16,18 @@ def report_inputs(wildcards):
     return files
 
 
+def requested_runs(wildcards):
+    return report_mod.report_runs(config, RESULTS)
+
+
+def requested_scaling_studies(wildcards):
+    return report_mod.scaling_runs(config, RESULTS)
+
+
+def requested_allreduce_nodes(wildcards):
+    return report_mod.allreduce_nodes(config, RESULTS)
+
+
 rule report:
     input:
         report_inputs,
@@ -32,9 +44,9 @@ rule report:
         busbw=report(f"{REPORT}/busbw.png", caption="../report/busbw.rst", category="Plots"),
         speedup=report(f"{REPORT}/speedup.png", caption="../report/speedup_all.rst", category="Plots"),
     params:
-        runs=lambda wc: report_mod.report_runs(config, RESULTS),
-        scaling=lambda wc: report_mod.scaling_runs(config, RESULTS),
-        allreduce=lambda wc: report_mod.allreduce_nodes(config, RESULTS),
+        runs=requested_runs,
+        scaling=requested_scaling_studies,
+        allreduce=requested_allreduce_nodes,
     log:
         f"{LOGS}/report/report.log",
     localrule: True

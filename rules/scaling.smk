@@ -27,7 +27,23 @@ def scaling_res(key):
 
 
 def scaling_threads(wildcards):
-    return dispatch_threads(lambda: cfg.step_resources(config, "train", wildcards.run))
+    return dispatch_threads(cfg.step_resources, config, "train", wildcards.run)
+
+
+def study_identity(wildcards):
+    """The study's training identity (the same at every node count), once the whole study is checked."""
+    scaling_check(wildcards)
+    return identity_text(scaling_steps.study_identity(config, wildcards.run))
+
+
+def study_trainings(wildcards):
+    """The train.json of every node count of the study."""
+    return [f"{RESULTS}/scaling/{wildcards.run}/nodes{n}/train.json" for n in scaling_check(wildcards)]
+
+
+def scaling_tables(wildcards):
+    """The table of every study in scaling.runs."""
+    return [f"{RESULTS}/scaling/{r}/scaling.csv" for r in scaling_mod.settings(config)["runs"]]
 
 
 def scaling_gate_input(wildcards):
@@ -57,7 +73,7 @@ rule scaling_train:
     wildcard_constraints:
         nodes=r"\d+",
     params:
-        identity=lambda wc: scaling_check(wc) and scaling_mod.study_identity(config, wc.run),
+        identity=study_identity,
     log:
         f"{LOGS}/scaling/{{run}}/nodes{{nodes}}.log",
     threads: scaling_threads
@@ -73,7 +89,7 @@ rule scaling_train:
 
 rule scaling_table:
     input:
-        lambda wc: [f"{RESULTS}/scaling/{wc.run}/nodes{n}/train.json" for n in scaling_check(wc)],
+        study_trainings,
     output:
         csv=report(f"{RESULTS}/scaling/{{run}}/scaling.csv", caption="../report/scaling.rst",
                    category="Node scaling", subcategory="{run}"),
@@ -89,4 +105,4 @@ rule scaling_table:
 
 rule scaling:
     input:
-        lambda wc: [f"{RESULTS}/scaling/{r}/scaling.csv" for r in scaling_mod.settings(config)["runs"]],
+        scaling_tables,

@@ -3,14 +3,20 @@
 
 def train_identity(wildcards):
     run_cfg(wildcards)
-    return cfg.train_identity(config, wildcards.run)
+    return identity_text(train_steps.train_identity(config, wildcards.run))
+
+
+def train_gate_input(wildcards):
+    """The all-reduce gate's record when allreduce.gate is on, else nothing (allreduce_gate_input, rules/bench.smk,
+    which is included after this file)."""
+    return allreduce_gate_input(wildcards)
 
 
 rule train:
     input:
-        data=lambda wc: dataset_path(wc, "verified.json"),
+        data=verified_dataset,
         tokenizer=tokenizer_manifest_of_run,
-        gate=lambda wc: allreduce_gate_input(wc),  # rules/bench.smk: [] unless allreduce.gate is on
+        gate=train_gate_input,
     output:
         f"{RESULTS}/{{run}}/train.json",
     params:
