@@ -575,6 +575,22 @@ def finished_result(save_folder: str, newest: str | None, max_batches: int) -> d
     return rec
 
 
+def recorded_result(save_folder: str, identity: str, max_batches: int) -> dict | None:
+    """The train.json record of a finished training of ``identity`` in ``save_folder``, or None.
+
+    Finished: ``identity.json`` holds the same identity (:func:`llmpipe.identity.same_identity`: any text form)
+    and :func:`finished_result` returns the record for the newest complete checkpoint. Only reads; light enough
+    for the submitting machine, so a rerun of a finished training needs no job (:mod:`llmpipe.steps.train`).
+    """
+    try:
+        with open(os.path.join(save_folder, "identity.json")) as fh:
+            if not same_identity(fh.read(), identity):
+                return None
+    except OSError:
+        return None
+    return finished_result(save_folder, newest_checkpoint(save_folder), max_batches)
+
+
 def _wait_for_file(path: str, content: str, timeout_s: float = 600) -> None:
     t0 = time.time()
     while time.time() - t0 < timeout_s:
@@ -656,4 +672,5 @@ def _first_logged_loss(save_folder: str) -> float | None:
 
 
 __all__ = ["foundry_train_config", "TrainTask", "newest_checkpoint", "complete_checkpoints",
-           "prepare_save_folder", "clear_save_folder", "register", "summarize", "canonical"]
+           "prepare_save_folder", "clear_save_folder", "finished_result", "recorded_result", "register", "summarize",
+           "canonical"]

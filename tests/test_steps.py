@@ -4,6 +4,7 @@ without retraining), and the provenance record every step writes beside its outp
 from __future__ import annotations
 
 import ast
+import dataclasses
 import json
 import os
 import re
@@ -86,8 +87,8 @@ def test_context_names_log_folder_resources_and_key_once():
     scaling = types.SimpleNamespace(**{**vars(smk), "rule": "scaling_train",
                                        "wildcards": types.SimpleNamespace(run="mpt-tiny", nodes="1")})
     assert context(scaling, RULES["scaling_train"]).log_dir.endswith("logs/scaling/mpt-tiny-nodes1.submitit")
-    with pytest.raises(Exception):
-        ctx.rule = "other"  # frozen
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        ctx.rule = "other"
 
 
 # ------------------------------------------------------------------------------------------- identity
@@ -150,6 +151,32 @@ def test_finished_training_with_legacy_identity_is_kept_and_recognized(tmp_path)
     newest = newest_checkpoint(folder)
     assert newest.endswith("ep0-ba100-rank0.pt")
     assert finished_result(folder, newest, 100)["steps"] == 100
+
+
+def test_train_step_returns_a_finished_legacy_training_without_a_job(tmp_path):
+    """Rule train as Snakemake runs it once after the upgrade: the save folder of a finished training holds the
+    legacy identity text; the step writes the recorded result as train.json without submitting a job (the config's
+    executor cannot run one), keeps every checkpoint and rewrites identity.json in the new form."""
+    config = load_config()
+    config["dispatch"] = {**config["dispatch"], "executor": "none: a job here would be a retraining"}
+    config["models"]["mpt-tiny"].setdefault("train", {})["max_duration_batches"] = 100  # the folder's final step
+    ident = train_identity(config, "mpt-tiny")
+    run_dir = tmp_path / "results" / "mpt-tiny"
+    folder = finished_save_folder(str(run_dir / "checkpoints"), legacy_text(ident))
+    before = sorted(os.listdir(folder))
+    tok = tmp_path / "results" / "tokenizers" / "t" / "manifest.json"
+    tok.parent.mkdir(parents=True)
+    tok.write_text(json.dumps({"vocab_size": 64}))
+    smk = types.SimpleNamespace(rule="train", config=config, wildcards=NamedList(run="mpt-tiny"),
+                                input=NamedList(data=str(tmp_path / "verified.json"), tokenizer=str(tok), gate=[]),
+                                output=[str(run_dir / "train.json")], params=NamedList(identity=identity_text(ident)),
+                                log=[str(tmp_path / "logs" / "train.log")])
+    run_rule(smk)
+    assert json.loads((run_dir / "train.json").read_text())["steps"] == 100
+    assert sorted(os.listdir(folder)) == before
+    assert (run_dir / "checkpoints" / "identity.json").read_text() == identity_text(ident)
+    assert "training already complete" in Path(smk.log[0]).read_text()
+    assert json.loads(Path(provenance_path(smk.output[0])).read_text())["identity"] == ident
 
 
 def test_changed_identity_still_clears_a_legacy_folder(tmp_path):
@@ -235,7 +262,29 @@ def test_upgraded_finished_training_returns_its_result_at_once(tiny_run, tmp_pat
     snakemake(wd, "--cores", "2", "--forcerun", "train", "--", "results/mpt-tiny/train.json")
     assert json.loads((wd / "results/mpt-tiny/train.json").read_text()) == train0
     assert sorted(os.listdir(ck)) == before and (ck / "identity.json").read_text() == new_text
-    logs = (wd / "results/logs/train/mpt-tiny.submitit").rglob("*_0_log.out")
-    assert any("training already complete" in p.read_text() for p in logs)
+    log = (wd / "results/logs/train/mpt-tiny.log").read_text()
+    assert "training already complete" in log and "submitted job" not in log, log
     prov = json.loads((wd / "results/mpt-tiny/train.json.provenance.json").read_text())
     assert prov["identity"] == json.loads(new_text) and prov["version"] == 1
+
+
+def test_scaling_table_step_writes_its_files_and_provenance(tmp_path):
+    """Rule scaling_table through the same entry as every rule (its real run needs a Slurm cluster)."""
+    base = {"run": "m", "steps": 12, "global_batch_size": 16, "concat_tokens": 128, "tokens": 1000,
+            "tokens_per_s": 100.0, "tokens_per_s_per_device": 100.0, "mfu": None, "device": "cpu"}
+    inputs = []
+    for nodes, wall in ((1, 40.0), (2, 25.0)):
+        p = tmp_path / "scaling" / "m" / f"nodes{nodes}" / "train.json"
+        p.parent.mkdir(parents=True)
+        p.write_text(json.dumps({**base, "nodes": nodes, "devices": nodes, "wall_clock_s": wall}))
+        inputs.append(str(p))
+    out = NamedList(csv=str(tmp_path / "scaling.csv"), md=str(tmp_path / "scaling.md"),
+                    png=str(tmp_path / "speedup.png"))
+    run_rule(types.SimpleNamespace(rule="scaling_table", config={"results_dir": str(tmp_path)},
+                                   wildcards=NamedList(run="m"), input=inputs, output=out, params=NamedList(),
+                                   log=[str(tmp_path / "logs" / "table.log")]))
+    df = pd.read_csv(out.csv)
+    assert list(df["nodes"]) == [1, 2] and list(df["speedup"]) == [1.0, 1.6]
+    assert "Node scaling of m" in Path(out.md).read_text() and os.path.getsize(out.png) > 1000
+    rec = json.loads(Path(provenance_path(out.csv)).read_text())
+    assert rec["rule"] == "scaling_table" and rec["settings"] == {"nodes": [1, 2]} and rec["identity"] is None

@@ -8,7 +8,7 @@ import re
 from llmpipe import scaling
 from llmpipe.config import step_resources, validate_run, world_size
 from llmpipe.steps.context import StepContext, read_json
-from llmpipe.steps.train import check_all_steps, train_identity, training_task
+from llmpipe.steps.train import check_all_steps, finished_training, train_identity, training_task
 
 
 def study_identity(config: dict, run: str) -> dict:
@@ -34,7 +34,7 @@ def scaling_train(ctx: StepContext) -> dict:
     rc = validate_run(config, run)
     task = training_task(ctx, config, run, rc)  # the same task as rule train / finetune builds
     label = f"scaling {run} nodes{nodes}"
-    result = ctx.dispatch(task, step=label, config=config)
+    result = finished_training(ctx, rc, label) or ctx.dispatch(task, step=label, config=config)
     check_all_steps(result, rc, label)
     if int(result.get("devices", 0)) != world_size(ctx.resources):
         raise RuntimeError(f"{label}: trained on {result.get('devices')} devices, expected "
