@@ -1,10 +1,6 @@
 # Conversion of the final composer checkpoint to a Hugging Face model folder (safetensors + tokenizer).
 
 
-def convert_identity(wildcards):
-    return identity_text(convert_steps.convert_identity(config, wildcards.run))
-
-
 rule convert:
     input:
         train=f"{RESULTS}/{{run}}/train.json",

@@ -2,35 +2,6 @@
 # Prepared data is shared by every model with the same corpus, tokenizer and concat length.
 
 
-def corpus_identity(wildcards):
-    cfg.validate_corpus(config, wildcards.corpus)
-    return identity_text(data_steps.corpus_identity(config, wildcards.corpus))
-
-
-def tokenizer_identity(wildcards):
-    cfg.validate_tokenizer(config, wildcards.tokenizer)
-    return identity_text(data_steps.tokenizer_identity(config, wildcards.tokenizer))
-
-
-def tokenizer_inputs(wildcards):
-    t = cfg.validate_tokenizer(config, wildcards.tokenizer)
-    return [f"{RESULTS}/data/{t['corpus']}/raw/manifest.json"] if t["source"] == "train" else []
-
-
-def mds_identity(wildcards):
-    return identity_text(data_steps.mds_identity(config, wildcards.corpus, wildcards.tokenizer,
-                                                 int(wildcards.concat)))
-
-
-def verify_identity(wildcards):
-    return identity_text(data_steps.verify_identity(config, wildcards.corpus, wildcards.tokenizer,
-                                                    int(wildcards.concat)))
-
-
-def icl_task_identity(wildcards):
-    return identity_text(data_steps.icl_task_identity(config, wildcards.label))
-
-
 rule corpus:
     output:
         f"{RESULTS}/data/{{corpus}}/raw/manifest.json",

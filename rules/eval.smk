@@ -1,10 +1,6 @@
 # Evaluation on unseen data: held-out LM metrics on the val split and in-context-learning accuracy.
 
 
-def eval_identity(wildcards):
-    return identity_text(eval_steps.eval_identity(config, wildcards.run))
-
-
 rule eval:
     input:
         model=f"{RESULTS}/{{run}}/hf/manifest.json",

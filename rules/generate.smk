@@ -1,10 +1,6 @@
 # Generation: the converted model answers the configured prompts.
 
 
-def generate_identity(wildcards):
-    return identity_text(generate_steps.generate_identity(config, wildcards.run))
-
-
 rule generate:
     input:
         f"{RESULTS}/{{run}}/hf/manifest.json",

@@ -63,9 +63,15 @@ def test_every_rule_script_is_the_same_entry_and_every_rule_has_a_step():
     assert code == ["from llmpipe.steps import run_rule", "run_rule(snakemake)  # noqa: F821 - injected by Snakemake"]
 
 
-def test_rule_files_have_no_lambdas():
+def test_rule_files_have_no_lambdas_and_their_functions_are_in_common_smk():
+    """Named functions only, all in rules/common.smk, which has no rules (snakemake --lint: no file mixes them)."""
     for smk in [REPO / "Snakefile", *(REPO / "rules").glob("*.smk")]:
-        assert "lambda" not in smk.read_text(), smk
+        text = smk.read_text()
+        assert "lambda" not in text, smk
+        if smk.name == "common.smk":
+            assert not re.search(r"rule .+?:", text), "the linter would take rules/common.smk for a rule file"
+        else:
+            assert not re.search(r"^def ", text, re.M), f"{smk}: move its functions to rules/common.smk"
 
 
 def test_steps_package_imports_no_private_names_across_modules():
