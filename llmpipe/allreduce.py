@@ -30,20 +30,15 @@ import os
 import time
 from typing import Any
 
-from llmpipe.plots import finish_and_save
 from llmpipe.schema import section_defaults
 from llmpipe.config import ConfigError, step_resources, world_size
-from llmpipe.dispatch import check_executor  # noqa: F401 - used here and by rules/bench.smk
-from llmpipe.steps import _logged
+from llmpipe.plots import finish_and_save
 
 #: Columns of ``results/bench/allreduce/nodes{N}.csv``, in nccl-tests' order, then where it ran.
 COLUMNS = ["size_bytes", "count", "type", "redop", "root",
            "oop_time_us", "oop_algbw_gbps", "oop_busbw_gbps", "oop_wrong",
            "ip_time_us", "ip_algbw_gbps", "ip_busbw_gbps", "ip_wrong",
            "nodes", "ranks", "backend", "device", "warmup", "iters"]
-
-#: Part of the bench's identity (its Snakemake params): bump when a change here changes what the bench measures.
-VERSION = 1
 
 #: Settings of the bench the config does not set: the schema's defaults of ``allreduce:``.
 DEFAULTS: dict[str, Any] = section_defaults("allreduce")
@@ -84,18 +79,6 @@ def settings(config: dict) -> dict:
             raise ConfigError(f"allreduce.gate.size_bytes ({gate['size_bytes']}) is not one of the sweep's sizes "
                               f"({lo} x {f}^k up to {hi}). Fix: pick one of them, or widen the sweep.")
     return s
-
-
-def identity(config: dict) -> str:
-    """What determines a bench result: the sweep, the type, iterations, backend, check and the per-node layout
-    (GPUs or tasks per node). Not the gate: changing the threshold re-checks, it does not re-measure."""
-    from llmpipe.config import canonical
-    s = settings(config)
-    r = bench_resources(config, 1)
-    return canonical({"step": "allreduce", "version": VERSION,
-                      **{k: s[k] for k in ("min_bytes", "max_bytes", "factor", "dtype", "warmup", "iters", "backend",
-                                           "check")},
-                      "gpus_per_node": int(r["gpus_per_node"]), "tasks_per_node": int(r["tasks_per_node"])})
 
 
 def sweep_sizes(min_bytes: int, max_bytes: int, factor: int = 2) -> list[int]:
@@ -293,6 +276,21 @@ def write_csv(path: str, rows: list[dict]) -> None:
     os.replace(tmp, path)
 
 
+def write_markdown(path: str, rows: list[dict], s: dict) -> None:
+    """Write the sweep's rows to ``path`` as a titled Markdown table (:func:`to_markdown`) atomically; ``s`` is
+    the bench's :func:`settings` (warmup and iterations go into the title)."""
+    import pandas as pd
+
+    tmp = f"{path}.tmp.{os.getpid()}"
+    with open(tmp, "w") as fh:
+        fh.write(f"All-reduce sweep on {rows[0]['nodes']} node(s), {rows[0]['ranks']} ranks, {rows[0]['backend']} on "
+                 f"{rows[0]['device']}; {s['warmup']} warmup + {s['iters']} timed calls per size. busbw = algbw x "
+                 f"2(n-1)/n (nccl-tests doc/PERFORMANCE.md). Out-of-place time includes torch's copy into the "
+                 f"output buffer.\n\n")
+        fh.write(to_markdown(pd.DataFrame(rows)))
+    os.replace(tmp, path)
+
+
 def read_csv(path: str):
     """The sweep of one CSV as a pandas DataFrame."""
     import pandas as pd
@@ -387,60 +385,3 @@ def check_gate(config: dict, csv_path: str, where: str) -> dict:
             f"'NET/Socket' instead of 'NET/IB' means no RDMA. To train anyway, lower or remove allreduce.gate.")
     rec["passed"] = True
     return rec
-
-
-# ------------------------------------------------------------------------------------------- rule glue
-
-def bench_step(smk) -> None:
-    """Rule ``allreduce``: the sweep on ``{nodes}`` nodes through :func:`llmpipe.dispatch.run_step` -> CSV."""
-    from llmpipe import dispatch
-    from llmpipe.steps import _key, _log_dir, _start_log
-
-    log_file = _start_log(smk)
-    config = smk.config
-    nodes = int(smk.wildcards.nodes)
-    s = settings(config)
-    check_executor(config, nodes, f"the all-reduce bench on {nodes} nodes")
-    res = bench_resources(config, nodes)
-    task = AllReduceTask(sweep_sizes(s["min_bytes"], s["max_bytes"], s["factor"]), s["dtype"], s["warmup"],
-                         s["iters"], s["backend"], s["check"], nodes)
-    rows = dispatch.run_step(task, step=f"allreduce nodes{nodes}", resources=res, config=config,
-                             log_dir=_log_dir(smk, "allreduce", f"nodes{nodes}"), key=_key(smk, "allreduce"),
-                             log_file=log_file)
-    if not rows:
-        raise RuntimeError(f"allreduce nodes{nodes}: rank 0 returned no rows")
-    write_csv(smk.output.csv, rows)
-    import pandas as pd
-    with open(smk.output.md + ".tmp", "w") as fh:
-        fh.write(f"All-reduce sweep on {nodes} node(s), {rows[0]['ranks']} ranks, {rows[0]['backend']} on "
-                 f"{rows[0]['device']}; {s['warmup']} warmup + {s['iters']} timed calls per size. busbw = algbw x "
-                 f"2(n-1)/n (nccl-tests doc/PERFORMANCE.md). Out-of-place time includes torch's copy into the "
-                 f"output buffer.\n\n")
-        fh.write(to_markdown(pd.DataFrame(rows)))
-    os.replace(smk.output.md + ".tmp", smk.output.md)
-
-
-def plot_step(smk) -> None:
-    """Rule ``allreduce_plot``: busbw versus size, one line per node count of ``allreduce.nodes``."""
-    import re
-    paths = {int(re.search(r"nodes(\d+)\.csv$", p).group(1)): p for p in smk.input}
-    plot_busbw(paths, smk.output[0])
-
-
-def gate_step(smk) -> None:
-    """Rule ``allreduce_gate``: pass (write the record) or refuse training with a clear error."""
-    import json
-    from llmpipe.steps import _start_log, write_json
-    log_file = _start_log(smk)
-    where = f"allreduce gate for {smk.wildcards.run}"
-    rec = check_gate(smk.config, smk.input.csv, where)  # raises: @_logged writes the reason to the log
-    write_json(smk.output[0], rec)
-    with open(log_file, "a") as fh:
-        fh.write(json.dumps(rec) + "\n")
-
-
-@_logged
-def main(smk) -> None:
-    """What ``scripts/allreduce.py`` calls: dispatch on the rule's name."""
-    {"allreduce": bench_step, "allreduce_plot": plot_step, "allreduce_gate": gate_step,
-     "scaling_allreduce_gate": gate_step}[smk.rule](smk)

@@ -1,4 +1,4 @@
-"""Experiment configuration: merging, validation and step identity.
+"""Experiment configuration: a run's merged settings, its resources, and the checks across settings.
 
 This module is imported by the Snakefile on the login node, so it must stay light: no torch, no
 transformers, no llm-foundry. Everything here works on plain dicts: the workflow config after
@@ -13,41 +13,22 @@ Vocabulary used throughout the project:
   ``results/data/{corpus}/{tokenizer}/concat{concat_tokens}/`` so that every model with the same data shares it.
 * **run** – one training run; its outputs live in ``results/{run}/``. A pretraining run is named after its
   model (``mpt-1b``).
-* **identity** – the settings that determine what a step produces, plus an explicit per-step version number.
-  Snakemake stores a step's ``params`` and reruns the step when they change, so only identity goes into
-  params; settings that change speed or placement (microbatch, attention implementation, nodes, FSDP, compile,
-  dataloader workers, checkpoints kept) never do.
+* **identity** – the settings that determine what a step produces, plus the step's version (built by each step
+  module of :mod:`llmpipe.steps`, made text by :mod:`llmpipe.identity`). Snakemake stores a step's ``params`` and
+  reruns the step when they change; settings marked ``x-speed-only`` in the schema never are part of it.
 """
 
 from __future__ import annotations
 
 import copy
-import json
 import math
 import os
-from typing import Any, Iterable
+from typing import Iterable
 
 from llmpipe.schema import speed_only_keys
 # ConfigError lives in llmpipe.settings (imported by this module and by llmpipe.schema, never the reverse);
 # llmpipe.config.ConfigError is the same class.
 from llmpipe.settings import ConfigError, Resources, RunSettings  # noqa: F401 - ConfigError re-exported
-
-#: Bump a step's version when a change in our code changes what that step produces. The version is part of
-#: the step's identity (its Snakemake params), so bumping it reruns that step and everything after it.
-STEP_VERSIONS = {
-    "corpus": 1,
-    "tokenizer": 1,
-    "mds": 1,
-    "verify": 1,
-    "icl_tasks": 1,
-    "train": 1,
-    "convert": 1,
-    "generate": 1,
-    "eval": 1,
-    "instructions": 1,
-    "finetune": 1,
-    "finetune_eval": 1,
-}
 
 #: Keys under a model's ``train:`` that only change speed or placement (``x-speed-only`` in the schema's ``train``);
 #: they are never part of identity.
@@ -70,14 +51,6 @@ def deep_merge(base: dict, override: dict | None) -> dict:
         else:
             out[key] = copy.deepcopy(value)
     return out
-
-
-def canonical(obj: Any) -> str:
-    """Serialize ``obj`` to a canonical JSON string (sorted keys, no whitespace).
-
-    Used for step identity: reformatting the YAML (comments, key order) gives the same string.
-    """
-    return json.dumps(obj, sort_keys=True, separators=(",", ":"), default=str)
 
 
 def known_runs(config: dict) -> list[str]:
@@ -345,28 +318,6 @@ def validate_tokenizer(config: dict, tok: str) -> dict:
     return t
 
 
-# ------------------------------------------------------------------------------------------------ identity
-
-def _identity(step: str, **parts: Any) -> str:
-    return canonical({"step": step, "version": STEP_VERSIONS[step], **parts})
-
-
-def corpus_identity(config: dict, corpus: str) -> str:
-    """What determines a corpus' raw files: source, repo, subset, which files. (Not retries or mirror path.)"""
-    c = config["corpora"][corpus]
-    keep = {k: c.get(k) for k in ("source", "repo_id", "revision", "subset", "train_files", "val_files")}
-    return _identity("corpus", **keep)
-
-
-def tokenizer_identity(config: dict, tok: str) -> str:
-    """What determines a tokenizer: its source and name, or its training corpus and vocabulary size."""
-    t = config["tokenizers"][tok]
-    keep = {k: t.get(k) for k in ("source", "name", "corpus", "vocab_size", "eos_text")}
-    if t.get("source") == "train":
-        keep["corpus_identity"] = corpus_identity(config, t["corpus"])
-    return _identity("tokenizer", **keep)
-
-
 def validate_data_prep(config: dict, concat: int, concat_where: str = "concat_tokens") -> dict:
     """Check ``data_prep`` for datasets of ``concat`` tokens per sample.
 
@@ -404,44 +355,6 @@ def validate_data_prep(config: dict, concat: int, concat_where: str = "concat_to
     return {"compression": comp, "size_limit": size_limit or None}
 
 
-def mds_identity(config: dict, corpus: str, tok: str, concat: int) -> str:
-    """What determines an MDS dataset: corpus, tokenizer, concat length and shard format."""
-    shards = validate_data_prep(config, concat)
-    return _identity("mds", corpus=corpus_identity(config, corpus), tokenizer=tokenizer_identity(config, tok),
-                     concat_tokens=int(concat), compression=shards["compression"])
-
-
-def train_identity(config: dict, run: str) -> str:
-    """What determines a trained model: architecture, data, optimizer, steps, global batch, seed, precision.
-
-    Keys in :data:`SPEED_ONLY_TRAIN_KEYS`, the resources and the attention implementation are left out.
-    """
-    if is_finetune(config, run):
-        return finetune_identity(config, run)
-    rc = run_config(config, run)
-    train = {k: v for k, v in rc["train"].items() if k not in SPEED_ONLY_TRAIN_KEYS}
-    d = rc["data"]
-    return _identity("train", arch=rc["arch"], train=train,
-                     data=mds_identity(config, d["corpus"], d["tokenizer"], d["concat_tokens"]))
-
-
-def convert_identity(config: dict, run: str) -> str:
-    """What determines the exported Hugging Face model: the trained model and the export dtype."""
-    return _identity("convert", dtype=config["convert"]["dtype"])
-
-
-def generate_identity(config: dict, run: str) -> str:
-    """What determines generate.json: prompts and sampling settings."""
-    g = config["generate"]
-    return _identity("generate", **{k: g.get(k) for k in ("prompts", "max_new_tokens", "do_sample",
-                                                           "temperature", "top_p", "seed")})
-
-
-def eval_identity(config: dict, run: str) -> str:
-    """What determines eval.json: eval-only settings (val batches, batch size, ICL tasks)."""
-    e = config["eval"]
-    return _identity("eval", val_batches=e.get("val_batches"), batch_size=e.get("batch_size"),
-                     icl_tasks=e.get("icl_tasks"))
 
 
 def step_resources(config: dict, step: str, run: str | None = None) -> dict:
@@ -633,47 +546,3 @@ def _validated_finetune(config: dict, run: str, node_counts: Iterable[int], coun
     rs = RunSettings.from_run_config(rc, tokenizer=tcfg).check(node_counts, counts_where)
     compile_settings(train, f"{where}.train")
     return rc, rs
-
-
-def instructions_identity(config: dict, name: str) -> str:
-    """What determines a prepared instruction set: its source, dataset id, revision, splits, columns, row caps.
-
-    The mirror folder of a local source is left out (as for corpora): the same data read from another path is
-    the same data.
-    """
-    s = config["instruction_sets"][name]
-    keep = {k: s.get(k) for k in ("source", "hf_name", "revision", "train_split", "eval_split", "columns",
-                                  "max_rows", "max_items", "eval_percent", "seed")}
-    return _identity("instructions", **keep)
-
-
-def finetune_identity(config: dict, run: str) -> str:
-    """What determines a finetuned model: the base model (for our runs: the base's training and export
-    identity, so retraining the base reruns the finetune), the instruction set, the tokenizer, the data settings,
-    the optimizer, steps, global batch, seed, precision and LoRA settings.
-
-    Speed-only keys (:data:`SPEED_ONLY_TRAIN_KEYS`, :data:`SPEED_ONLY_FINETUNE_DATA_KEYS`), resources and node
-    counts are left out; so is ``arch`` for hub bases (it describes the hub model; it does not change it).
-    """
-    rc = run_config(config, run)
-    base = rc["base"]
-    if base.get("run"):
-        base_id = {"run": base["run"], "train": train_identity(config, base["run"]),
-                   "convert": convert_identity(config, base["run"])}
-    else:
-        base_id = {"hub": base["hub"], "revision": base.get("revision")}
-    d = rc["data"]
-    data = {k: v for k, v in d.items()
-            if k not in SPEED_ONLY_FINETUNE_DATA_KEYS and k not in ("corpus", "icl_corpus", "concat_tokens")}
-    data["instructions"] = instructions_identity(config, d["instructions"])
-    data["tokenizer"] = tokenizer_identity(config, d["tokenizer"])
-    train = {k: v for k, v in rc["train"].items() if k not in SPEED_ONLY_TRAIN_KEYS}
-    return _identity("finetune", base=base_id, data=data, train=train, lora=rc["lora"])
-
-
-def finetune_eval_identity(config: dict, run: str) -> str:
-    """What determines a finetune's eval.json: the eval settings, the held-out split and its sequence length."""
-    d = run_config(config, run)["data"]
-    return _identity("finetune_eval", eval=eval_identity(config, run),
-                     instructions=instructions_identity(config, d["instructions"]),
-                     max_seq_len=int(d["concat_tokens"]), icl_corpus=d["icl_corpus"])

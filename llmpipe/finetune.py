@@ -23,8 +23,7 @@ import math
 import os
 from typing import Any
 
-from llmpipe import dispatch
-from llmpipe.config import ConfigError, run_config, step_resources
+from llmpipe.config import ConfigError, run_config
 from llmpipe.data.instructions import SPLIT_FILES
 from llmpipe.train import TrainTask, foundry_train_config
 
@@ -316,67 +315,6 @@ def build_finetuned_mpt(ckpt_path: str):
         raise KeyError(f"checkpoint {ckpt_path} does not match its stored MPT config: missing {missing[:5]}, "
                        f"unexpected {unexpected[:5]}")
     return model.float().eval()
-
-
-# ------------------------------------------------------------------------------------------- Snakemake glue
-
-def step_instructions(smk) -> None:
-    """Rule ``instructions``: prepare an instruction set on the submitting machine (it may need the hub)."""
-    from llmpipe.data.instructions import prepare_instructions
-    from llmpipe.steps import _key, _log_dir, _logged, _start_log
-
-    @_logged
-    def run(smk):
-        log_file = _start_log(smk)
-        name = smk.wildcards.iset
-        conf = dispatch.with_executor(smk.config, "local" if smk.config["dispatch"]["executor"] != "debug" else None)
-        dispatch.run_step(prepare_instructions, dict(smk.config["instruction_sets"][name], key=name),
-                          os.path.dirname(smk.output[0]), step=f"instructions {name}",
-                          resources=dict(step_resources(smk.config, "data"), tasks_per_node=1, nodes=1),
-                          config=conf, log_dir=_log_dir(smk, "instructions", name), key=_key(smk, "instructions"),
-                          log_file=log_file)
-        if not os.path.exists(smk.output[0]):
-            raise RuntimeError(f"instructions {name}: {smk.output[0]} was not written")
-
-    run(smk)
-
-
-def step_finetune(smk) -> None:
-    """Rule ``finetune``: finetune on ``nodes x tasks_per_node`` ranks; write train.json from rank 0."""
-    from llmpipe.steps import _key, _log_dir, _logged, _start_log, check_all_steps, training_task, write_json
-
-    @_logged
-    def run(smk):
-        log_file = _start_log(smk)
-        run_name, config = smk.wildcards.run, smk.config
-        rc = run_config(config, run_name)
-        task = training_task(smk, config, run_name, rc)  # checks peft here, before a job waits in the queue
-        result = dispatch.run_step(task, step=f"finetune {run_name}", resources=step_resources(config, "train", run_name),
-                                   config=config, log_dir=_log_dir(smk, "finetune", run_name),
-                                   key=_key(smk, "finetune"), log_file=log_file)
-        check_all_steps(result, rc, f"finetune {run_name}")
-        write_json(smk.output[0], result)
-
-    run(smk)
-
-
-def step_eval(smk) -> None:
-    """Rule ``finetune_eval``: held-out response-token metrics and ICL accuracy of the finetune's export."""
-    from llmpipe.steps import _key, _log_dir, _logged, _start_log, write_json
-
-    @_logged
-    def run(smk):
-        log_file = _start_log(smk)
-        run_name = smk.wildcards.run
-        icl = dict(zip([t["label"] for t in smk.config["eval"]["icl_tasks"]], list(smk.input.icl)))
-        result = dispatch.run_step(evaluate_finetune, smk.config, run_name, os.path.dirname(smk.input.model),
-                                   os.path.dirname(smk.input.instructions), icl, step=f"eval {run_name}",
-                                   resources=step_resources(smk.config, "eval", run_name), config=smk.config,
-                                   log_dir=_log_dir(smk, "eval", run_name), key=_key(smk, "eval"),
-                                   log_file=log_file)
-        write_json(smk.output[0], result)
-
-    run(smk)
 
 
 __all__ = ["foundry_finetune_config", "finetuning_loader", "build_dataloader", "FinetuneTask", "evaluate_finetune",

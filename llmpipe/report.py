@@ -24,10 +24,10 @@ import os
 import re
 from typing import Any
 
-from llmpipe.plots import finish_and_save
 from llmpipe.schema import section_defaults
 from llmpipe.config import ConfigError, run_config, tokens_per_run
 from llmpipe.mfu import flops_per_token, mpt_param_count
+from llmpipe.plots import finish_and_save
 from llmpipe.scaling import markdown
 
 #: Settings of the report the config does not set: the schema's defaults of ``report:``.
@@ -452,7 +452,7 @@ def plot_mfu(results_dir: str, runs: list[str], png: str) -> None:
     plt.close(fig)
 
 
-# ------------------------------------------------------------------------------------------- rule glue
+# ------------------------------------------------------------------------------------------- files
 
 def _write_table(df, csv_path: str, md_path: str, title: str) -> None:
     tmp = csv_path + ".tmp"
@@ -494,17 +494,3 @@ def build(config: dict, results_dir: str, out: dict[str, str], runs: list[str], 
         if os.path.exists(p):
             studies[r] = pd.read_csv(p)
     plot_speedup(studies, out["speedup"])
-
-
-def report_step(smk) -> None:
-    """Rule ``report``: every file of ``results/report/`` from the inputs Snakemake resolved."""
-    from llmpipe.steps import _start_log
-    _start_log(smk)
-    build(smk.config, smk.config["results_dir"], dict(smk.output.items()), list(smk.params.runs),
-          list(smk.params.scaling), list(smk.params.allreduce))
-
-
-def main(smk) -> None:
-    """What ``scripts/report.py`` calls."""
-    from llmpipe.steps import _logged
-    _logged(report_step)(smk)

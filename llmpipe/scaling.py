@@ -3,8 +3,9 @@
 ``results/scaling/{run}/nodes{N}/train.json`` is run ``run`` trained on ``N`` nodes (per-node layout, batch, data,
 everything else from the run's config) by the same :class:`llmpipe.train.TrainTask` as ``results/{run}/``; only the
 resources (nodes) and the run folder differ. Nodes are not part of a training's identity
-(:func:`llmpipe.config.train_identity`), so every node count trains the same model; ``scaling.max_duration_batches``
-can shorten a study (that does change the identity: it is a different, shorter training than ``results/{run}``).
+(:func:`llmpipe.steps.train.train_identity`), so every node count trains the same model;
+``scaling.max_duration_batches`` can shorten a study (that does change the identity: it is a different, shorter
+training than ``results/{run}``).
 
 ``results/scaling/{run}/scaling.csv`` and ``.md`` compare them: nodes, devices, wall clock, tokens/s, tokens/s per
 device, MFU, peak memory per device, speedup versus the smallest node count (wall clock of the smallest / wall clock
@@ -18,10 +19,9 @@ from __future__ import annotations
 import os
 from typing import Any
 
+from llmpipe.config import ConfigError, deep_merge, is_finetune, step_resources, validate_run
 from llmpipe.plots import finish_and_save
 from llmpipe.schema import section_defaults
-from llmpipe.config import (ConfigError, deep_merge, is_finetune, step_resources, train_identity, validate_run,
-                            world_size)
 
 #: Settings of the studies the config does not set: the schema's defaults of ``scaling:``.
 DEFAULTS: dict[str, Any] = section_defaults("scaling")
@@ -59,11 +59,6 @@ def study_config(config: dict, run: str, nodes: int) -> dict:
     if mdb:
         over["train"] = {"max_duration_batches": int(mdb)}
     return deep_merge(config, {"finetunes" if is_finetune(config, run) else "models": {run: over}})
-
-
-def study_identity(config: dict, run: str) -> str:
-    """The training identity of every node count of the study (nodes are never part of it)."""
-    return train_identity(study_config(config, run, 1), run)
 
 
 def check_study(config: dict, run: str, nodes: list[int] | None = None) -> dict[int, dict]:
@@ -163,55 +158,20 @@ def plot_speedup(studies: dict[str, Any], png: str) -> None:
                     empty_text="no scaling study results")
 
 
-# ------------------------------------------------------------------------------------------- rule glue
+# ------------------------------------------------------------------------------------------- files
 
-def _steps():
-    from llmpipe import steps
-    return steps
-
-
-def train_step(smk) -> None:
-    """Rule ``scaling_train``: :class:`llmpipe.train.TrainTask` on ``{nodes}`` nodes into the study's folder."""
-    from llmpipe import dispatch
-    steps = _steps()
-
-    log_file = steps._start_log(smk)
-    run, nodes = smk.wildcards.run, int(smk.wildcards.nodes)
-    config = study_config(smk.config, run, nodes)
-    res = step_resources(config, "train", run)
-    rc = validate_run(config, run)
-    task = steps.training_task(smk, config, run, rc)  # the same task as rule train / finetune builds
-    result = dispatch.run_step(task, step=f"scaling {run} nodes{nodes}", resources=res, config=config,
-                               log_dir=steps._log_dir(smk, "scaling", f"{run}-nodes{nodes}"),
-                               key=steps._key(smk, "scaling_train"), log_file=log_file)
-    steps.check_all_steps(result, rc, f"scaling {run} nodes{nodes}")
-    if int(result.get("devices", 0)) != world_size(res):
-        raise RuntimeError(f"scaling {run} nodes{nodes}: trained on {result.get('devices')} devices, expected "
-                           f"{world_size(res)} ({nodes} nodes)")
-    steps.write_json(smk.output[0], result)
-
-
-def table_step(smk) -> None:
-    """Rule ``scaling_table``: scaling.csv, scaling.md and speedup.png of one study."""
-    import re
-    steps = _steps()
-    results = {int(re.search(r"nodes(\d+)/train\.json$", p).group(1)): steps.read_json(p) for p in smk.input}
+def write_study(run: str, results: dict[int, dict], csv_path: str, md_path: str, png_path: str) -> None:
+    """Write a study's table (:func:`table`) as CSV and Markdown, and its speedup plot, from node count ->
+    train.json record. The CSV and Markdown files are written aside and renamed into place."""
     df = table(results)
-    run = smk.wildcards.run
-    tmp = smk.output.csv + ".tmp"
+    tmp = csv_path + ".tmp"
     df.to_csv(tmp, index=False)
-    os.replace(tmp, smk.output.csv)
+    os.replace(tmp, csv_path)
     r0 = results[min(results)]
     title = (f"Node scaling of {run}: {r0.get('steps')} batches of {r0.get('global_batch_size')} x "
              f"{r0.get('concat_tokens')} tokens at every node count. speedup = wall clock of {min(results)} node(s) / "
              f"wall clock of N; scaling efficiency = speedup / (N / {min(results)}).")
-    with open(smk.output.md + ".tmp", "w") as fh:
+    with open(md_path + ".tmp", "w") as fh:
         fh.write(markdown(df, title))
-    os.replace(smk.output.md + ".tmp", smk.output.md)
-    plot_speedup({run: df}, smk.output.png)
-
-
-def main(smk) -> None:
-    """What ``scripts/scaling_train.py`` and ``scripts/scaling_table.py`` call: dispatch on the rule's name."""
-    from llmpipe.steps import _logged
-    _logged({"scaling_train": train_step, "scaling_table": table_step}[smk.rule])(smk)
+    os.replace(md_path + ".tmp", md_path)
+    plot_speedup({run: df}, png_path)

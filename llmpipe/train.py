@@ -26,8 +26,9 @@ import tempfile
 import time
 from typing import Any
 
-from llmpipe.config import (canonical, compile_settings, fused_loss_settings, is_finetune, run_config,
+from llmpipe.config import (compile_settings, fused_loss_settings, is_finetune, run_config,
                             step_resources, world_size)
+from llmpipe.identity import same_identity
 
 log = logging.getLogger("llmpipe.train")
 
@@ -236,17 +237,21 @@ def clear_save_folder(save_folder: str) -> None:
 
 
 def prepare_save_folder(save_folder: str, identity: str) -> None:
-    """Make ``save_folder`` hold only checkpoints of this training identity.
+    """Make ``save_folder`` hold only checkpoints of this training identity, and write ``identity`` to its
+    ``identity.json``.
 
     Checkpoints of another identity (the architecture, data or optimizer changed) are removed so they are never
-    resumed from; leftover incomplete checkpoint files (no ``.complete`` marker) are removed too.
+    resumed from; leftover incomplete checkpoint files (no ``.complete`` marker) are removed too. Identities are
+    compared by meaning (:func:`llmpipe.identity.same_identity`): a folder whose ``identity.json`` holds the same
+    identity in another text form (key order, or the legacy form with nested identities as JSON text) keeps its
+    checkpoints, and its ``identity.json`` is rewritten in the form given.
     """
     os.makedirs(save_folder, exist_ok=True)
     ident_path = os.path.join(save_folder, "identity.json")
     if os.path.exists(ident_path):
         with open(ident_path) as fh:
             old = fh.read()
-        if old != identity:
+        if not same_identity(old, identity):
             log.warning("training settings changed since the checkpoints in %s were saved: removing them",
                         save_folder)
             clear_save_folder(save_folder)
@@ -489,7 +494,7 @@ class TrainTask:
         _wait_for_file(os.path.join(save_folder, "identity.json"), self.identity)
         resume = newest_checkpoint(save_folder)
         max_batches = int(run_config(self.config, self.run)["train"]["max_duration_batches"])
-        done = _finished_result(save_folder, resume, max_batches)
+        done = finished_result(save_folder, resume, max_batches)
         if done is not None:
             # training already reached its last step (the job ended after the final checkpoint but before Snakemake
             # recorded train.json): nothing to redo. Delete results/{run}/checkpoints to retrain from scratch.
@@ -549,8 +554,12 @@ def _write_result_record(save_folder: str, result: dict) -> None:
     atomic_write_json(os.path.join(save_folder, "result.json"), result)
 
 
-def _finished_result(save_folder: str, newest: str | None, max_batches: int) -> dict | None:
-    """The saved train.json record when the newest complete checkpoint is the final step and was recorded."""
+def finished_result(save_folder: str, newest: str | None, max_batches: int) -> dict | None:
+    """The train.json record saved in ``save_folder`` (``result.json``) when ``newest`` (the newest complete
+    checkpoint) is the final step (batch ``max_batches`` or later) and is the record's final checkpoint; else None.
+
+    A training whose record this returns is finished: a rerun (forced, or after its train.json was lost or its
+    identity text changed form) returns the record instead of training again."""
     if newest is None:
         return None
     m = _CKPT_RE.search(newest)
@@ -564,6 +573,22 @@ def _finished_result(save_folder: str, newest: str | None, max_batches: int) -> 
     if os.path.basename(rec.get("final_checkpoint") or "") != os.path.basename(newest):
         return None
     return rec
+
+
+def recorded_result(save_folder: str, identity: str, max_batches: int) -> dict | None:
+    """The train.json record of a finished training of ``identity`` in ``save_folder``, or None.
+
+    Finished: ``identity.json`` holds the same identity (:func:`llmpipe.identity.same_identity`: any text form)
+    and :func:`finished_result` returns the record for the newest complete checkpoint. Only reads; light enough
+    for the submitting machine, so a rerun of a finished training needs no job (:mod:`llmpipe.steps.train`).
+    """
+    try:
+        with open(os.path.join(save_folder, "identity.json")) as fh:
+            if not same_identity(fh.read(), identity):
+                return None
+    except OSError:
+        return None
+    return finished_result(save_folder, newest_checkpoint(save_folder), max_batches)
 
 
 def _wait_for_file(path: str, content: str, timeout_s: float = 600) -> None:
@@ -647,4 +672,4 @@ def _first_logged_loss(save_folder: str) -> float | None:
 
 
 __all__ = ["foundry_train_config", "TrainTask", "newest_checkpoint", "complete_checkpoints",
-           "prepare_save_folder", "clear_save_folder", "register", "summarize", "canonical"]
+           "prepare_save_folder", "clear_save_folder", "finished_result", "recorded_result", "register", "summarize"]

@@ -2,48 +2,6 @@
 # the optional gate that keeps training from starting on a slow or misconfigured interconnect.
 #   snakemake results/bench/allreduce/nodes2.csv --profile profiles/slurm   # one node count
 #   snakemake allreduce_all --profile profiles/slurm                         # every count in allreduce.nodes + plot
-from llmpipe import allreduce as allreduce_mod
-
-
-def allreduce_plan(wildcards):
-    """No input files; checks the sweep and the executor, and runs the Slurm preflight, while the DAG is built."""
-    nodes = int(wildcards.nodes)
-    allreduce_mod.settings(config)
-    allreduce_mod.check_executor(config, nodes, f"the all-reduce bench (results/bench/allreduce/nodes{nodes}.csv)")
-    if config["dispatch"]["executor"] == "slurm" and ("allreduce", nodes) not in _PREFLIGHT_DONE:
-        from llmpipe import slurm
-
-        slurm.preflight(config, allreduce_mod.bench_resources(config, nodes), where="allreduce.resources")
-        _PREFLIGHT_DONE.add(("allreduce", nodes))
-    return []
-
-
-def allreduce_res(key):
-    def get(wildcards):
-        return int(allreduce_mod.bench_resources(config, int(wildcards.nodes)).get(key) or 0)
-
-    return get
-
-
-def allreduce_threads(wildcards):
-    return dispatch_threads(lambda: allreduce_mod.bench_resources(config, int(wildcards.nodes)))
-
-
-def allreduce_gate_input(wildcards):
-    """Input of rule train when allreduce.gate is on and the training has more than one rank: the gate's record.
-
-    ancient(): a rerun bench or a changed threshold re-checks the gate but never retrains a finished model."""
-    if allreduce_mod.gate_nodes(config, wildcards.run) is None:
-        return []
-    return ancient(f"{RESULTS}/bench/allreduce/gate/{wildcards.run}.json")
-
-
-def allreduce_gate_csv(wildcards):
-    nodes = allreduce_mod.gate_nodes(config, wildcards.run, getattr(wildcards, "nodes", None))
-    if nodes is None:
-        raise cfg.ConfigError(f"no all-reduce gate for {wildcards.run}: allreduce.gate is off or the training has a "
-                              f"single rank. Fix: set allreduce.gate: {{size_bytes: ..., min_busbw_gbps: ...}}.")
-    return f"{RESULTS}/bench/allreduce/nodes{nodes}.csv"
 
 
 rule allreduce:
@@ -55,12 +13,12 @@ rule allreduce:
     wildcard_constraints:
         nodes=r"\d+",
     params:
-        identity=lambda wc: allreduce_mod.identity(config),
+        identity=allreduce_identity,
     log:
         f"{LOGS}/allreduce/nodes{{nodes}}.log",
     threads: allreduce_threads
     resources:
-        nodes=lambda wc: int(wc.nodes),
+        nodes=allreduce_node_count,
         gpus_per_node=allreduce_res("gpus_per_node"),
         tasks_per_node=allreduce_res("tasks_per_node"),
         cpus_per_task=allreduce_res("cpus_per_task"),
@@ -71,7 +29,7 @@ rule allreduce:
 
 rule allreduce_plot:
     input:
-        lambda wc: [f"{RESULTS}/bench/allreduce/nodes{n}.csv" for n in allreduce_mod.settings(config)["nodes"]],
+        allreduce_csvs,
     output:
         report(f"{RESULTS}/bench/allreduce/busbw.png", caption="../report/busbw.rst", category="All-reduce bandwidth"),
     log:
@@ -87,7 +45,7 @@ rule allreduce_gate:
     output:
         f"{RESULTS}/bench/allreduce/gate/{{run}}.json",
     params:
-        gate=lambda wc: cfg.canonical(allreduce_mod.settings(config)["gate"]),
+        gate=allreduce_gate_settings,
     log:
         f"{LOGS}/allreduce/gate-{{run}}.log",
     localrule: True
@@ -103,7 +61,7 @@ rule scaling_allreduce_gate:
     wildcard_constraints:
         nodes=r"\d+",
     params:
-        gate=lambda wc: cfg.canonical(allreduce_mod.settings(config)["gate"]),
+        gate=allreduce_gate_settings,
     log:
         f"{LOGS}/allreduce/gate-{{run}}-nodes{{nodes}}.log",
     localrule: True
@@ -113,5 +71,5 @@ rule scaling_allreduce_gate:
 
 rule allreduce_all:
     input:
-        lambda wc: [f"{RESULTS}/bench/allreduce/nodes{n}.csv" for n in allreduce_mod.settings(config)["nodes"]],
+        allreduce_csvs,
         f"{RESULTS}/bench/allreduce/busbw.png",

@@ -1,5 +1,8 @@
-# Helpers shared by all rule files: config access, step identity (params), resources and input paths.
-# Only light imports here: `snakemake -n` must not import torch.
+# What the rules/*.smk files compute (config access, step identity, resources, input paths), one section per
+# stage; those files hold only rules (snakemake --lint) and this one none. No heavy imports: `snakemake -n` must
+# not import torch.
+import os
+import re
 import sys
 
 sys.path.insert(0, workflow.basedir)
@@ -28,6 +31,23 @@ wildcard_constraints:
     label=r"[A-Za-z0-9_.-]+",
 
 
+# ------------------------------------------------------------------------------------------- step identity
+# Each step module of llmpipe/steps/ gives its identity as a dict; identity_text makes it the canonical text a
+# rule's `params: identity=` holds, here at the rule boundary only. Snakemake reruns a step when that text changes.
+from llmpipe import allreduce as allreduce_mod
+from llmpipe import report as report_mod
+from llmpipe import scaling as scaling_mod
+from llmpipe.dispatch import check_executor
+from llmpipe.identity import identity_text
+from llmpipe.steps import allreduce as allreduce_steps
+from llmpipe.steps import convert as convert_steps
+from llmpipe.steps import data as data_steps
+from llmpipe.steps import evaluate as eval_steps
+from llmpipe.steps import generate as generate_steps
+from llmpipe.steps import scaling as scaling_steps
+from llmpipe.steps import train as train_steps
+
+
 def run_cfg(wildcards):
     """Validated settings of the run in the target path (clear ConfigError if it is wrong)."""
     return cfg.validate_run(config, wildcards.run)
@@ -36,6 +56,11 @@ def run_cfg(wildcards):
 def dataset_path(wildcards, leaf):
     d = run_cfg(wildcards)["data"]
     return f"{RESULTS}/data/{d['corpus']}/{d['tokenizer']}/concat{d['concat_tokens']}/{leaf}"
+
+
+def verified_dataset(wildcards):
+    """The verification record of the run's dataset (its MDS shards are beside it, in mds/)."""
+    return dataset_path(wildcards, "verified.json")
 
 
 def tokenizer_manifest_of_run(wildcards):
@@ -93,21 +118,283 @@ def res(step, key, default=0):
     return get
 
 
-def dispatch_threads(resources):
-    """Cores a dispatching rule takes from Snakemake's --cores: all the CPUs of its job when the job runs here
-    (``resources()``: the step's resources), none when the rule only waits on Slurm. With none, the Slurm profile's
-    ``jobs`` alone bounds how many rules wait at once; ``cores: all`` of profiles/default (which wins over the Slurm
-    profile's keys) would otherwise cap them at the login node's core count."""
+def dispatch_threads(resources, *args):
+    """Cores a dispatching rule takes from Snakemake's --cores, namely all the CPUs of its job when the job runs here
+    (``resources(*args)``: the step's resources, computed only then), none when the rule only waits on Slurm. With
+    none, the Slurm profile's ``jobs`` alone bounds how many rules wait at once; ``cores: all`` of profiles/default
+    (which wins over the Slurm profile's keys) would otherwise cap them at the login node's core count."""
     if config["dispatch"]["executor"] != "local":
         return 0
-    r = resources()
+    r = resources(*args)
     return max(1, int(r["cpus_per_task"]) * int(r["tasks_per_node"]))
 
 
 def step_threads(step):
-    """``threads:`` of a rule that dispatches ``step`` (:func:`dispatch_threads`)."""
+    """The ``threads`` of a rule that dispatches ``step``, see dispatch_threads."""
 
     def get(wildcards):
-        return dispatch_threads(lambda: cfg.step_resources(config, step, getattr(wildcards, "run", None)))
+        return dispatch_threads(cfg.step_resources, config, step, getattr(wildcards, "run", None))
 
     return get
+
+
+# ------------------------------------------------------------------------------------------- data (rules/data.smk)
+
+def corpus_identity(wildcards):
+    cfg.validate_corpus(config, wildcards.corpus)
+    return identity_text(data_steps.corpus_identity(config, wildcards.corpus))
+
+
+def tokenizer_identity(wildcards):
+    cfg.validate_tokenizer(config, wildcards.tokenizer)
+    return identity_text(data_steps.tokenizer_identity(config, wildcards.tokenizer))
+
+
+def tokenizer_inputs(wildcards):
+    t = cfg.validate_tokenizer(config, wildcards.tokenizer)
+    return [f"{RESULTS}/data/{t['corpus']}/raw/manifest.json"] if t["source"] == "train" else []
+
+
+def mds_identity(wildcards):
+    return identity_text(data_steps.mds_identity(config, wildcards.corpus, wildcards.tokenizer,
+                                                 int(wildcards.concat)))
+
+
+def verify_identity(wildcards):
+    return identity_text(data_steps.verify_identity(config, wildcards.corpus, wildcards.tokenizer,
+                                                    int(wildcards.concat)))
+
+
+def icl_task_identity(wildcards):
+    return identity_text(data_steps.icl_task_identity(config, wildcards.label))
+
+
+# ------------------------------------------------------------------------------------------- pretraining (rules/train.smk)
+
+def train_identity(wildcards):
+    run_cfg(wildcards)
+    return identity_text(train_steps.train_identity(config, wildcards.run))
+
+
+# ------------------------------------------------------------------------------------------- export (rules/convert.smk)
+
+def convert_identity(wildcards):
+    return identity_text(convert_steps.convert_identity(config, wildcards.run))
+
+
+# ------------------------------------------------------------------------------------------- generation (rules/generate.smk)
+
+def generate_identity(wildcards):
+    return identity_text(generate_steps.generate_identity(config, wildcards.run))
+
+
+# ------------------------------------------------------------------------------------------- evaluation (rules/eval.smk)
+
+def eval_identity(wildcards):
+    return identity_text(eval_steps.eval_identity(config, wildcards.run))
+
+
+# ------------------------------------------------------------------------------------------- finetuning (rules/finetune.smk)
+
+
+FINETUNES = sorted(config.get("finetunes") or {})
+_FT_RUN = "|".join(re.escape(r) for r in FINETUNES) if FINETUNES else "(?!)"
+
+
+def finetune_cfg(wildcards):
+    """Validated settings of the finetune in the target path (clear ConfigError if wrong, already in a dry run)."""
+    return cfg.validate_run(config, wildcards.run)
+
+
+def instructions_manifest(wildcards):
+    """The prepared instruction set the finetune trains and is evaluated on."""
+    return f"{RESULTS}/data/instructions/{finetune_cfg(wildcards)['data']['instructions']}/manifest.json"
+
+
+def finetune_inputs(wildcards):
+    """The finetune rule's inputs, i.e. instruction set, tokenizer, the base run's export (own bases) and the
+    all-reduce gate."""
+    rc = finetune_cfg(wildcards)
+    inputs = {
+        "instructions": instructions_manifest(wildcards),
+        "tokenizer": f"{RESULTS}/tokenizers/{rc['data']['tokenizer']}/manifest.json",
+    }
+    if rc["base"].get("run"):  # our own model: its Hugging Face export (retraining it reruns this finetune)
+        inputs["base"] = f"{RESULTS}/{rc['base']['run']}/hf/manifest.json"
+    gate = allreduce_gate_input(wildcards)
+    if gate:
+        inputs["gate"] = gate
+    return inputs
+
+
+def finetune_icl_files(wildcards):
+    """The ICL task files of the finetune's eval, built from its ICL corpus (the base run's corpus by default)."""
+    corpus = finetune_cfg(wildcards)["data"]["icl_corpus"]
+    return [f"{RESULTS}/data/{corpus}/icl/{t['label']}.jsonl" for t in config["eval"]["icl_tasks"]]
+
+
+def instructions_identity(wildcards):
+    cfg.validate_instruction_set(config, wildcards.iset)
+    return identity_text(data_steps.instructions_identity(config, wildcards.iset))
+
+
+def finetune_identity(wildcards):
+    finetune_cfg(wildcards)
+    return identity_text(train_steps.train_identity(config, wildcards.run))
+
+
+def finetune_eval_identity(wildcards):
+    return identity_text(eval_steps.finetune_eval_identity(config, wildcards.run))
+
+
+# ------------------------------------------------------------------------------------------- all-reduce bench and gate (rules/bench.smk)
+
+
+def allreduce_plan(wildcards):
+    """No input files; checks the sweep and the executor, and runs the Slurm preflight, while the DAG is built."""
+    nodes = int(wildcards.nodes)
+    allreduce_mod.settings(config)
+    check_executor(config, nodes, f"the all-reduce bench (results/bench/allreduce/nodes{nodes}.csv)")
+    if config["dispatch"]["executor"] == "slurm" and ("allreduce", nodes) not in _PREFLIGHT_DONE:
+        from llmpipe import slurm
+
+        slurm.preflight(config, allreduce_mod.bench_resources(config, nodes), where="allreduce.resources")
+        _PREFLIGHT_DONE.add(("allreduce", nodes))
+    return []
+
+
+def allreduce_res(key):
+    def get(wildcards):
+        return int(allreduce_mod.bench_resources(config, int(wildcards.nodes)).get(key) or 0)
+
+    return get
+
+
+def allreduce_threads(wildcards):
+    return dispatch_threads(allreduce_mod.bench_resources, config, int(wildcards.nodes))
+
+
+def allreduce_node_count(wildcards):
+    """``nodes`` resource of the bench: the node count in its path."""
+    return int(wildcards.nodes)
+
+
+def allreduce_identity(wildcards):
+    return identity_text(allreduce_steps.allreduce_identity(config))
+
+
+def allreduce_csvs(wildcards):
+    """The bench's CSV at every node count of allreduce.nodes."""
+    return [f"{RESULTS}/bench/allreduce/nodes{n}.csv" for n in allreduce_mod.settings(config)["nodes"]]
+
+
+def allreduce_gate_settings(wildcards):
+    """``allreduce.gate`` as text: a changed threshold re-checks the gate (it never re-measures)."""
+    return identity_text(allreduce_mod.settings(config)["gate"])
+
+
+def allreduce_gate_input(wildcards):
+    """The all-reduce gate's record, an input of the training rules when allreduce.gate is on and the training
+    has more than one rank; [] otherwise.
+
+    ancient(): a rerun bench or a changed threshold re-checks the gate but never retrains a finished model."""
+    if allreduce_mod.gate_nodes(config, wildcards.run) is None:
+        return []
+    return ancient(f"{RESULTS}/bench/allreduce/gate/{wildcards.run}.json")
+
+
+def allreduce_gate_csv(wildcards):
+    nodes = allreduce_mod.gate_nodes(config, wildcards.run, getattr(wildcards, "nodes", None))
+    if nodes is None:
+        raise cfg.ConfigError(f"no all-reduce gate for {wildcards.run}: allreduce.gate is off or the training has a "
+                              f"single rank. Fix: set allreduce.gate: {{size_bytes: ..., min_busbw_gbps: ...}}.")
+    return f"{RESULTS}/bench/allreduce/nodes{nodes}.csv"
+
+
+# ------------------------------------------------------------------------------------------- node-scaling studies (rules/scaling.smk)
+
+
+def scaling_check(wildcards):
+    """Validate the whole study (every node count) while the DAG is built; Slurm preflight for this count."""
+    checked = scaling_mod.check_study(config, wildcards.run)
+    nodes = int(getattr(wildcards, "nodes", 0) or 0)
+    if nodes and nodes not in checked:
+        checked.update(scaling_mod.check_study(config, wildcards.run, [nodes]))
+    if nodes and config["dispatch"]["executor"] == "slurm" and ("scaling", wildcards.run, nodes) not in _PREFLIGHT_DONE:
+        from llmpipe import slurm
+
+        slurm.preflight(config, checked[nodes], where=f"models.{wildcards.run}.resources (scaling at {nodes} nodes)")
+        _PREFLIGHT_DONE.add(("scaling", wildcards.run, nodes))
+    return checked
+
+
+def scaling_res(key):
+    def get(wildcards):
+        sc = scaling_mod.study_config(config, wildcards.run, int(wildcards.nodes))
+        return int(cfg.step_resources(sc, "train", wildcards.run).get(key) or 0)
+
+    return get
+
+
+def scaling_threads(wildcards):
+    return dispatch_threads(cfg.step_resources, config, "train", wildcards.run)
+
+
+def study_identity(wildcards):
+    """The study's training identity (the same at every node count), once the whole study is checked."""
+    scaling_check(wildcards)
+    return identity_text(scaling_steps.study_identity(config, wildcards.run))
+
+
+def study_trainings(wildcards):
+    """The train.json of every node count of the study."""
+    return [f"{RESULTS}/scaling/{wildcards.run}/nodes{n}/train.json" for n in scaling_check(wildcards)]
+
+
+def scaling_tables(wildcards):
+    """The table of every study in scaling.runs."""
+    return [f"{RESULTS}/scaling/{r}/scaling.csv" for r in scaling_mod.settings(config)["runs"]]
+
+
+def scaling_gate_input(wildcards):
+    """The all-reduce gate at this node count when allreduce.gate is on (see rules/bench.smk)."""
+    if allreduce_mod.gate_nodes(config, wildcards.run, int(wildcards.nodes)) is None:
+        return []
+    return ancient(f"{RESULTS}/bench/allreduce/gate/{wildcards.run}/nodes{wildcards.nodes}.json")
+
+
+def scaling_inputs(wildcards):
+    """A pretraining run's dataset and tokenizer, or a finetune's inputs (rules/finetune.smk), and the gate."""
+    if cfg.is_finetune(config, wildcards.run):
+        inputs = {k: v for k, v in finetune_inputs(wildcards).items() if k != "gate"}
+    else:
+        inputs = {"data": dataset_path(wildcards, "verified.json"), "tokenizer": tokenizer_manifest_of_run(wildcards)}
+    gate = scaling_gate_input(wildcards)
+    if gate:
+        inputs["gate"] = gate
+    return inputs
+
+
+# ------------------------------------------------------------------------------------------- report (rules/report.smk)
+
+
+def report_inputs(wildcards):
+    """Requested runs (report.runs: built if missing) and runs, studies and benches whose results already exist."""
+    files = []
+    for run in report_mod.report_runs(config, RESULTS):
+        files += report_mod.run_inputs(config, RESULTS, run)
+    files += [f"{RESULTS}/scaling/{r}/scaling.csv" for r in report_mod.scaling_runs(config, RESULTS)]
+    files += [f"{RESULTS}/bench/allreduce/nodes{n}.csv" for n in report_mod.allreduce_nodes(config, RESULTS)]
+    return files
+
+
+def requested_runs(wildcards):
+    return report_mod.report_runs(config, RESULTS)
+
+
+def requested_scaling_studies(wildcards):
+    return report_mod.scaling_runs(config, RESULTS)
+
+
+def requested_allreduce_nodes(wildcards):
+    return report_mod.allreduce_nodes(config, RESULTS)

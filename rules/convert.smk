@@ -8,7 +8,7 @@ rule convert:
     output:
         f"{RESULTS}/{{run}}/hf/manifest.json",
     params:
-        identity=lambda wc: cfg.convert_identity(config, wc.run),
+        identity=convert_identity,
     log:
         f"{LOGS}/convert/{{run}}.log",
     threads: step_threads("convert")

@@ -2,25 +2,6 @@
 # Prepared data is shared by every model with the same corpus, tokenizer and concat length.
 
 
-def corpus_identity(wildcards):
-    cfg.validate_corpus(config, wildcards.corpus)
-    return cfg.corpus_identity(config, wildcards.corpus)
-
-
-def tokenizer_identity(wildcards):
-    cfg.validate_tokenizer(config, wildcards.tokenizer)
-    return cfg.tokenizer_identity(config, wildcards.tokenizer)
-
-
-def tokenizer_inputs(wildcards):
-    t = cfg.validate_tokenizer(config, wildcards.tokenizer)
-    return [f"{RESULTS}/data/{t['corpus']}/raw/manifest.json"] if t["source"] == "train" else []
-
-
-def mds_identity(wildcards):
-    return cfg.mds_identity(config, wildcards.corpus, wildcards.tokenizer, int(wildcards.concat))
-
-
 rule corpus:
     output:
         f"{RESULTS}/data/{{corpus}}/raw/manifest.json",
@@ -79,7 +60,7 @@ rule verify_mds:
     output:
         f"{RESULTS}/data/{{corpus}}/{{tokenizer}}/concat{{concat}}/verified.json",
     params:
-        identity=mds_identity,
+        identity=verify_identity,
     log:
         f"{LOGS}/verify/{{corpus}}-{{tokenizer}}-concat{{concat}}.log",
     threads: 1
@@ -96,10 +77,7 @@ rule icl_task:
     output:
         f"{RESULTS}/data/{{corpus}}/icl/{{label}}.jsonl",
     params:
-        identity=lambda wc: cfg.canonical(
-            [t for t in config["eval"]["icl_tasks"] if t["label"] == wc.label]
-            + [cfg.STEP_VERSIONS["icl_tasks"]]
-        ),
+        identity=icl_task_identity,
     log:
         f"{LOGS}/icl/{{corpus}}-{{label}}.log",
     threads: 1

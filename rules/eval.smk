@@ -4,12 +4,12 @@
 rule eval:
     input:
         model=f"{RESULTS}/{{run}}/hf/manifest.json",
-        data=lambda wc: dataset_path(wc, "verified.json"),
+        data=verified_dataset,
         icl=icl_task_files,
     output:
         f"{RESULTS}/{{run}}/eval.json",
     params:
-        identity=lambda wc: cfg.eval_identity(config, wc.run),
+        identity=eval_identity,
     log:
         f"{LOGS}/eval/{{run}}.log",
     threads: step_threads("eval")

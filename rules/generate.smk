@@ -7,7 +7,7 @@ rule generate:
     output:
         f"{RESULTS}/{{run}}/generate.json",
     params:
-        identity=lambda wc: cfg.generate_identity(config, wc.run),
+        identity=generate_identity,
     log:
         f"{LOGS}/generate/{{run}}.log",
     threads: step_threads("generate")

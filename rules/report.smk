@@ -1,19 +1,8 @@
 # The seed's Table 1 (pretraining), Table 2 (finetuning), a runtime projection and plots, from the results files.
 #   snakemake report                                       # results/report/ (runs: report.runs + existing results)
 #   snakemake report && snakemake --report results/report/report.html   # one HTML file with the tables and plots
-from llmpipe import report as report_mod
 
 REPORT = f"{RESULTS}/report"
-
-
-def report_inputs(wildcards):
-    """Requested runs (report.runs: built if missing) and runs, studies and benches whose results already exist."""
-    files = []
-    for run in report_mod.report_runs(config, RESULTS):
-        files += report_mod.run_inputs(config, RESULTS, run)
-    files += [f"{RESULTS}/scaling/{r}/scaling.csv" for r in report_mod.scaling_runs(config, RESULTS)]
-    files += [f"{RESULTS}/bench/allreduce/nodes{n}.csv" for n in report_mod.allreduce_nodes(config, RESULTS)]
-    return files
 
 
 rule report:
@@ -32,9 +21,9 @@ rule report:
         busbw=report(f"{REPORT}/busbw.png", caption="../report/busbw.rst", category="Plots"),
         speedup=report(f"{REPORT}/speedup.png", caption="../report/speedup_all.rst", category="Plots"),
     params:
-        runs=lambda wc: report_mod.report_runs(config, RESULTS),
-        scaling=lambda wc: report_mod.scaling_runs(config, RESULTS),
-        allreduce=lambda wc: report_mod.allreduce_nodes(config, RESULTS),
+        runs=requested_runs,
+        scaling=requested_scaling_studies,
+        allreduce=requested_allreduce_nodes,
     log:
         f"{LOGS}/report/report.log",
     localrule: True

@@ -1,16 +1,11 @@
 # Pretraining with composer + llm-foundry: one job of nodes x GPUs-per-node tasks through the dispatch module.
 
 
-def train_identity(wildcards):
-    run_cfg(wildcards)
-    return cfg.train_identity(config, wildcards.run)
-
-
 rule train:
     input:
-        data=lambda wc: dataset_path(wc, "verified.json"),
+        data=verified_dataset,
         tokenizer=tokenizer_manifest_of_run,
-        gate=lambda wc: allreduce_gate_input(wc),  # rules/bench.smk: [] unless allreduce.gate is on
+        gate=allreduce_gate_input,  # [] unless allreduce.gate is on
     output:
         f"{RESULTS}/{{run}}/train.json",
     params:

@@ -1,4 +1,4 @@
-# Thin wrapper: the logic lives in llmpipe.steps.corpus.
-from llmpipe import steps
+# Rule script: runs the rule's step from llmpipe.steps (llmpipe/steps/__init__.py: RULES names it).
+from llmpipe.steps import run_rule
 
-steps.corpus(snakemake)  # noqa: F821 - injected by Snakemake
+run_rule(snakemake)  # noqa: F821 - injected by Snakemake

@@ -1,4 +1,4 @@
-# Thin wrapper: the logic lives in llmpipe.finetune.step_finetune.
-from llmpipe import finetune
+# Rule script: runs the rule's step from llmpipe.steps (llmpipe/steps/__init__.py: RULES names it).
+from llmpipe.steps import run_rule
 
-finetune.step_finetune(snakemake)  # noqa: F821 - injected by Snakemake
+run_rule(snakemake)  # noqa: F821 - injected by Snakemake

@@ -145,7 +145,7 @@ def test_two_node_sweep_on_the_slurm_cluster(slurm_cluster, tmp_path):
 
 
 def test_standalone_driver_runs_the_rule_code(tmp_path):
-    """tools/allreduce_standalone.py (the rule's bench_step without Snakemake, as run on the device machine):
+    """tools/allreduce_standalone.py (rule allreduce's step without Snakemake, as run on the device machine):
     a 2-task gloo sweep through the local executor writes the nccl-tests table with no wrong elements."""
     import subprocess
     import sys

@@ -93,7 +93,8 @@ def test_train_and_finetune_configs_carry_the_compile_scope():
 
 
 def test_compile_is_speed_only():
-    from llmpipe.config import SPEED_ONLY_TRAIN_KEYS, train_identity
+    from llmpipe.config import SPEED_ONLY_TRAIN_KEYS
+    from llmpipe.steps.train import train_identity
     assert 'compile' in SPEED_ONLY_TRAIN_KEYS
     config = TFL._project_config()
     other = deep_merge(config, {'models': {'mpt-125m': {'train': {'compile': 'blocks'}}}})

@@ -404,7 +404,7 @@ def test_config_strings_from_the_command_line_read_as_yaml():
 def test_restating_a_value_from_the_command_line_keeps_the_identity():
     """``--config`` with ``seed: 17`` (arriving as '17') restates the shipped value: the training's identity text,
     hence its Snakemake params, is unchanged and nothing retrains."""
-    from llmpipe.config import train_identity
+    from llmpipe.steps.train import train_identity
 
     base = _shipped_config()
     restated = schema.resolve(deep_merge(_raw_config(), {"models": {"mpt-tiny": {"train": {"seed": "17"}}}}))
@@ -418,7 +418,7 @@ import json
 configfile: {config!r}
 include: {common!r}
 print("TRAIN=" + json.dumps(config["models"]["mpt-tiny"]["train"]))
-print("IDENTITY=" + cfg.train_identity(config, "mpt-tiny"))
+print("IDENTITY=" + identity_text(train_steps.train_identity(config, "mpt-tiny")))
 rule probe:
     output: "x"
     shell: "touch {{output}}"

@@ -155,6 +155,7 @@ def test_dry_run_names_batch_not_divisible_at_some_node_count(workdir, run, gbs,
 
 def test_config_errors_of_finetunes():
     from llmpipe import config as cfg
+    from llmpipe.steps.train import train_identity
     base = load_config()
     with pytest.raises(cfg.ConfigError, match="base must name exactly one of"):
         cfg.validate_run(cfg.deep_merge(base, {"finetunes": {SFT: {"base": {"hub": "mosaicml/mpt-7b"}}}}), SFT)
@@ -171,9 +172,9 @@ def test_config_errors_of_finetunes():
     assert tiny["arch"] == cfg.run_config(base, "mpt-tiny")["arch"] and tiny["data"]["tokenizer"] == "bpe-builtin-docs"
     # the base's training is part of the finetune's identity; its speed-only settings are not
     changed = cfg.deep_merge(base, {"models": {"mpt-tiny": {"arch": {"n_layers": 3}}}})
-    assert cfg.train_identity(changed, SFT) != cfg.train_identity(base, SFT)
+    assert train_identity(changed, SFT) != train_identity(base, SFT)
     speed = cfg.deep_merge(base, {"models": {"mpt-tiny": {"train": {"microbatch_size": 4}}}})
-    assert cfg.train_identity(speed, SFT) == cfg.train_identity(base, SFT)
+    assert train_identity(speed, SFT) == train_identity(base, SFT)
     assert cfg.step_resources(base, "eval", SFT)["gpus_per_node"] == 0
     assert cfg.step_resources(base, "train", "mpt-30b-instruct")["nodes"] == 8
 

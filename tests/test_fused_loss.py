@@ -595,7 +595,8 @@ def test_replaced_fused_loss_keys_name_the_kernel_setting(old, kernel):
 
 
 def test_fused_loss_is_speed_only():
-    from llmpipe.config import SPEED_ONLY_TRAIN_KEYS, deep_merge, train_identity
+    from llmpipe.config import SPEED_ONLY_TRAIN_KEYS, deep_merge
+    from llmpipe.steps.train import train_identity
     assert 'fused_loss' in SPEED_ONLY_TRAIN_KEYS
     config = _project_config()
     for run, value in (('mpt-tiny', True), ('mpt-125m', False), ('mpt-125m', {'chunk_size': 1024})):

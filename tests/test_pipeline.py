@@ -117,8 +117,8 @@ def test_lost_train_json_reuses_finished_training(tiny_run, tmp_path):
     proc = snakemake(wd, "--cores", "2", "results/mpt-tiny/train.json")
     train1 = load(wd, "mpt-tiny/train.json")
     assert train1 == train0
-    logs = (wd / "results/logs/train/mpt-tiny.submitit").rglob("*_0_log.out")
-    assert any("training already complete" in p.read_text() for p in logs), proc.stdout[-2000:]
+    log = (wd / "results/logs/train/mpt-tiny.log").read_text()
+    assert "training already complete" in log and "submitted job" not in log, log + proc.stdout[-2000:]
 
 
 def test_loss_curve_matches_committed_reference(tiny_run):

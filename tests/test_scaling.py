@@ -10,7 +10,8 @@ import pytest
 import yaml
 
 from llmpipe import scaling
-from llmpipe.config import train_identity
+from llmpipe.steps.scaling import study_identity
+from llmpipe.steps.train import train_identity
 from tests.conftest import REPO, planned_jobs, project_config, snakemake
 
 
@@ -25,7 +26,7 @@ def test_nodes_are_not_identity():
         assert sc["models"]["mpt-7b"]["resources"]["nodes"] == n
         assert train_identity(sc, "mpt-7b") == train_identity(cfg, "mpt-7b")
     short = {**cfg, "scaling": {"max_duration_batches": 50}}
-    assert scaling.study_identity(short, "mpt-7b") != train_identity(cfg, "mpt-7b")  # a shorter training
+    assert study_identity(short, "mpt-7b") != train_identity(cfg, "mpt-7b")  # a shorter training
 
 
 def test_table_speedup_and_efficiency():

@@ -2,7 +2,7 @@
 """The all-reduce sweep of rule ``allreduce`` on one node, without Snakemake.
 
 For a GPU machine that has torch and submitit but not the workflow's environment (the device machine used for
-``benchmarks/allreduce-device-*``): it runs :func:`llmpipe.allreduce.bench_step`, the rule's own code, with the
+``benchmarks/allreduce-device-*``): it runs rule ``allreduce``'s own step (:func:`llmpipe.steps.run_rule`) with the
 project config (``config/config.yaml``) merged with ``--set``, the local executor and one node, and writes
 ``OUT/nodes1.csv`` (nccl-tests' columns), ``OUT/nodes1.md`` and ``OUT/allreduce-nodes1.log``.
 
@@ -34,9 +34,9 @@ class _Files(list):
 def main(argv: list[str] | None = None) -> int:
     import yaml
 
-    from llmpipe import allreduce
     from llmpipe import schema
     from llmpipe.config import deep_merge
+    from llmpipe.steps import run_rule
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("out", help="folder for nodes1.csv, nodes1.md, the log and submitit's files")
@@ -52,9 +52,9 @@ def main(argv: list[str] | None = None) -> int:
     os.makedirs(args.out, exist_ok=True)
     out = _Files([os.path.join(args.out, "nodes1.csv"), os.path.join(args.out, "nodes1.md")])
     out.csv, out.md = out
-    smk = types.SimpleNamespace(config=config, wildcards=types.SimpleNamespace(nodes="1"), params=[], output=out,
-                                log=[os.path.join(args.out, "allreduce-nodes1.log")])
-    allreduce.bench_step(smk)
+    smk = types.SimpleNamespace(rule="allreduce", config=config, wildcards=types.SimpleNamespace(nodes="1"),
+                                input=[], params=[], output=out, log=[os.path.join(args.out, "allreduce-nodes1.log")])
+    run_rule(smk)
     with open(out.md) as fh:
         print(fh.read())
     return 0

@@ -1,0 +1,139 @@
+"""The workflow's steps: one function per Snakemake rule, one module per stage.
+
+The flow, for every rule::
+
+    config/config.yaml -> rules/<stage>.smk (rule: inputs, outputs, params = the step's identity text, resources)
+      -> scripts/<rule>.py (the same two lines for every rule: ``run_rule(snakemake)``)
+      -> run_rule: one StepContext from Snakemake's object -> the step function in llmpipe/steps/<stage>.py
+      -> ctx.dispatch(...) -> llmpipe.dispatch.run_step -> a submitit job (local, Slurm, or in-process for tests)
+
+=====================  =====================================================================================
+module                 rules
+=====================  =====================================================================================
+:mod:`.data`           corpus, tokenizer, mds, verify_mds, icl_task, instructions
+:mod:`.train`          train, finetune
+:mod:`.convert`        convert
+:mod:`.generate`       generate
+:mod:`.evaluate`       eval, finetune_eval
+:mod:`.scaling`        scaling_train, scaling_table
+:mod:`.allreduce`      allreduce, allreduce_plot, allreduce_gate, scaling_allreduce_gate
+:mod:`.report`         report
+=====================  =====================================================================================
+
+Each module also declares its steps' versions and identity functions (dicts; the rule files turn them into
+text once, with :func:`llmpipe.identity.identity_text`). :func:`run_rule` is the one entry: it empties the rule's
+log, makes the thread variables valid (:func:`llmpipe.dispatch.normalize_thread_env`), builds the
+:class:`~llmpipe.steps.context.StepContext`, calls the step, and writes the step's provenance record beside its
+first output (:mod:`llmpipe.steps.provenance`: ``<output>.provenance.json``). A failing step's error is appended
+to the rule's log, so ``--show-failed-logs`` shows why it failed.
+
+Nothing here imports torch: the rule files import these modules to plan the DAG.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import traceback
+from typing import Any, Callable
+
+from llmpipe import dispatch
+from llmpipe.steps import allreduce, convert, data, evaluate, generate, provenance, report, scaling, train
+from llmpipe.steps.context import StepContext, parse_params, wildcard_values
+
+Resources = Callable[[dict, Any], dict]
+
+
+@dataclasses.dataclass(frozen=True)
+class Rule:
+    """How :func:`run_rule` runs one rule.
+
+    Attributes:
+        step: the step function; takes the :class:`StepContext`, returns the resolved settings it used.
+        log_dir: the step's submitit folder under ``results/logs/`` (without ``.submitit``), as a pattern of the
+            rule's wildcards (``train/{run}``); None for steps that dispatch nothing.
+        resources: ``(config, wildcards) -> resources`` of the job the step dispatches; None for none.
+    """
+
+    step: Callable[[StepContext], Any]
+    log_dir: str | None = None
+    resources: Resources | None = None
+
+
+#: Every rule that has a script: rule name -> how to run it.
+RULES: dict[str, Rule] = {
+    "corpus": Rule(data.corpus, "corpus/{corpus}", data.single_task_resources),
+    "tokenizer": Rule(data.tokenizer, "tokenizer/{tokenizer}", data.single_task_resources),
+    "mds": Rule(data.mds, "mds/{corpus}-{tokenizer}-concat{concat}"),
+    "verify_mds": Rule(data.verify_mds),
+    "icl_task": Rule(data.icl_task),
+    "instructions": Rule(data.instructions, "instructions/{iset}", data.single_task_resources),
+    "train": Rule(train.train, "train/{run}", train.training_resources),
+    "finetune": Rule(train.finetune, "finetune/{run}", train.training_resources),
+    "convert": Rule(convert.convert, "convert/{run}", convert.convert_resources),
+    "generate": Rule(generate.generate, "generate/{run}", generate.generate_resources),
+    "eval": Rule(evaluate.evaluate, "eval/{run}", evaluate.eval_resources),
+    "finetune_eval": Rule(evaluate.finetune_eval, "eval/{run}", evaluate.eval_resources),
+    "scaling_train": Rule(scaling.scaling_train, "scaling/{run}-nodes{nodes}", scaling.study_resources),
+    "scaling_table": Rule(scaling.scaling_table),
+    "allreduce": Rule(allreduce.allreduce, "allreduce/nodes{nodes}", allreduce.bench_job_resources),
+    "allreduce_plot": Rule(allreduce.allreduce_plot),
+    "allreduce_gate": Rule(allreduce.allreduce_gate),
+    "scaling_allreduce_gate": Rule(allreduce.allreduce_gate),
+    "report": Rule(report.report),
+}
+
+
+def start_log(log_file: str) -> None:
+    """Create (or empty) the rule's log file."""
+    os.makedirs(os.path.dirname(log_file) or ".", exist_ok=True)
+    open(log_file, "w").close()
+
+
+def log_error(log_file: str, exc: BaseException) -> None:
+    """Append a failing step's error to its log; the traceback too, unless the error is one whose message says
+    it all (a failed job's, with its own log tail, or a bad setting's)."""
+    with open(log_file, "a") as fh:
+        fh.write(f"\nERROR: {type(exc).__name__}: {exc}\n")
+        if not isinstance(exc, (dispatch.StepFailed, ValueError)):
+            fh.write(traceback.format_exc())
+
+
+def context(smk: Any, rule: Rule) -> StepContext:
+    """The :class:`StepContext` of Snakemake's ``smk`` for ``rule``."""
+    log_dir = None if rule.log_dir is None else rule.log_dir.format(**wildcard_values(smk.wildcards))
+    resources = {} if rule.resources is None else rule.resources(smk.config, smk.wildcards)
+    return StepContext.build(smk, log_dir=log_dir, resources=resources)
+
+
+def run_step(ctx: StepContext, rule: Rule) -> Any:
+    """Run ``rule``'s step in ``ctx`` and write its provenance record beside its first output; return what the
+    step returned. The record of an earlier execution is removed first."""
+    provenance.forget(ctx.output[0])
+    settings = rule.step(ctx)
+    params = parse_params(ctx.params)
+    identity = params.pop("identity", None)
+    provenance.write(ctx.output[0], provenance.record(
+        rule=ctx.rule, wildcards=wildcard_values(ctx.wildcards), settings=settings, identity=identity,
+        version=identity.get("version") if isinstance(identity, dict) else None, params=params))
+    return settings
+
+
+def run_rule(smk: Any) -> None:
+    """What every ``scripts/<rule>.py`` calls with its ``snakemake`` object: run the rule's step (:data:`RULES`).
+
+    Raises:
+        KeyError: the rule has no entry in :data:`RULES`.
+        Exception: whatever the step raised, after appending it to the rule's log.
+    """
+    rule = RULES[smk.rule]
+    dispatch.normalize_thread_env()  # threads: 0 of Slurm-waiting rules -> OMP_NUM_THREADS=0 from Snakemake
+    start_log(smk.log[0])
+    try:
+        run_step(context(smk, rule), rule)
+    except Exception as exc:
+        log_error(smk.log[0], exc)
+        raise
+
+
+__all__ = ["RULES", "Rule", "StepContext", "run_rule", "run_step", "context"]

@@ -1,0 +1,33 @@
+"""Export step (rule ``convert``): the final composer checkpoint -> a Hugging Face folder ``results/<run>/hf``."""
+
+from __future__ import annotations
+
+import os
+
+from llmpipe.config import step_resources
+from llmpipe.steps.context import StepContext, read_json
+
+#: Bump when a change in our code changes the exported folder (reruns conversion and everything after it).
+VERSION = 1
+
+
+def convert_identity(config: dict, run: str) -> dict:
+    """What determines the exported Hugging Face model besides the trained model (its input): the export dtype."""
+    return {"step": "convert", "version": VERSION, "dtype": config["convert"]["dtype"]}
+
+
+def convert_resources(config: dict, wildcards) -> dict:
+    """The export job: ``convert.resources`` (a run's ``step_resources.convert`` wins)."""
+    return step_resources(config, "convert", wildcards.run)
+
+
+def convert(ctx: StepContext) -> dict:
+    """Rule ``convert``: export the final checkpoint to a Hugging Face folder (written aside, then renamed)."""
+    from llmpipe.convert import convert_checkpoint
+
+    run = ctx.wildcards.run
+    checkpoint = os.path.abspath(read_json(ctx.input.train)["final_checkpoint"])
+    dtype = ctx.config["convert"]["dtype"]
+    ctx.dispatch(convert_checkpoint, ctx.config, run, checkpoint, os.path.dirname(ctx.input.tokenizer),
+                 os.path.dirname(ctx.output[0]), dtype, step=f"convert {run}")
+    return {"checkpoint": checkpoint, "dtype": dtype, "resources": ctx.resources}

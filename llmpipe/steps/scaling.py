@@ -1,0 +1,50 @@
+"""Node-scaling study steps: the same training at each node count (``scaling_train``) and its table
+(``scaling_table``). The study's settings, checks and table are in :mod:`llmpipe.scaling`."""
+
+from __future__ import annotations
+
+import re
+
+from llmpipe import scaling
+from llmpipe.config import step_resources, validate_run, world_size
+from llmpipe.steps.context import StepContext, read_json
+from llmpipe.steps.train import check_all_steps, finished_training, train_identity, training_task
+
+
+def study_identity(config: dict, run: str) -> dict:
+    """The training identity of every node count of the study (nodes are never part of it; a
+    ``scaling.max_duration_batches`` is: it makes a shorter training than ``results/<run>``)."""
+    return train_identity(scaling.study_config(config, run, 1), run)
+
+
+def study_resources(config: dict, wildcards) -> dict:
+    """The training job of the study at ``{nodes}`` nodes."""
+    return step_resources(scaling.study_config(config, wildcards.run, int(wildcards.nodes)), "train",
+                          wildcards.run)
+
+
+def scaling_train(ctx: StepContext) -> dict:
+    """Rule ``scaling_train``: the run's training task on ``{nodes}`` nodes into the study's folder.
+
+    Raises:
+        RuntimeError: the training ended early, or ran on another number of devices than ``{nodes}`` gives.
+    """
+    run, nodes = ctx.wildcards.run, int(ctx.wildcards.nodes)
+    config = scaling.study_config(ctx.config, run, nodes)
+    rc = validate_run(config, run)
+    task = training_task(ctx, config, run, rc)  # the same task as rule train / finetune builds
+    label = f"scaling {run} nodes{nodes}"
+    result = finished_training(ctx, rc, label) or ctx.dispatch(task, step=label, config=config)
+    check_all_steps(result, rc, label)
+    if int(result.get("devices", 0)) != world_size(ctx.resources):
+        raise RuntimeError(f"{label}: trained on {result.get('devices')} devices, expected "
+                           f"{world_size(ctx.resources)} ({nodes} nodes)")
+    ctx.write_json(result)
+    return {"run": rc, "resources": ctx.resources}
+
+
+def scaling_table(ctx: StepContext) -> dict:
+    """Rule ``scaling_table``: scaling.csv, scaling.md and speedup.png of one study."""
+    results = {int(re.search(r"nodes(\d+)/train\.json$", p).group(1)): read_json(p) for p in ctx.input}
+    scaling.write_study(ctx.wildcards.run, results, ctx.output.csv, ctx.output.md, ctx.output.png)
+    return {"nodes": sorted(results)}

@@ -1,0 +1,151 @@
+"""Training steps: pretraining (rule ``train``) and supervised finetuning (rule ``finetune``).
+
+Both dispatch one job of ``nodes x tasks_per_node`` ranks running :class:`llmpipe.train.TrainTask` (or
+:class:`llmpipe.finetune.FinetuneTask`) and write ``train.json`` from rank 0's result. The identity functions say
+what determines a trained model; speed-only settings (:data:`llmpipe.config.SPEED_ONLY_TRAIN_KEYS`,
+:data:`llmpipe.config.SPEED_ONLY_FINETUNE_DATA_KEYS`), resources and node counts are never part of it.
+"""
+
+from __future__ import annotations
+
+import os
+
+from llmpipe.config import SPEED_ONLY_FINETUNE_DATA_KEYS, SPEED_ONLY_TRAIN_KEYS, is_finetune, run_config, step_resources
+from llmpipe.steps.context import StepContext, read_json
+from llmpipe.steps.convert import convert_identity
+from llmpipe.steps.data import instructions_identity, mds_identity, tokenizer_identity
+from llmpipe.train import prepare_save_folder, recorded_result
+
+#: Bump when a change in our code changes the trained model (reruns training and everything after it).
+VERSIONS = {"train": 1, "finetune": 1}
+
+
+# ------------------------------------------------------------------------------------------- identity
+
+def train_identity(config: dict, run: str) -> dict:
+    """What determines a trained model: architecture, data, optimizer, steps, global batch, seed, precision.
+
+    A finetune's is :func:`finetune_identity`. Keys in :data:`llmpipe.config.SPEED_ONLY_TRAIN_KEYS`, the
+    resources and the attention implementation are left out.
+    """
+    if is_finetune(config, run):
+        return finetune_identity(config, run)
+    rc = run_config(config, run)
+    train = {k: v for k, v in rc["train"].items() if k not in SPEED_ONLY_TRAIN_KEYS}
+    d = rc["data"]
+    return {"step": "train", "version": VERSIONS["train"], "arch": rc["arch"], "train": train,
+            "data": mds_identity(config, d["corpus"], d["tokenizer"], d["concat_tokens"])}
+
+
+def finetune_identity(config: dict, run: str) -> dict:
+    """What determines a finetuned model: the base model (for our runs: the base's training and export
+    identity, so retraining the base reruns the finetune), the instruction set, the tokenizer, the data settings,
+    the optimizer, steps, global batch, seed, precision and LoRA settings.
+
+    Speed-only keys, resources and node counts are left out; so is ``arch`` for hub bases (it describes the hub
+    model; it does not change it).
+    """
+    rc = run_config(config, run)
+    base = rc["base"]
+    if base.get("run"):
+        base_id = {"run": base["run"], "train": train_identity(config, base["run"]),
+                   "convert": convert_identity(config, base["run"])}
+    else:
+        base_id = {"hub": base["hub"], "revision": base.get("revision")}
+    d = rc["data"]
+    data = {k: v for k, v in d.items()
+            if k not in SPEED_ONLY_FINETUNE_DATA_KEYS and k not in ("corpus", "icl_corpus", "concat_tokens")}
+    data["instructions"] = instructions_identity(config, d["instructions"])
+    data["tokenizer"] = tokenizer_identity(config, d["tokenizer"])
+    train = {k: v for k, v in rc["train"].items() if k not in SPEED_ONLY_TRAIN_KEYS}
+    return {"step": "finetune", "version": VERSIONS["finetune"], "base": base_id, "data": data, "train": train,
+            "lora": rc["lora"]}
+
+
+# ------------------------------------------------------------------------------------------- shared by training rules
+
+def training_resources(config: dict, wildcards) -> dict:
+    """The job of a training rule: ``models.<run>.resources`` (``finetunes.<run>.resources``)."""
+    return step_resources(config, "train", wildcards.run)
+
+
+def check_vocab_fits(tok_manifest: dict, rc: dict, run: str) -> None:
+    """Raise ValueError (naming the setting and the fix) when the tokenizer has more tokens than the model."""
+    if int(tok_manifest["vocab_size"]) > int(rc["arch"]["vocab_size"]):
+        raise ValueError(f"the tokenizer {rc['data']['tokenizer']} has {tok_manifest['vocab_size']} tokens but "
+                         f"models.{run}.arch.vocab_size is {rc['arch']['vocab_size']}. Fix: raise vocab_size.")
+
+
+def check_all_steps(result: dict | None, rc: dict, label: str) -> None:
+    """Raise RuntimeError unless a training ``result`` reached ``train.max_duration_batches`` steps."""
+    want = int(rc["train"]["max_duration_batches"])
+    if result is None or result.get("steps") != want:
+        raise RuntimeError(f"{label}: training ended at step {None if result is None else result.get('steps')} "
+                           f"instead of {want}")
+
+
+def training_task(ctx: StepContext, config: dict, run: str, rc: dict):
+    """The task a training rule (``train``, ``finetune``, ``scaling_train``) dispatches for ``run``.
+
+    A finetune gets :class:`llmpipe.finetune.FinetuneTask` (instruction set ``ctx.input.instructions``, its base
+    model; ``peft`` is checked first when LoRA is on), a pretraining run :class:`llmpipe.train.TrainTask` (the MDS
+    dataset beside ``ctx.input.data``; the tokenizer must fit the model's vocabulary). Both write into the folder
+    of ``ctx.output[0]`` under the identity ``ctx.params.identity``.
+
+    Args:
+        config: the config the training sees (a scaling study's differs from ``ctx.config`` in its nodes).
+
+    Raises:
+        ValueError / ConfigError: the tokenizer does not fit, or LoRA is on without ``peft`` (before any job waits
+            in a queue).
+    """
+    run_dir = os.path.dirname(ctx.output[0])
+    tok_dir = os.path.dirname(ctx.input.tokenizer)
+    if is_finetune(config, run):
+        from llmpipe.finetune import FinetuneTask, base_model_path, require_peft
+        require_peft(config, run)
+        return FinetuneTask(config, run, os.path.dirname(ctx.input.instructions), tok_dir, run_dir,
+                            ctx.params.identity, base_model_path(config, run))
+    from llmpipe.train import TrainTask
+    check_vocab_fits(read_json(ctx.input.tokenizer), rc, run)
+    return TrainTask(config, run, os.path.join(os.path.dirname(ctx.input.data), "mds"), tok_dir, run_dir,
+                     ctx.params.identity)
+
+
+def finished_training(ctx: StepContext, rc: dict, label: str) -> dict | None:
+    """The recorded result when the training of ``ctx.output[0]``'s folder already finished under this identity
+    (:func:`llmpipe.train.recorded_result`), else None.
+
+    A finished training is never trained again: a forced rerun, a lost train.json, or the one re-plan after an
+    upgrade changed the identity's text form returns its record without a job (no queue wait for its nodes), and
+    its ``identity.json`` is rewritten in the current form.
+    """
+    save_folder = os.path.join(os.path.dirname(ctx.output[0]), "checkpoints")
+    result = recorded_result(save_folder, ctx.params.identity, int(rc["train"]["max_duration_batches"]))
+    if result is not None:
+        prepare_save_folder(save_folder, ctx.params.identity)
+        ctx.log(f"{label}: training already complete at {result.get('final_checkpoint')}; reusing its result, "
+                f"no job submitted")
+    return result
+
+
+def _train_run(ctx: StepContext, label: str) -> dict:
+    run = ctx.wildcards.run
+    rc = run_config(ctx.config, run)
+    task = training_task(ctx, ctx.config, run, rc)  # checks peft and the vocabulary before a job waits in a queue
+    result = finished_training(ctx, rc, f"{label} {run}") or ctx.dispatch(task, step=f"{label} {run}")
+    check_all_steps(result, rc, f"{label} {run}")
+    ctx.write_json(result)
+    return {"run": rc, "resources": ctx.resources}
+
+
+# ------------------------------------------------------------------------------------------- steps
+
+def train(ctx: StepContext) -> dict:
+    """Rule ``train``: pretrain one run on ``nodes x tasks_per_node`` ranks; write train.json from rank 0."""
+    return _train_run(ctx, "train")
+
+
+def finetune(ctx: StepContext) -> dict:
+    """Rule ``finetune``: finetune on ``nodes x tasks_per_node`` ranks; write train.json from rank 0."""
+    return _train_run(ctx, "finetune")

@@ -1,0 +1,296 @@
+"""The steps package: one uniform script per rule, identity as dicts (and the upgrade from the legacy text form
+without retraining), and the provenance record every step writes beside its output."""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import json
+import os
+import re
+import types
+from pathlib import Path
+
+import pandas as pd
+import pytest
+
+from llmpipe.config import run_config
+from llmpipe.identity import identity_text, parse_identity, same_identity
+from llmpipe.steps import RULES, Rule, context, run_rule, run_step
+from llmpipe.steps.data import mds_identity
+from llmpipe.steps.provenance import provenance_path
+from llmpipe.steps.train import train_identity
+from llmpipe.train import finished_result, newest_checkpoint, prepare_save_folder
+from tests.conftest import REPO, project_config
+
+
+class NamedList(list):
+    """Snakemake's named list (input, output, params): a list whose entries also have names."""
+
+    def __init__(self, **named):
+        super().__init__(named.values())
+        self.__dict__.update(named)
+
+    def items(self):
+        return list(self.__dict__.items())
+
+
+def load_config() -> dict:
+    """The shipped config as a workflow run sees it (typed, defaults filled)."""
+    return project_config()
+
+
+def rule_scripts() -> dict[str, str]:
+    """rule name -> script path (relative to rules/) of every rule in rules/*.smk that has a script."""
+    out = {}
+    for smk in (REPO / "rules").glob("*.smk"):
+        text = smk.read_text()
+        for m in re.finditer(r"^rule (\w+):\n(.*?)(?=^rule |\Z)", text, re.S | re.M):
+            s = re.search(r"script:\s*\n\s*\"([^\"]+)\"", m.group(2))
+            if s:
+                out[m.group(1)] = s.group(1)
+    return out
+
+
+# ------------------------------------------------------------------------------------------- one shape
+
+def test_every_rule_script_is_the_same_entry_and_every_rule_has_a_step():
+    scripts = rule_scripts()
+    assert set(scripts) == set(RULES), set(scripts) ^ set(RULES)
+    bodies = {name: (REPO / "rules" / path).resolve().read_text() for name, path in scripts.items()}
+    assert len(set(bodies.values())) == 1, "rule scripts differ"
+    code = [ln for ln in next(iter(bodies.values())).splitlines() if ln.strip() and not ln.startswith("#")]
+    assert code == ["from llmpipe.steps import run_rule", "run_rule(snakemake)  # noqa: F821 - injected by Snakemake"]
+
+
+def test_rule_files_have_no_lambdas_and_their_functions_are_in_common_smk():
+    """Named functions only, all in rules/common.smk, which has no rules (snakemake --lint: no file mixes them)."""
+    for smk in [REPO / "Snakefile", *(REPO / "rules").glob("*.smk")]:
+        text = smk.read_text()
+        assert "lambda" not in text, smk
+        if smk.name == "common.smk":
+            assert not re.search(r"rule .+?:", text), "the linter would take rules/common.smk for a rule file"
+        else:
+            assert not re.search(r"^def ", text, re.M), f"{smk}: move its functions to rules/common.smk"
+
+
+def test_steps_package_imports_no_private_names_across_modules():
+    for path in (REPO / "llmpipe" / "steps").glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("llmpipe"):
+                assert not [a.name for a in node.names if a.name.startswith("_")], (path, node.module)
+
+
+def test_context_names_log_folder_resources_and_key_once():
+    config = load_config()
+    smk = types.SimpleNamespace(rule="train", config=config, wildcards=types.SimpleNamespace(run="mpt-tiny"),
+                                input=[], output=["results/mpt-tiny/train.json"], params=["{}"],
+                                log=["results/logs/train/mpt-tiny.log"])
+    ctx = context(smk, RULES["train"])
+    assert ctx.log_dir == os.path.join(config["results_dir"], "logs", "train", "mpt-tiny.submitit")
+    assert ctx.resources["nodes"] == 1 and "time_min" in ctx.resources
+    assert ctx.executor == config["dispatch"]["executor"] and re.fullmatch(r"[0-9a-f]{16}", ctx.key)
+    scaling = types.SimpleNamespace(**{**vars(smk), "rule": "scaling_train",
+                                       "wildcards": types.SimpleNamespace(run="mpt-tiny", nodes="1")})
+    assert context(scaling, RULES["scaling_train"]).log_dir.endswith("logs/scaling/mpt-tiny-nodes1.submitit")
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        ctx.rule = "other"
+
+
+# ------------------------------------------------------------------------------------------- identity
+
+def legacy_text(identity: dict) -> str:
+    """The identity text as written before identities were dicts: every nested step identity (a dict with a
+    ``step`` key) was itself canonical JSON text inside the outer JSON."""
+    def encode(value, top=False):
+        if isinstance(value, dict):
+            inner = {k: encode(v) for k, v in value.items()}
+            return inner if top or "step" not in value else identity_text(inner)
+        if isinstance(value, list):
+            return [encode(v) for v in value]
+        return value
+    return identity_text(encode(identity, top=True))
+
+
+def test_identity_is_a_dict_without_text_inside():
+    config = load_config()
+    ident = train_identity(config, "mpt-tiny")
+    d = run_config(config, "mpt-tiny")["data"]
+    assert ident["data"] == mds_identity(config, d["corpus"], d["tokenizer"], d["concat_tokens"])
+    assert isinstance(ident["data"]["tokenizer"], dict) and ident["data"]["tokenizer"]["step"] == "tokenizer"
+    assert '\\"' not in identity_text(ident)  # no escaped quotes: nothing is JSON text inside JSON text
+
+
+def test_legacy_nested_text_means_the_same_identity():
+    legacy = '{"data":"{\\"concat_tokens\\":128,\\"step\\":\\"mds\\",\\"version\\":1}","step":"train","version":1}'
+    new = identity_text({"step": "train", "version": 1, "data": {"step": "mds", "version": 1, "concat_tokens": 128}})
+    assert same_identity(legacy, new) and parse_identity(legacy) == json.loads(new)
+    other = new.replace('"concat_tokens":128', '"concat_tokens":64')
+    assert not same_identity(legacy, other)
+    ident = train_identity(load_config(), "mpt-tiny")
+    assert legacy_text(ident) != identity_text(ident) and same_identity(legacy_text(ident), identity_text(ident))
+
+
+def finished_save_folder(path: str, identity: str) -> str:
+    """A save folder as a finished tiny training leaves it: final checkpoint, marker, record, identity."""
+    os.makedirs(path)
+    for name, text in [("ep0-ba80-rank0.pt", "older"), ("ep0-ba80-rank0.pt.complete", "80"),
+                       ("ep0-ba100-rank0.pt", "final"), ("ep0-ba100-rank0.pt.complete", "100"),
+                       ("identity.json", identity)]:
+        with open(os.path.join(path, name), "w") as fh:
+            fh.write(text)
+    with open(os.path.join(path, "result.json"), "w") as fh:
+        json.dump({"steps": 100, "final_checkpoint": os.path.join(path, "ep0-ba100-rank0.pt")}, fh)
+    return path
+
+
+def test_finished_training_with_legacy_identity_is_kept_and_recognized(tmp_path):
+    """After the upgrade the train step gets its identity in the new text form; a finished training whose
+    identity.json holds the legacy form keeps every checkpoint and is recognized as finished (no retraining),
+    and identity.json is rewritten in the new form."""
+    ident = train_identity(load_config(), "mpt-tiny")
+    folder = finished_save_folder(str(tmp_path / "checkpoints"), legacy_text(ident))
+    before = sorted(os.listdir(folder))
+    prepare_save_folder(folder, identity_text(ident))
+    assert sorted(os.listdir(folder)) == before
+    assert Path(os.path.join(folder, "identity.json")).read_text() == identity_text(ident)
+    newest = newest_checkpoint(folder)
+    assert newest.endswith("ep0-ba100-rank0.pt")
+    assert finished_result(folder, newest, 100)["steps"] == 100
+
+
+def test_train_step_returns_a_finished_legacy_training_without_a_job(tmp_path):
+    """Rule train as Snakemake runs it once after the upgrade: the save folder of a finished training holds the
+    legacy identity text; the step writes the recorded result as train.json without submitting a job (the config's
+    executor cannot run one), keeps every checkpoint and rewrites identity.json in the new form."""
+    config = load_config()
+    config["dispatch"] = {**config["dispatch"], "executor": "none: a job here would be a retraining"}
+    config["models"]["mpt-tiny"].setdefault("train", {})["max_duration_batches"] = 100  # the folder's final step
+    ident = train_identity(config, "mpt-tiny")
+    run_dir = tmp_path / "results" / "mpt-tiny"
+    folder = finished_save_folder(str(run_dir / "checkpoints"), legacy_text(ident))
+    before = sorted(os.listdir(folder))
+    tok = tmp_path / "results" / "tokenizers" / "t" / "manifest.json"
+    tok.parent.mkdir(parents=True)
+    tok.write_text(json.dumps({"vocab_size": 64}))
+    smk = types.SimpleNamespace(rule="train", config=config, wildcards=NamedList(run="mpt-tiny"),
+                                input=NamedList(data=str(tmp_path / "verified.json"), tokenizer=str(tok), gate=[]),
+                                output=[str(run_dir / "train.json")], params=NamedList(identity=identity_text(ident)),
+                                log=[str(tmp_path / "logs" / "train.log")])
+    run_rule(smk)
+    assert json.loads((run_dir / "train.json").read_text())["steps"] == 100
+    assert sorted(os.listdir(folder)) == before
+    assert (run_dir / "checkpoints" / "identity.json").read_text() == identity_text(ident)
+    assert "training already complete" in Path(smk.log[0]).read_text()
+    assert json.loads(Path(provenance_path(smk.output[0])).read_text())["identity"] == ident
+
+
+def test_changed_identity_still_clears_a_legacy_folder(tmp_path):
+    config = load_config()
+    folder = finished_save_folder(str(tmp_path / "checkpoints"), legacy_text(train_identity(config, "mpt-tiny")))
+    config["models"]["mpt-tiny"].setdefault("train", {})["seed"] = 12345
+    prepare_save_folder(folder, identity_text(train_identity(config, "mpt-tiny")))
+    assert os.listdir(folder) == ["identity.json"]
+
+
+# ------------------------------------------------------------------------------------------- provenance
+
+def gate_smk(tmp_path, busbw: float) -> types.SimpleNamespace:
+    csv = tmp_path / "nodes2.csv"
+    pd.DataFrame([{"size_bytes": 1024, "ip_busbw_gbps": busbw, "oop_busbw_gbps": busbw, "ip_wrong": 0,
+                   "oop_wrong": 0, "nodes": 2, "ranks": 2, "backend": "gloo"}]).to_csv(csv, index=False)
+    config = {**load_config(), "results_dir": str(tmp_path / "results"),
+              "allreduce": {"max_bytes": 4096, "gate": {"size_bytes": 1024, "min_busbw_gbps": 1.0}}}
+    out = str(tmp_path / "gate" / "mpt-tiny.json")
+    gate = identity_text(config["allreduce"]["gate"])
+    return types.SimpleNamespace(rule="allreduce_gate", config=config, wildcards=types.SimpleNamespace(run="mpt-tiny"),
+                                 input=NamedList(csv=str(csv)), output=[out], params=NamedList(gate=gate),
+                                 log=[str(tmp_path / "logs" / "gate.log")])
+
+
+def test_a_step_writes_its_provenance_beside_its_output(tmp_path):
+    smk = gate_smk(tmp_path, busbw=5.0)
+    run_rule(smk)
+    out = smk.output[0]
+    rec = json.loads(Path(provenance_path(out)).read_text())
+    assert provenance_path(out) == out + ".provenance.json"
+    assert json.loads(Path(out).read_text())["passed"] is True
+    assert rec["rule"] == "allreduce_gate" and rec["wildcards"] == {"run": "mpt-tiny"}
+    assert rec["settings"] == {"gate": {"size_bytes": 1024, "min_busbw_gbps": 1.0}}
+    assert rec["params"]["gate"] == {"size_bytes": 1024, "min_busbw_gbps": 1.0}
+    assert rec["git"] is None or re.fullmatch(r"[0-9a-f]{40}", rec["git"]["commit"])
+    assert {"llmpipe", "torch", "mosaicml", "llm-foundry", "mosaicml-streaming", "transformers",
+            "snakemake"} <= set(rec["packages"])
+    assert rec["packages"]["snakemake"] and rec["host"] and rec["time"].endswith("+00:00")
+
+
+def test_a_failed_step_leaves_no_provenance(tmp_path):
+    smk = gate_smk(tmp_path, busbw=0.5)  # below the gate's threshold: the step raises
+    os.makedirs(os.path.dirname(smk.output[0]))
+    with open(provenance_path(smk.output[0]), "w") as fh:
+        fh.write("{}")  # an earlier execution's record
+    with pytest.raises(RuntimeError, match="training refuses to start"):
+        run_rule(smk)
+    assert not os.path.exists(smk.output[0]) and not os.path.exists(provenance_path(smk.output[0]))
+    assert "ERROR: RuntimeError" in Path(smk.log[0]).read_text()
+
+
+def test_provenance_records_identity_and_version(tmp_path):
+    out = str(tmp_path / "x.json")
+    ident = {"step": "demo", "version": 3, "inner": {"step": "mds", "version": 1}}
+
+    def demo_step(ctx):
+        ctx.write_json({"ok": True})
+        return {"used": 1}
+
+    ctx = context(types.SimpleNamespace(rule="demo", config={"results_dir": str(tmp_path)}, wildcards={},
+                                        input=[], output=[out], log=[str(tmp_path / "demo.log")],
+                                        params=NamedList(identity=identity_text(ident))),
+                  Rule(demo_step))
+    assert run_step(ctx, Rule(demo_step)) == {"used": 1}
+    rec = json.loads(Path(provenance_path(out)).read_text())
+    assert rec["identity"] == ident and rec["version"] == 3 and rec["settings"] == {"used": 1}
+
+
+@pytest.mark.slow
+def test_upgraded_finished_training_returns_its_result_at_once(tiny_run, tmp_path):
+    """A finished tiny run whose identity.json holds the legacy nested-text form, rerun as Snakemake plans it once
+    after the upgrade (here forced): the train step keeps every checkpoint, trains nothing, returns the recorded
+    result and rewrites identity.json in the new form."""
+    from tests.conftest import copy_run, snakemake
+
+    wd = copy_run(tiny_run, tmp_path / "wd")
+    ck = wd / "results/mpt-tiny/checkpoints"
+    new_text = (ck / "identity.json").read_text()
+    (ck / "identity.json").write_text(legacy_text(json.loads(new_text)))
+    before = sorted(os.listdir(ck))
+    train0 = json.loads((wd / "results/mpt-tiny/train.json").read_text())
+    snakemake(wd, "--cores", "2", "--forcerun", "train", "--", "results/mpt-tiny/train.json")
+    assert json.loads((wd / "results/mpt-tiny/train.json").read_text()) == train0
+    assert sorted(os.listdir(ck)) == before and (ck / "identity.json").read_text() == new_text
+    log = (wd / "results/logs/train/mpt-tiny.log").read_text()
+    assert "training already complete" in log and "submitted job" not in log, log
+    prov = json.loads((wd / "results/mpt-tiny/train.json.provenance.json").read_text())
+    assert prov["identity"] == json.loads(new_text) and prov["version"] == 1
+
+
+def test_scaling_table_step_writes_its_files_and_provenance(tmp_path):
+    """Rule scaling_table through the same entry as every rule (its real run needs a Slurm cluster)."""
+    base = {"run": "m", "steps": 12, "global_batch_size": 16, "concat_tokens": 128, "tokens": 1000,
+            "tokens_per_s": 100.0, "tokens_per_s_per_device": 100.0, "mfu": None, "device": "cpu"}
+    inputs = []
+    for nodes, wall in ((1, 40.0), (2, 25.0)):
+        p = tmp_path / "scaling" / "m" / f"nodes{nodes}" / "train.json"
+        p.parent.mkdir(parents=True)
+        p.write_text(json.dumps({**base, "nodes": nodes, "devices": nodes, "wall_clock_s": wall}))
+        inputs.append(str(p))
+    out = NamedList(csv=str(tmp_path / "scaling.csv"), md=str(tmp_path / "scaling.md"),
+                    png=str(tmp_path / "speedup.png"))
+    run_rule(types.SimpleNamespace(rule="scaling_table", config={"results_dir": str(tmp_path)},
+                                   wildcards=NamedList(run="m"), input=inputs, output=out, params=NamedList(),
+                                   log=[str(tmp_path / "logs" / "table.log")]))
+    df = pd.read_csv(out.csv)
+    assert list(df["nodes"]) == [1, 2] and list(df["speedup"]) == [1.0, 1.6]
+    assert "Node scaling of m" in Path(out.md).read_text() and os.path.getsize(out.png) > 1000
+    rec = json.loads(Path(provenance_path(out.csv)).read_text())
+    assert rec["rule"] == "scaling_table" and rec["settings"] == {"nodes": [1, 2]} and rec["identity"] is None
