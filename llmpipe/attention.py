@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import math
 import os
-from typing import Any, Optional
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -70,7 +70,7 @@ def _reference():
     return scaled_multihead_dot_product_attention
 
 
-def set_sdpa_backend(name: Optional[str]) -> None:
+def set_sdpa_backend(name: str | None) -> None:
     """Restrict PyTorch's SDPA to one fused backend for this process (``torch.backends.cuda.enable_*_sdp``).
 
     Args:
@@ -116,17 +116,17 @@ def sdpa_attention(
     value: torch.Tensor,
     n_heads: int,
     kv_n_heads: int,
-    past_key_value: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
-    softmax_scale: Optional[float] = None,
-    attn_bias: Optional[torch.Tensor] = None,
-    key_padding_mask: Optional[torch.Tensor] = None,
+    past_key_value: tuple[torch.Tensor, torch.Tensor] | None = None,
+    softmax_scale: float | None = None,
+    attn_bias: torch.Tensor | None = None,
+    key_padding_mask: torch.Tensor | None = None,
     is_causal: bool = False,
     dropout_p: float = 0.0,
     training: bool = False,
     needs_weights: bool = False,
-    attn_logit_softcapping: Optional[float] = None,
+    attn_logit_softcapping: float | None = None,
     sliding_window_size: int = -1,
-) -> tuple[torch.Tensor, Optional[torch.Tensor], Optional[tuple[torch.Tensor, torch.Tensor]]]:
+) -> tuple[torch.Tensor, torch.Tensor | None, tuple[torch.Tensor, torch.Tensor] | None]:
     """Multi-head attention through ``torch.nn.functional.scaled_dot_product_attention``.
 
     Same signature, inputs, outputs and KV-cache layout as llm-foundry's
@@ -339,7 +339,7 @@ def register() -> None:
         callbacks.register_class('drop_full_attention_mask', func=DropFullAttentionMask)
 
 
-def mpt_attn_config(attn_config: Optional[dict], attn_impl: str) -> dict:
+def mpt_attn_config(attn_config: dict | None, attn_impl: str) -> dict:
     """The MPT ``attn_config`` that runs the project's ``attn_impl`` choice.
 
     Args:
@@ -368,7 +368,7 @@ def mpt_attn_config(attn_config: Optional[dict], attn_impl: str) -> dict:
     return cfg
 
 
-def stock_attn_config(attn_config: Optional[dict]) -> dict:
+def stock_attn_config(attn_config: dict | None) -> dict:
     """``attn_config`` with any ``sdpa_*`` attention class replaced by llm-foundry's stock one (same weights,
     same function), so that an exported Hugging Face config loads without this package. Returns a new dict."""
     cfg = dict(attn_config or {})

@@ -26,7 +26,8 @@ import signal
 import sys
 import threading
 import time
-from typing import Any, Callable, Sequence
+from typing import Any
+from collections.abc import Callable, Sequence
 
 log = logging.getLogger("llmpipe.dispatch")
 

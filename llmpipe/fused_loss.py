@@ -89,7 +89,8 @@ from __future__ import annotations
 
 import warnings
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping, MutableMapping, Optional, Union
+from typing import Any
+from collections.abc import Callable, Mapping, MutableMapping
 
 import torch
 from llmfoundry.layers_registry import ffns_with_megablocks
@@ -141,7 +142,7 @@ def default_chunk_size(vocab_size: int) -> int:
 # ------------------------------------------------------------------------------------------ the math
 
 def _chunk_loss_and_grad(logits: torch.Tensor, targets: torch.Tensor, valid: torch.Tensor,
-                         need_grad: bool, softmax_grad: bool = False) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+                         need_grad: bool, softmax_grad: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Loss sum and unscaled logits gradient of one chunk (eager; the tested path).
 
     Args:
@@ -187,7 +188,7 @@ def _chunk_loss_and_grad_functional(logits: torch.Tensor, targets: torch.Tensor,
 
 
 def _chunk_loss_and_grad_liger(logits: torch.Tensor, targets: torch.Tensor, ignore_index: int,
-                               need_grad: bool) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+                               need_grad: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Same values as :func:`_chunk_loss_and_grad` from Liger-Kernel's per-chunk cross-entropy (CUDA only).
 
     Args:
@@ -276,7 +277,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
 
 
 def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, *,
-                         ignore_index: int = IGNORE_INDEX, chunk_size: Optional[int] = None,
+                         ignore_index: int = IGNORE_INDEX, chunk_size: int | None = None,
                          kernel: str = 'torch') -> torch.Tensor:
     """Mean cross-entropy of ``hidden @ weight.T`` against ``targets``, without materializing the logits.
 
@@ -341,7 +342,7 @@ class FusedLossOutput(ModelOutput):
     """What the training forward of :class:`ComposerMPTCausalLMFusedLoss` returns: the loss (0-dim fp32, nats per
     non-ignored token), and no logits."""
 
-    loss: Optional[torch.Tensor] = None
+    loss: torch.Tensor | None = None
 
 
 class FusedLossEmbedding(SharedEmbedding):
@@ -353,11 +354,11 @@ class FusedLossEmbedding(SharedEmbedding):
     chunk size and kernel set on the module (``fused_loss_chunk_size``, ``fused_loss_kernel``).
     """
 
-    fused_loss_chunk_size: Optional[int] = None
+    fused_loss_chunk_size: int | None = None
     fused_loss_kernel: str = 'torch'
 
     def forward(self, input: torch.Tensor, unembed: bool = False,
-                loss_targets: Optional[torch.Tensor] = None) -> torch.Tensor:
+                loss_targets: torch.Tensor | None = None) -> torch.Tensor:
         if loss_targets is None:
             return super().forward(input, unembed)
         if not unembed:
@@ -368,7 +369,7 @@ class FusedLossEmbedding(SharedEmbedding):
 
 @torch.compiler.disable
 def _fused_unembed_loss(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
-                        chunk_size: Optional[int], kernel: str) -> torch.Tensor:
+                        chunk_size: int | None, kernel: str) -> torch.Tensor:
     # Run eagerly inside a torch.compile'd model forward (composer's compile_config): the chunk loop and the
     # autograd.Function stay out of the traced graph (one graph break, at the very end of the forward).
     return linear_cross_entropy(hidden, weight, targets, chunk_size=chunk_size, kernel=kernel)
@@ -394,18 +395,18 @@ class FusedLossMPTForCausalLM(MPTForCausalLM):
         if type(wte) is SharedEmbedding:
             wte.__class__ = FusedLossEmbedding  # one more forward mode; nothing else changes
 
-    def forward(self, input_ids: Optional[torch.LongTensor] = None,
-                past_key_values: Optional[list[tuple[torch.FloatTensor]]] = None,
-                attention_mask: Optional[torch.ByteTensor] = None,
-                sequence_id: Optional[torch.LongTensor] = None,
-                labels: Optional[torch.LongTensor] = None,
-                return_dict: Optional[bool] = None,
-                output_attentions: Optional[bool] = None,
-                output_hidden_states: Optional[bool] = None,
-                use_cache: Optional[bool] = None,
-                inputs_embeds: Optional[torch.FloatTensor] = None,
-                position_ids: Optional[torch.LongTensor] = None,
-                llmpipe_loss_targets: Optional[torch.Tensor] = None) -> Any:
+    def forward(self, input_ids: torch.LongTensor | None = None,
+                past_key_values: list[tuple[torch.FloatTensor]] | None = None,
+                attention_mask: torch.ByteTensor | None = None,
+                sequence_id: torch.LongTensor | None = None,
+                labels: torch.LongTensor | None = None,
+                return_dict: bool | None = None,
+                output_attentions: bool | None = None,
+                output_hidden_states: bool | None = None,
+                use_cache: bool | None = None,
+                inputs_embeds: torch.FloatTensor | None = None,
+                position_ids: torch.LongTensor | None = None,
+                llmpipe_loss_targets: torch.Tensor | None = None) -> Any:
         if llmpipe_loss_targets is None:
             return super().forward(input_ids=input_ids, past_key_values=past_key_values,
                                    attention_mask=attention_mask, sequence_id=sequence_id, labels=labels,
@@ -441,10 +442,10 @@ class ComposerMPTCausalLMFusedLoss(ComposerMPTCausalLM):
             ``final_logit_softcapping``, a MegaBlocks ``ffn_config.ffn_type``, a bad chunk size or kernel.
     """
 
-    def __init__(self, tokenizer: Any = None, use_train_metrics: Optional[bool] = True,
-                 additional_train_metrics: Optional[list] = None,
-                 loss_fn: Optional[Union[str, dict]] = 'fused_crossentropy',
-                 fused_loss_chunk_size: Optional[int] = None, fused_loss_kernel: str = 'torch', **kwargs: Any):
+    def __init__(self, tokenizer: Any = None, use_train_metrics: bool | None = True,
+                 additional_train_metrics: list | None = None,
+                 loss_fn: str | dict | None = 'fused_crossentropy',
+                 fused_loss_chunk_size: int | None = None, fused_loss_kernel: str = 'torch', **kwargs: Any):
         where = f'model {FUSED_LOSS_MODEL_NAME} (train setting fused_loss)'
         if loss_fn != 'torch_crossentropy':
             raise ValueError(f"{where}: loss_fn is {loss_fn!r}; the fused linear + cross-entropy computes "
@@ -500,12 +501,12 @@ class ComposerMPTCausalLMFusedLoss(ComposerMPTCausalLM):
                           position_ids=batch.get('position_ids', None),
                           llmpipe_loss_targets=targets)
 
-    def loss(self, outputs: Any, batch: Mapping) -> Union[dict, torch.Tensor]:
+    def loss(self, outputs: Any, batch: Mapping) -> dict | torch.Tensor:
         if isinstance(outputs, FusedLossOutput):
             return outputs.loss
         return super().loss(outputs, batch)
 
-    def eval_forward(self, batch: Any, outputs: Optional[Any] = None) -> Any:
+    def eval_forward(self, batch: Any, outputs: Any | None = None) -> Any:
         if isinstance(outputs, FusedLossOutput):  # a fused training output has no logits: compute them
             outputs = None
         return super().eval_forward(batch, outputs)

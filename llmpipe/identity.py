@@ -16,13 +16,30 @@ import json
 from typing import Any
 
 
-def identity_text(identity: Any) -> str:
-    """``identity`` as canonical JSON text (sorted keys, no whitespace): what a rule's ``params`` hold.
+def normal_numbers(value: Any) -> Any:
+    """``value`` with every float that is a whole number written as an int (``0.0`` -> ``0``, ``4.0`` -> ``4``),
+    recursively through dicts and lists; booleans, other floats and everything else unchanged.
 
-    Reformatting the YAML (comments, key order) gives the same text. Values JSON cannot represent are written with
-    ``str``.
+    ``weight_decay: 0`` and ``weight_decay: 0.0`` configure the same training; without this, restating a shipped
+    ``0.0`` as ``0`` would change the identity text and retrain.
     """
-    return json.dumps(identity, sort_keys=True, separators=(",", ":"), default=str)
+    if isinstance(value, dict):
+        return {k: normal_numbers(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [normal_numbers(v) for v in value]
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    return value
+
+
+def identity_text(identity: Any) -> str:
+    """``identity`` as canonical JSON text (sorted keys, no whitespace, whole-number floats as ints:
+    :func:`normal_numbers`): what a rule's ``params`` hold.
+
+    Reformatting the YAML (comments, key order, ``0`` for ``0.0``) gives the same text. Values JSON cannot represent
+    are written with ``str``.
+    """
+    return json.dumps(normal_numbers(identity), sort_keys=True, separators=(",", ":"), default=str)
 
 
 def _decode_nested(value: Any) -> Any:
@@ -42,7 +59,8 @@ def _decode_nested(value: Any) -> Any:
 
 
 def parse_identity(text: str) -> Any:
-    """The structure of an identity text, with identities nested as JSON text (the legacy form) decoded.
+    """The structure of an identity text, with identities nested as JSON text (the legacy form) decoded and
+    whole-number floats as ints (:func:`normal_numbers`).
 
     Text that is not JSON is returned unchanged (compared as text).
     """
@@ -50,10 +68,10 @@ def parse_identity(text: str) -> Any:
         value = json.loads(text)
     except ValueError:
         return text
-    return _decode_nested(value)
+    return normal_numbers(_decode_nested(value))
 
 
 def same_identity(a: str, b: str) -> bool:
     """Whether two identity texts describe the same step result: equal after :func:`parse_identity` (key order,
-    whitespace and the legacy nested-text form do not matter)."""
+    whitespace, ``0`` versus ``0.0`` and the legacy nested-text form do not matter)."""
     return a == b or parse_identity(a) == parse_identity(b)

@@ -17,7 +17,7 @@ torch, inside the function.
 
 from __future__ import annotations
 
-from typing import Mapping, Optional
+from collections.abc import Mapping
 
 __all__ = [
     'PEAK_FLOPS',
@@ -86,8 +86,8 @@ def _dtype_key(dtype: str) -> str:
 def peak_flops_for_name(
     device_name: str,
     dtype: str = 'bf16',
-    overrides: Optional[Mapping[str, float]] = None,
-) -> Optional[float]:
+    overrides: Mapping[str, float] | None = None,
+) -> float | None:
     """Dense peak FLOP/s of the device called ``device_name`` for ``dtype``, or ``None`` if unknown.
 
     Args:
@@ -116,9 +116,9 @@ def peak_flops_for_name(
 
 def detect_peak_flops(
     dtype: str = 'bf16',
-    overrides: Optional[Mapping[str, float]] = None,
+    overrides: Mapping[str, float] | None = None,
     device: int | None = None,
-) -> Optional[float]:
+) -> float | None:
     """Dense peak FLOP/s of this process's accelerator (``torch.cuda.get_device_name(device)``) for ``dtype``.
 
     Returns ``None`` on a machine without CUDA/ROCm devices (so CPU runs report no MFU) or for an unknown device.
@@ -191,7 +191,7 @@ def mpt_param_count(arch: Mapping) -> dict[str, int]:
     }
 
 
-def flops_per_token(arch: Mapping, seq_len: Optional[int] = None) -> float:
+def flops_per_token(arch: Mapping, seq_len: int | None = None) -> float:
     """Training FLOPs per token (forward + backward) by llm-foundry's formula.
 
     ``6 * P_active + 12 * n_layers * d_model * seq_len``: ``P_active`` from :func:`mpt_param_count`; the second
@@ -210,7 +210,7 @@ def flops_per_token(arch: Mapping, seq_len: Optional[int] = None) -> float:
     return 6.0 * p + 12.0 * int(arch['n_layers']) * int(arch['d_model']) * L
 
 
-def mfu(tokens_per_s_per_device: float, flops_per_token_: float, peak_flops: Optional[float]) -> Optional[float]:
+def mfu(tokens_per_s_per_device: float, flops_per_token_: float, peak_flops: float | None) -> float | None:
     """Model FLOPs utilization: ``tokens/s per device * FLOPs per token / peak FLOP/s``, a fraction in [0, 1]
     for real runs; ``None`` when the peak is unknown (CPU, unlisted device).
 

@@ -275,26 +275,30 @@ def prepare(config: dict) -> dict:
 
 
 def resolve(config: dict) -> dict:
-    """``config`` as a workflow run sees it: :func:`prepare`, then Snakemake's ``validate`` fills the defaults (in
-    place; returned)."""
-    from snakemake.utils import validate
-
+    """``config`` as a workflow run sees it: :func:`prepare`, then the schema's defaults filled
+    (:func:`fill_defaults`, what rules/common.smk's ``validate`` does); in place, returned."""
     prepare(config)
-    validate(config, str(SCHEMA_PATH))
-    return config
+    return fill_defaults(config)
 
 
 def load_config(*paths: str | Path, overrides: dict | None = None) -> dict:
     """The config files ``paths`` (YAML, later ones merged over earlier ones key by key, as Snakemake's
     ``--configfile``), then ``overrides`` (as ``--config``), resolved (:func:`resolve`)."""
-    from snakemake.utils import update_config
-
     config: dict = {}
     for path in paths:
         with open(path) as fh:
-            update_config(config, yaml.safe_load(fh) or {})
-    update_config(config, overrides or {})
+            _merge(config, yaml.safe_load(fh) or {})
+    _merge(config, overrides or {})
     return resolve(config)
+
+
+def _merge(config: dict, over: dict) -> None:
+    """Merge ``over`` into ``config`` in place, mapping by mapping (Snakemake's rule for config files)."""
+    for key, value in over.items():
+        if isinstance(value, dict) and isinstance(config.get(key), dict):
+            _merge(config[key], value)
+        else:
+            config[key] = copy.deepcopy(value)
 
 
 def _path(parts: Iterable[Any]) -> str:

@@ -25,7 +25,8 @@ import shutil
 import sys
 import threading
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any
+from collections.abc import Callable, Sequence
 
 from llmpipe.dispatch import executor_kind, map_steps, say
 

@@ -10,12 +10,10 @@ rule allreduce:
     output:
         csv=f"{RESULTS}/bench/allreduce/nodes{{nodes}}.csv",
         md=f"{RESULTS}/bench/allreduce/nodes{{nodes}}.md",
-    wildcard_constraints:
-        nodes=r"\d+",
-    params:
-        identity=allreduce_identity,
     log:
         f"{LOGS}/allreduce/nodes{{nodes}}.log",
+    wildcard_constraints:
+        nodes=r"\d+",
     threads: allreduce_threads
     resources:
         nodes=allreduce_node_count,
@@ -23,6 +21,8 @@ rule allreduce:
         tasks_per_node=allreduce_res("tasks_per_node"),
         cpus_per_task=allreduce_res("cpus_per_task"),
         runtime=allreduce_res("time_min"),
+    params:
+        identity=allreduce_identity,
     script:
         "../scripts/allreduce.py"
 
@@ -44,11 +44,11 @@ rule allreduce_gate:
         csv=allreduce_gate_csv,
     output:
         f"{RESULTS}/bench/allreduce/gate/{{run}}.json",
-    params:
-        gate=allreduce_gate_settings,
     log:
         f"{LOGS}/allreduce/gate-{{run}}.log",
     localrule: True
+    params:
+        gate=allreduce_gate_settings,
     script:
         "../scripts/allreduce.py"
 
@@ -58,13 +58,13 @@ rule scaling_allreduce_gate:
         csv=allreduce_gate_csv,
     output:
         f"{RESULTS}/bench/allreduce/gate/{{run}}/nodes{{nodes}}.json",
-    wildcard_constraints:
-        nodes=r"\d+",
-    params:
-        gate=allreduce_gate_settings,
     log:
         f"{LOGS}/allreduce/gate-{{run}}-nodes{{nodes}}.log",
+    wildcard_constraints:
+        nodes=r"\d+",
     localrule: True
+    params:
+        gate=allreduce_gate_settings,
     script:
         "../scripts/allreduce.py"
 

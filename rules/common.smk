@@ -23,8 +23,9 @@ LOGS = f"{RESULTS}/logs"
 check_results_dir(RESULTS)
 
 
+# A run is never one of the folders results/ keeps for itself (the look-ahead sees the "/" after the name).
 wildcard_constraints:
-    run=r"(?!data$|tokenizers$|logs$|report$|scaling$|bench$)[A-Za-z0-9_.-]+",
+    run=r"(?!(?:data|tokenizers|logs|report|scaling|bench)/)[A-Za-z0-9_.-]+",
     corpus=r"[A-Za-z0-9_.-]+",
     tokenizer=r"[A-Za-z0-9_.-]+",
     concat=r"\d+",
@@ -82,7 +83,9 @@ def preflight(step, run=None):
         return
     from llmpipe import slurm
 
-    where = f"models.{run}.resources" if step == "train" else ("data_resources" if step == "data" else f"{step}.resources")
+    where = (
+        f"models.{run}.resources" if step == "train" else ("data_resources" if step == "data" else f"{step}.resources")
+    )
     slurm.preflight(config, cfg.step_resources(config, step, run), where=where)
     _PREFLIGHT_DONE.add((step, run))
 
@@ -140,6 +143,7 @@ def step_threads(step):
 
 # ------------------------------------------------------------------------------------------- data (rules/data.smk)
 
+
 def corpus_identity(wildcards):
     cfg.validate_corpus(config, wildcards.corpus)
     return identity_text(data_steps.corpus_identity(config, wildcards.corpus))
@@ -156,13 +160,13 @@ def tokenizer_inputs(wildcards):
 
 
 def mds_identity(wildcards):
-    return identity_text(data_steps.mds_identity(config, wildcards.corpus, wildcards.tokenizer,
-                                                 int(wildcards.concat)))
+    return identity_text(data_steps.mds_identity(config, wildcards.corpus, wildcards.tokenizer, int(wildcards.concat)))
 
 
 def verify_identity(wildcards):
-    return identity_text(data_steps.verify_identity(config, wildcards.corpus, wildcards.tokenizer,
-                                                    int(wildcards.concat)))
+    return identity_text(
+        data_steps.verify_identity(config, wildcards.corpus, wildcards.tokenizer, int(wildcards.concat))
+    )
 
 
 def icl_task_identity(wildcards):
@@ -171,6 +175,7 @@ def icl_task_identity(wildcards):
 
 # ------------------------------------------------------------------------------------------- pretraining (rules/train.smk)
 
+
 def train_identity(wildcards):
     run_cfg(wildcards)
     return identity_text(train_steps.train_identity(config, wildcards.run))
@@ -178,17 +183,20 @@ def train_identity(wildcards):
 
 # ------------------------------------------------------------------------------------------- export (rules/convert.smk)
 
+
 def convert_identity(wildcards):
     return identity_text(convert_steps.convert_identity(config, wildcards.run))
 
 
 # ------------------------------------------------------------------------------------------- generation (rules/generate.smk)
 
+
 def generate_identity(wildcards):
     return identity_text(generate_steps.generate_identity(config, wildcards.run))
 
 
 # ------------------------------------------------------------------------------------------- evaluation (rules/eval.smk)
+
 
 def eval_identity(wildcards):
     return identity_text(eval_steps.eval_identity(config, wildcards.run))
@@ -306,8 +314,10 @@ def allreduce_gate_input(wildcards):
 def allreduce_gate_csv(wildcards):
     nodes = allreduce_mod.gate_nodes(config, wildcards.run, getattr(wildcards, "nodes", None))
     if nodes is None:
-        raise cfg.ConfigError(f"no all-reduce gate for {wildcards.run}: allreduce.gate is off or the training has a "
-                              f"single rank. Fix: set allreduce.gate: {{size_bytes: ..., min_busbw_gbps: ...}}.")
+        raise cfg.ConfigError(
+            f"no all-reduce gate for {wildcards.run}: allreduce.gate is off or the training has a "
+            f"single rank. Fix: set allreduce.gate: {{size_bytes: ..., min_busbw_gbps: ...}}."
+        )
     return f"{RESULTS}/bench/allreduce/nodes{nodes}.csv"
 
 

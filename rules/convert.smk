@@ -7,8 +7,6 @@ rule convert:
         tokenizer=tokenizer_manifest_of_run,
     output:
         f"{RESULTS}/{{run}}/hf/manifest.json",
-    params:
-        identity=convert_identity,
     log:
         f"{LOGS}/convert/{{run}}.log",
     threads: step_threads("convert")
@@ -16,5 +14,7 @@ rule convert:
         nodes=1,
         gpus_per_node=res("convert", "gpus_per_node"),
         runtime=res("convert", "time_min"),
+    params:
+        identity=convert_identity,
     script:
         "../scripts/convert.py"

@@ -5,14 +5,14 @@
 rule corpus:
     output:
         f"{RESULTS}/data/{{corpus}}/raw/manifest.json",
-    params:
-        identity=corpus_identity,
     log:
         f"{LOGS}/corpus/{{corpus}}.log",
     threads: 1
     resources:
         nodes=1,
         runtime=res("data", "time_min"),
+    params:
+        identity=corpus_identity,
     script:
         "../scripts/corpus.py"
 
@@ -22,14 +22,14 @@ rule tokenizer:
         tokenizer_inputs,
     output:
         f"{RESULTS}/tokenizers/{{tokenizer}}/manifest.json",
-    params:
-        identity=tokenizer_identity,
     log:
         f"{LOGS}/tokenizer/{{tokenizer}}.log",
     threads: 1
     resources:
         nodes=1,
         runtime=res("data", "time_min"),
+    params:
+        identity=tokenizer_identity,
     script:
         "../scripts/tokenizer.py"
 
@@ -40,8 +40,6 @@ rule mds:
         tokenizer=f"{RESULTS}/tokenizers/{{tokenizer}}/manifest.json",
     output:
         f"{RESULTS}/data/{{corpus}}/{{tokenizer}}/concat{{concat}}/mds/manifest.json",
-    params:
-        identity=mds_identity,
     log:
         f"{LOGS}/mds/{{corpus}}-{{tokenizer}}-concat{{concat}}.log",
     threads: step_threads("data")
@@ -49,6 +47,8 @@ rule mds:
         nodes=res("data", "nodes"),
         cpus_per_task=res("data", "cpus_per_task"),
         runtime=res("data", "time_min"),
+    params:
+        identity=mds_identity,
     script:
         "../scripts/mds.py"
 
@@ -59,14 +59,14 @@ rule verify_mds:
         tokenizer=f"{RESULTS}/tokenizers/{{tokenizer}}/manifest.json",
     output:
         f"{RESULTS}/data/{{corpus}}/{{tokenizer}}/concat{{concat}}/verified.json",
-    params:
-        identity=verify_identity,
     log:
         f"{LOGS}/verify/{{corpus}}-{{tokenizer}}-concat{{concat}}.log",
     threads: 1
     resources:
         nodes=1,
         runtime=res("data", "time_min"),
+    params:
+        identity=verify_identity,
     script:
         "../scripts/verify_mds.py"
 
@@ -76,10 +76,10 @@ rule icl_task:
         f"{RESULTS}/data/{{corpus}}/raw/manifest.json",
     output:
         f"{RESULTS}/data/{{corpus}}/icl/{{label}}.jsonl",
-    params:
-        identity=icl_task_identity,
     log:
         f"{LOGS}/icl/{{corpus}}-{{label}}.log",
     threads: 1
+    params:
+        identity=icl_task_identity,
     script:
         "../scripts/icl_task.py"

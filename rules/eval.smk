@@ -8,8 +8,6 @@ rule eval:
         icl=icl_task_files,
     output:
         f"{RESULTS}/{{run}}/eval.json",
-    params:
-        identity=eval_identity,
     log:
         f"{LOGS}/eval/{{run}}.log",
     threads: step_threads("eval")
@@ -17,5 +15,7 @@ rule eval:
         nodes=1,
         gpus_per_node=res("eval", "gpus_per_node"),
         runtime=res("eval", "time_min"),
+    params:
+        identity=eval_identity,
     script:
         "../scripts/eval.py"

@@ -17,8 +17,6 @@ ruleorder: finetune_eval > eval
 rule instructions:
     output:
         f"{RESULTS}/data/instructions/{{iset}}/manifest.json",
-    params:
-        identity=instructions_identity,
     log:
         f"{LOGS}/instructions/{{iset}}.log",
     wildcard_constraints:
@@ -27,6 +25,8 @@ rule instructions:
     resources:
         nodes=1,
         runtime=res("data", "time_min"),
+    params:
+        identity=instructions_identity,
     script:
         "../scripts/instructions.py"
 
@@ -36,8 +36,6 @@ rule finetune:
         unpack(finetune_inputs),
     output:
         f"{RESULTS}/{{run}}/train.json",
-    params:
-        identity=finetune_identity,
     log:
         f"{LOGS}/finetune/{{run}}.log",
     wildcard_constraints:
@@ -49,6 +47,8 @@ rule finetune:
         tasks_per_node=res("train", "tasks_per_node"),
         cpus_per_task=res("train", "cpus_per_task"),
         runtime=res("train", "time_min"),
+    params:
+        identity=finetune_identity,
     script:
         "../scripts/finetune.py"
 
@@ -60,8 +60,6 @@ rule finetune_eval:
         icl=finetune_icl_files,
     output:
         f"{RESULTS}/{{run}}/eval.json",
-    params:
-        identity=finetune_eval_identity,
     log:
         f"{LOGS}/eval/{{run}}.log",
     wildcard_constraints:
@@ -71,5 +69,7 @@ rule finetune_eval:
         nodes=1,
         gpus_per_node=res("eval", "gpus_per_node"),
         runtime=res("eval", "time_min"),
+    params:
+        identity=finetune_eval_identity,
     script:
         "../scripts/finetune_eval.py"

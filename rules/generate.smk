@@ -6,8 +6,6 @@ rule generate:
         f"{RESULTS}/{{run}}/hf/manifest.json",
     output:
         f"{RESULTS}/{{run}}/generate.json",
-    params:
-        identity=generate_identity,
     log:
         f"{LOGS}/generate/{{run}}.log",
     threads: step_threads("generate")
@@ -15,5 +13,7 @@ rule generate:
         nodes=1,
         gpus_per_node=res("generate", "gpus_per_node"),
         runtime=res("generate", "time_min"),
+    params:
+        identity=generate_identity,
     script:
         "../scripts/generate.py"

@@ -13,19 +13,18 @@ rule report:
         table1_md=f"{REPORT}/table1_pretraining.md",
         table2_csv=report(f"{REPORT}/table2_finetuning.csv", caption="../report/table2.rst", category="Tables"),
         table2_md=f"{REPORT}/table2_finetuning.md",
-        projection_csv=report(f"{REPORT}/projection.csv", caption="../report/projection.rst",
-                              category="Tables"),
+        projection_csv=report(f"{REPORT}/projection.csv", caption="../report/projection.rst", category="Tables"),
         projection_md=f"{REPORT}/projection.md",
         loss=report(f"{REPORT}/loss.png", caption="../report/loss.rst", category="Plots"),
         mfu=report(f"{REPORT}/mfu.png", caption="../report/mfu.rst", category="Plots"),
         busbw=report(f"{REPORT}/busbw.png", caption="../report/busbw.rst", category="Plots"),
         speedup=report(f"{REPORT}/speedup.png", caption="../report/speedup_all.rst", category="Plots"),
+    log:
+        f"{LOGS}/report/report.log",
+    localrule: True
     params:
         runs=requested_runs,
         scaling=requested_scaling_studies,
         allreduce=requested_allreduce_nodes,
-    log:
-        f"{LOGS}/report/report.log",
-    localrule: True
     script:
         "../scripts/report.py"

@@ -8,12 +8,10 @@ rule scaling_train:
         unpack(scaling_inputs),
     output:
         f"{RESULTS}/scaling/{{run}}/nodes{{nodes}}/train.json",
-    wildcard_constraints:
-        nodes=r"\d+",
-    params:
-        identity=study_identity,
     log:
         f"{LOGS}/scaling/{{run}}/nodes{{nodes}}.log",
+    wildcard_constraints:
+        nodes=r"\d+",
     threads: scaling_threads
     resources:
         nodes=scaling_res("nodes"),
@@ -21,6 +19,8 @@ rule scaling_train:
         tasks_per_node=scaling_res("tasks_per_node"),
         cpus_per_task=scaling_res("cpus_per_task"),
         runtime=scaling_res("time_min"),
+    params:
+        identity=study_identity,
     script:
         "../scripts/scaling_train.py"
 
@@ -29,11 +29,19 @@ rule scaling_table:
     input:
         study_trainings,
     output:
-        csv=report(f"{RESULTS}/scaling/{{run}}/scaling.csv", caption="../report/scaling.rst",
-                   category="Node scaling", subcategory="{run}"),
+        csv=report(
+            f"{RESULTS}/scaling/{{run}}/scaling.csv",
+            caption="../report/scaling.rst",
+            category="Node scaling",
+            subcategory="{run}",
+        ),
         md=f"{RESULTS}/scaling/{{run}}/scaling.md",
-        png=report(f"{RESULTS}/scaling/{{run}}/speedup.png", caption="../report/speedup.rst",
-                   category="Node scaling", subcategory="{run}"),
+        png=report(
+            f"{RESULTS}/scaling/{{run}}/speedup.png",
+            caption="../report/speedup.rst",
+            category="Node scaling",
+            subcategory="{run}",
+        ),
     log:
         f"{LOGS}/scaling/{{run}}/table.log",
     localrule: True

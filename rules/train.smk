@@ -8,8 +8,6 @@ rule train:
         gate=allreduce_gate_input,  # [] unless allreduce.gate is on
     output:
         f"{RESULTS}/{{run}}/train.json",
-    params:
-        identity=train_identity,
     log:
         f"{LOGS}/train/{{run}}.log",
     threads: step_threads("train")
@@ -19,5 +17,7 @@ rule train:
         tasks_per_node=res("train", "tasks_per_node"),
         cpus_per_task=res("train", "cpus_per_task"),
         runtime=res("train", "time_min"),
+    params:
+        identity=train_identity,
     script:
         "../scripts/train.py"

@@ -35,7 +35,7 @@ print(json.dumps({'class': type(model).__name__, 'dtype': str(next(model.paramet
 
 def composer_logits(config: dict, run: str, ckpt: str, ids: torch.Tensor) -> torch.Tensor:
     """Logits of the composer model (llm-foundry's ComposerMPTCausalLM) restored from the training checkpoint."""
-    from llmfoundry.utils.builders import build_composer_model, build_tokenizer
+    from llmfoundry.utils.builders import build_composer_model
 
     from llmpipe.train import foundry_train_config
     cfg = foundry_train_config(config, run, data_dir=None, save_folder=None, world_size=1)

@@ -219,7 +219,9 @@ def test_ignored_rows_change_nothing():
     ignored = t == -100
     h2 = h.clone()
     h2[ignored] = torch.randn(int(ignored.sum()), D) * 5
-    fn = (lambda a, b, c: FL.linear_cross_entropy(a, b, c, chunk_size=9))
+    def fn(a, b, c):
+        return FL.linear_cross_entropy(a, b, c, chunk_size=9)
+
     l1, gh1, gw1 = _loss_and_grads(fn, h, w, t)
     l2, gh2, gw2 = _loss_and_grads(fn, h2, w, t)
     torch.testing.assert_close(l2, l1, atol=1e-6, rtol=1e-6)

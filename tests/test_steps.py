@@ -4,6 +4,7 @@ without retraining), and the provenance record every step writes beside its outp
 from __future__ import annotations
 
 import ast
+import copy
 import dataclasses
 import json
 import os
@@ -129,6 +130,26 @@ def test_legacy_nested_text_means_the_same_identity():
     assert not same_identity(legacy, other)
     ident = train_identity(load_config(), "mpt-tiny")
     assert legacy_text(ident) != identity_text(ident) and same_identity(legacy_text(ident), identity_text(ident))
+
+
+def test_whole_number_floats_do_not_change_the_identity():
+    """``weight_decay: 0`` restates the shipped ``0.0`` (and ``temperature: 1`` the shipped ``1.0``): the same
+    identity text, so nothing retrains; an identity written with ``0.0`` before compares equal to it."""
+    from llmpipe.steps.generate import generate_identity
+
+    base = load_config()
+    restated = copy.deepcopy(base)
+    restated["model_defaults"]["train"]["optimizer"]["weight_decay"] = 0
+    restated["model_defaults"]["train"]["grad_clip_norm"] = 1
+    restated["generate"]["temperature"] = 1
+    assert base["model_defaults"]["train"]["optimizer"]["weight_decay"] == 0.0
+    assert identity_text(train_identity(restated, "mpt-1b")) == identity_text(train_identity(base, "mpt-1b"))
+    assert identity_text(generate_identity(restated, "mpt-1b")) == identity_text(generate_identity(base, "mpt-1b"))
+    assert same_identity('{"lr":0.0006,"weight_decay":0.0}', '{"lr":0.0006,"weight_decay":0}')
+    assert not same_identity('{"lr":0.0006}', '{"lr":0.0007}')
+    changed = copy.deepcopy(base)
+    changed["model_defaults"]["train"]["optimizer"]["weight_decay"] = 0.1
+    assert identity_text(train_identity(changed, "mpt-1b")) != identity_text(train_identity(base, "mpt-1b"))
 
 
 def finished_save_folder(path: str, identity: str) -> str:

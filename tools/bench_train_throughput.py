@@ -34,7 +34,7 @@ import sys
 import tempfile
 import time
 import traceback
-from typing import Any, Optional
+from typing import Any
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
@@ -216,7 +216,7 @@ def _make_timer() -> Any:
         def __init__(self) -> None:
             self.times: list[float] = []
             self.tokens: list[int] = []
-            self.foundry_flops: Optional[float] = None
+            self.foundry_flops: float | None = None
 
         def batch_end(self, state: Any, logger: Any) -> None:
             import torch
@@ -242,7 +242,7 @@ def _load_project_config(path: str) -> dict:
     return load_config(path)
 
 
-def build_train_config(config: dict, run: str, variant: dict, *, steps: int, mb_override: Optional[int],
+def build_train_config(config: dict, run: str, variant: dict, *, steps: int, mb_override: int | None,
                        tok_dir: str) -> tuple[dict, dict]:
     """The llm-foundry train config for one benchmark run and a summary of the knobs as used.
 
@@ -392,8 +392,8 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_one(config: dict, run: str, vname: str, variant: dict, *, steps: int, skip: int, mb_override: Optional[int],
-            tok_dir: str, profile_dir: Optional[str] = None, trace: bool = False) -> dict:
+def run_one(config: dict, run: str, vname: str, variant: dict, *, steps: int, skip: int, mb_override: int | None,
+            tok_dir: str, profile_dir: str | None = None, trace: bool = False) -> dict:
     """Train one (model, variant) for ``steps`` steps; return its CSV row (status 'ok' or the error)."""
     import torch
     from omegaconf import OmegaConf
@@ -402,7 +402,7 @@ def run_one(config: dict, run: str, vname: str, variant: dict, *, steps: int, sk
     from llmfoundry.command_utils import train
 
     row: dict[str, Any] = {'model': run, 'variant': vname, 'steps': steps,
-                           'timestamp': _dt.datetime.now(_dt.timezone.utc).isoformat(timespec='seconds')}
+                           'timestamp': _dt.datetime.now(_dt.UTC).isoformat(timespec='seconds')}
     trainer = None
     try:
         cfg, knobs = build_train_config(config, run, variant, steps=steps, mb_override=mb_override,
@@ -488,7 +488,7 @@ def run_one(config: dict, run: str, vname: str, variant: dict, *, steps: int, sk
     return row
 
 
-def main(argv: Optional[list[str]] = None) -> int:
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
     ap.add_argument('--config', default=os.path.join(ROOT, 'config', 'config.yaml'))
     ap.add_argument('--models', default='mpt-125m,mpt-350m,mpt-760m,mpt-1b')

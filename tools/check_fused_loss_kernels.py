@@ -60,12 +60,12 @@ def main(argv: list[str] | None = None) -> int:
     t[torch.rand(args.tokens, device=dev, generator=g) < args.ignored] = -100
 
     # fp32 reference (the stock path's math, without autocast)
-    h = h0.clone().requires_grad_(True)
-    w = w0.clone().requires_grad_(True)
-    ref = F.cross_entropy(h @ w.t(), t, ignore_index=-100)
+    h_ref = h0.clone().requires_grad_(True)
+    w_ref = w0.clone().requires_grad_(True)
+    ref = F.cross_entropy(h_ref @ w_ref.t(), t, ignore_index=-100)
     ref.backward()
-    ref_loss, ref_gh, ref_gw = ref.detach(), h.grad.detach(), w.grad.detach()
-    del h, w
+    ref_loss, ref_gh, ref_gw = ref.detach(), h_ref.grad.detach(), w_ref.grad.detach()
+    del h_ref, w_ref
     torch.cuda.empty_cache()
 
     def rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -79,7 +79,7 @@ def main(argv: list[str] | None = None) -> int:
             h = h0.clone().requires_grad_(True)
             w = w0.clone().requires_grad_(True)
 
-            def step() -> torch.Tensor:
+            def step(h: torch.Tensor = h, w: torch.Tensor = w) -> torch.Tensor:
                 h.grad = w.grad = None
                 with torch.autocast('cuda', dtype=torch.bfloat16):
                     loss = linear_cross_entropy(h, w, t, chunk_size=args.chunk, kernel=kernel)

@@ -40,7 +40,7 @@ import time
 import warnings
 import zlib
 from concurrent.futures import ThreadPoolExecutor
-from typing import Iterator
+from collections.abc import Iterator
 
 from llmpipe.data.errors import DataError, atomic_write_bytes, atomic_write_json, remove_if_exists
 

@@ -33,7 +33,7 @@ import json
 import os
 import re
 import sysconfig
-from typing import Iterator
+from collections.abc import Iterator
 
 from llmpipe.data.errors import DataError, atomic_write_bytes, atomic_write_json, remove_if_exists
 

@@ -52,7 +52,8 @@ import time
 import uuid
 import zlib
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Any
+from collections.abc import Iterator
 
 from llmpipe.data.corpus import check_gzip_magic, load_manifest
 from llmpipe.data.errors import DataError, atomic_write_json, remove_if_exists

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import os
 import sys
-from typing import Iterator
+from collections.abc import Iterator
 
 from llmpipe.data.errors import DataError, atomic_write_json, remove_if_exists
 

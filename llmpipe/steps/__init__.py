@@ -35,7 +35,8 @@ from __future__ import annotations
 import dataclasses
 import os
 import traceback
-from typing import Any, Callable
+from typing import Any
+from collections.abc import Callable
 
 from llmpipe import dispatch
 from llmpipe.steps import allreduce, convert, data, evaluate, generate, provenance, report, scaling, train

@@ -14,7 +14,8 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-from typing import Any, Callable
+from typing import Any
+from collections.abc import Callable
 
 from llmpipe import dispatch
 from llmpipe.atomic import atomic_write_json
@@ -80,7 +81,7 @@ class StepContext:
     executor: str
 
     @classmethod
-    def build(cls, smk: Any, *, log_dir: str | None, resources: dict) -> "StepContext":
+    def build(cls, smk: Any, *, log_dir: str | None, resources: dict) -> StepContext:
         """The context of Snakemake's ``smk`` (a rule script's ``snakemake`` object).
 
         Args:

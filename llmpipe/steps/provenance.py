@@ -77,7 +77,7 @@ def record(*, rule: str, wildcards: dict, settings: Any, identity: Any, version:
         "git": git_commit(),
         "packages": package_versions(),
         "host": socket.gethostname(),
-        "time": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "time": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "python": platform.python_version(),
     }
 
