@@ -6,8 +6,8 @@
 to resume from, calls llm-foundry, and on rank 0 writes ``train.json``.
 
 Checkpoints live in ``results/{run}/checkpoints/`` and never rely on symlinks: composer's ``latest-rank0.pt``
-symlink is switched off by :class:`RunMonitor` (seed 001's shared drive refused symlinks and the run died at its
-first checkpoint). A checkpoint counts only once its ``.complete`` marker is written after the save returned, so
+symlink is switched off by :class:`RunMonitor` (shared drives such as CIFS mounts refuse symlinks, and the
+run would die at its first checkpoint). A checkpoint counts only once its ``.complete`` marker is written after the save returned, so
 a checkpoint half-written by a killed job is never resumed from. When Slurm signals the end of the allocation
 (``--signal=USR2@...``, preemption or time limit), training saves a checkpoint at the next batch boundary on all
 ranks and only then lets submitit requeue the job, which resumes from it.

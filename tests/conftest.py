@@ -64,7 +64,7 @@ def workdir(tmp_path: Path) -> Path:
 def tiny_run(tmp_path_factory) -> Path:
     """The embedded default run end to end once (CPU, a few minutes); returns its working folder.
 
-    Runs with symlinks refused (tests/helpers/sitecustomize.py), as on seed 001's shared drive.
+    Runs with symlinks refused (tests/helpers/sitecustomize.py), as on shared drives that refuse them.
     """
     wd = tmp_path_factory.mktemp("tiny-run")
     t0 = time.time()

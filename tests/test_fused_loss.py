@@ -551,7 +551,7 @@ def test_train_config_selects_the_fused_model():
 
     m = model(config)
     assert m['name'] == FL.FUSED_LOSS_MODEL_NAME and m['fused_loss_chunk_size'] is None
-    assert m['fused_loss_kernel'] == 'liger' and m['loss_fn'] == 'torch_crossentropy'   # device call 18
+    assert m['fused_loss_kernel'] == 'liger' and m['loss_fn'] == 'torch_crossentropy'
     for run in ('mpt-350m', 'mpt-760m', 'mpt-1b', 'mpt-7b', 'mpt-70b'):
         assert model(config, run)['name'] == FL.FUSED_LOSS_MODEL_NAME
     assert model(config, 'mpt-tiny')['name'] == 'mpt_causal_lm'   # the CI model keeps the stock loss

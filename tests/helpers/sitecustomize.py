@@ -1,6 +1,6 @@
 # Loaded by Python at start-up when this folder is on PYTHONPATH (tests only).
-# LLMPIPE_TEST_NO_SYMLINK=<folder> makes os.symlink fail for links created inside <folder>, like on seed 001's
-# CIFS shared drive that refused symlinks (node-local folders such as /tmp still allow them).
+# LLMPIPE_TEST_NO_SYMLINK=<folder> makes os.symlink fail for links created inside <folder>, like on a
+# CIFS shared drive that refuses symlinks (node-local folders such as /tmp still allow them).
 import errno
 import os
 
