@@ -22,6 +22,7 @@ Vocabulary used throughout the project:
 from __future__ import annotations
 
 import copy
+import functools
 import json
 import math
 import os
@@ -107,6 +108,47 @@ def run_config(config: dict, run: str) -> dict:
     return merged
 
 
+def written_at(config: dict, run: str, key: str) -> str:
+    """The config path where the value of ``key`` of a run's merged settings is written.
+
+    ``key`` is dotted as in :func:`run_config`'s dict (``train.global_batch_size``, ``resources.gpus_per_node``).
+    A model's value comes from ``models.<run>`` or else ``model_defaults``; a finetune's from ``finetunes.<run>``,
+    ``finetune_defaults`` or (``train``, ``resources``, a hub base's ``arch``) ``model_defaults``; the ``arch``,
+    ``data.tokenizer`` and ``data.corpus`` of a finetune of one of our runs (``base.run``) from that run's
+    sections. A value written nowhere (left to a default) is named in the run's own section, where a user sets it.
+
+    Returns:
+        A dotted path, e.g. ``model_defaults.resources.gpus_per_node``.
+    """
+    parts = key.split(".")
+
+    def has(section: Any, value: bool = False) -> bool:
+        """``key`` is written in ``section`` (a null too, as :func:`deep_merge` takes it; with ``value``, not null)."""
+        for part in parts:
+            if not isinstance(section, dict) or part not in section:
+                return False
+            section = section[part]
+        return section is not None or not value
+
+    md = config.get("model_defaults") or {}
+    if is_finetune(config, run):
+        ft = (config.get("finetunes") or {}).get(run) or {}
+        fd = config.get("finetune_defaults") or {}
+        base_run = (_run_section(config, run).get("base") or {}).get("run")
+        candidates = [(f"finetunes.{run}", ft), ("finetune_defaults", fd)]
+        if base_run in (config.get("models") or {}):
+            if parts[0] == "arch":
+                return written_at(config, base_run, key)
+            if key in ("data.tokenizer", "data.corpus", "data.icl_corpus") and not any(
+                    has(s, value=True) for _, s in candidates):
+                return written_at(config, base_run, "data.tokenizer" if key == "data.tokenizer" else "data.corpus")
+        if parts[0] in ("train", "resources", "arch"):
+            candidates.append(("model_defaults", md))
+    else:
+        candidates = [(f"models.{run}", (config.get("models") or {}).get(run) or {}), ("model_defaults", md)]
+    return next((f"{prefix}.{key}" for prefix, section in candidates if has(section)), f"{candidates[0][0]}.{key}")
+
+
 def dataset_dir(config: dict, run: str) -> str:
     """The dataset folder a run trains on: ``{results}/data/{corpus}/{tokenizer}/concat{N}``."""
     data = run_config(config, run)["data"]
@@ -174,7 +216,8 @@ def _validated(config: dict, run: str, node_counts: Iterable[int], counts_where:
         raise ConfigError(f"{where}.data.tokenizer is {tok!r}, which is not defined under `tokenizers:` "
                           f"(known: {', '.join(sorted(tokenizers))}). Fix: add it or pick a known one.")
     tcfg = validate_tokenizer(config, tok)
-    rs = RunSettings.from_run_config(rc, tokenizer=tcfg).check(node_counts, counts_where)
+    rs = RunSettings.from_run_config(rc, tokenizer=tcfg, written_at=functools.partial(written_at, config, run)
+                                     ).check(node_counts, counts_where)
     validate_data_prep(config, rs.data.concat_tokens, f"{where}.data.concat_tokens")
     fused_loss_settings(train, f"{where}.train")
     compile_settings(train, f"{where}.train")
@@ -630,7 +673,8 @@ def _validated_finetune(config: dict, run: str, node_counts: Iterable[int], coun
         raise ConfigError(f"{where}.data.icl_corpus is {corpus!r}, which is not defined under `corpora:`. "
                           f"Fix: name the corpus the ICL tasks are built from.")
     validate_corpus(config, corpus)
-    rs = RunSettings.from_run_config(rc, tokenizer=tcfg).check(node_counts, counts_where)
+    rs = RunSettings.from_run_config(rc, tokenizer=tcfg, written_at=functools.partial(written_at, config, run)
+                                     ).check(node_counts, counts_where)
     compile_settings(train, f"{where}.train")
     return rc, rs
 
