@@ -28,7 +28,7 @@ import math
 import os
 from typing import Any, Iterable
 
-from llmpipe.schema import speed_only_keys
+from llmpipe.schema import closest, keys_by_name, speed_only_keys
 # ConfigError lives in llmpipe.settings (imported by this module and by llmpipe.schema, never the reverse);
 # llmpipe.config.ConfigError is the same class.
 from llmpipe.settings import ConfigError, Resources, RunSettings  # noqa: F401 - ConfigError re-exported
@@ -219,9 +219,33 @@ def _validated(config: dict, run: str, node_counts: Iterable[int], counts_where:
     rs = RunSettings.from_run_config(rc, tokenizer=tcfg, written_at=functools.partial(written_at, config, run)
                                      ).check(node_counts, counts_where)
     validate_data_prep(config, rs.data.concat_tokens, f"{where}.data.concat_tokens")
+    check_named_arguments(config, run, train)
     fused_loss_settings(train, f"{where}.train")
     compile_settings(train, f"{where}.train")
     return rc, rs
+
+
+def check_named_arguments(config: dict, run: str, train: dict) -> None:
+    """Check that the merged ``train.optimizer`` and ``train.scheduler`` of ``run`` set only keys that the class
+    their ``name`` picks takes (the schema's ``x-keys-by-name``; the schema checks each section's keys alone, while
+    ``name`` may be inherited from ``model_defaults``).
+
+    Raises:
+        ConfigError: naming where the key is written, the class's keys and the closest one.
+    """
+    for part in ("optimizer", "scheduler"):
+        value = train.get(part) or {}
+        known = keys_by_name(part).get(value.get("name"))
+        if known is None:
+            continue  # an unknown name is the schema's to name
+        for key in sorted(set(value) - set(known) - {"name"}):
+            close = [c] if (c := closest(key, known)) else []
+            where = written_at(config, run, f"train.{part}.{key}")
+            name_at = written_at(config, run, f"train.{part}.name")
+            raise ConfigError(f"{where} is not a setting of the {part} {value['name']} ({name_at}); "
+                              f"{f'did you mean {close[0]}? ' if close else ''}It takes "
+                              f"{', '.join(known) or 'no settings'}. Fix: "
+                              f"{f'rename it to {close[0]}' if close else 'remove it'}, or pick another {part}.")
 
 
 def compile_settings(train: dict, where: str = "train") -> dict | None:
@@ -675,6 +699,7 @@ def _validated_finetune(config: dict, run: str, node_counts: Iterable[int], coun
     validate_corpus(config, corpus)
     rs = RunSettings.from_run_config(rc, tokenizer=tcfg, written_at=functools.partial(written_at, config, run)
                                      ).check(node_counts, counts_where)
+    check_named_arguments(config, run, train)
     compile_settings(train, f"{where}.train")
     return rc, rs
 

@@ -20,7 +20,7 @@ from typing import Any, Iterable
 
 import yaml
 
-from llmpipe.settings import ConfigError  # the one error class of config checks
+from llmpipe.settings import ConfigError, check_unique_labels  # the one error class of config checks
 
 #: The schema file; its ``$defs`` name the shared shapes (train, arch, resources, slurm, ...).
 SCHEMA_PATH = Path(__file__).resolve().parents[1] / "schemas" / "config.schema.yaml"
@@ -41,6 +41,26 @@ def speed_only_keys(shape: str) -> frozenset[str]:
     never what a step produces (left out of step identity)."""
     props = load()["$defs"][shape]["properties"]
     return frozenset(k for k, v in props.items() if v.get("x-speed-only"))
+
+
+def closest(key: str, known: Iterable[str], aliases: dict | None = None) -> str | None:
+    """The known key a user most likely meant by ``key``: its alias (``aliases``, e.g. ``{learning_rate: lr}``), a
+    known key that extends it or that it extends (``t_warmup`` -> ``t_warmup_batches``), else the closest spelling
+    (difflib); None when nothing is close."""
+    known = sorted(known)
+    if aliases and aliases.get(key) in known:
+        return aliases[key]
+    nested = [k for k in known if min(len(k), len(key)) >= 3 and (k.startswith(key) or key.startswith(k))]
+    if nested:
+        return min(nested, key=lambda k: abs(len(k) - len(key)))
+    close = difflib.get_close_matches(key, known, n=1)
+    return close[0] if close else None
+
+
+def keys_by_name(shape: str) -> dict[str, list[str]]:
+    """``$defs.<shape>``'s ``x-keys-by-name``: for each ``name`` (an optimizer or scheduler), the keys its class
+    takes besides ``name`` (``{"decoupled_adamw": ["lr", "betas", ...]}``); empty when the shape has none."""
+    return dict(load()["$defs"][shape].get("x-keys-by-name") or {})
 
 
 def section_defaults(section: str) -> Any:
@@ -271,6 +291,7 @@ def prepare(config: dict) -> dict:
     config.clear()
     config.update(typed)
     check(config)
+    check_unique_labels(config)
     return config
 
 
@@ -346,14 +367,18 @@ def message(error: Any, prefix: list[str] | tuple = ()) -> str:
             from jsonschema.exceptions import relevance
 
             return message(max(inside, key=relevance), prefix)
+    if "propertyNames" in error.schema_path:  # a name (of a model, corpus ...) the wildcards cannot match
+        return (f"{where}.{value} is not a usable name: a name must {_must(node)}. Fix: rename {value!r} (e.g. "
+                f"{re.sub(r'[^A-Za-z0-9_.-]+', '-', str(value)).strip('-') or 'name'}) here and where it is used.")
     if kind == "additionalProperties":
         known = sorted(node.get("properties") or {})
         key = sorted(set(value) - set(known))[0]
-        close = difflib.get_close_matches(key, known, n=1)
+        close = [c] if (c := closest(key, known, node.get("x-aliases"))) else []
         what = node.get("x-key-kind") or f"setting of `{where}:`"
         hint = node.get("x-hint", " (Its value would be ignored.)").format(sp=" ", where=where)
         fix = f"rename it to {close[0]}" if close else "remove it"
-        return (f"{where}.{key} is not a {what}; {f'did you mean {close[0]}? ' if close else ''}Known ones: "
+        article = "an" if what[:1].lower() in "aeiou" else "a"
+        return (f"{where}.{key} is not {article} {what}; {f'did you mean {close[0]}? ' if close else ''}Known ones: "
                 f"{', '.join(known)}.{hint} Fix: {fix} (schemas/config.schema.yaml lists every setting).")
     if kind == "required":
         missing = [k for k in node.get("required", []) if k not in value][0]

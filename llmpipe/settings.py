@@ -34,6 +34,22 @@ def lcm(values: Iterable[int]) -> int:
     return out
 
 
+def check_unique_labels(config: Mapping) -> None:
+    """Raise ConfigError when two of ``eval.icl_tasks`` have the same ``label`` (each label is a file,
+    results/data/<corpus>/icl/<label>.jsonl, and a key of eval.json), naming both indices."""
+    tasks = (config.get("eval") or {}).get("icl_tasks") or []
+    seen: dict[str, int] = {}
+    for i, task in enumerate(tasks):
+        label = task.get("label") if isinstance(task, Mapping) else None
+        if label is None:
+            continue
+        if label in seen:
+            raise ConfigError(f"eval.icl_tasks[{seen[label]}] and eval.icl_tasks[{i}] have the same label "
+                              f"{label!r}; each task writes results/data/<corpus>/icl/<label>.jsonl. Fix: give "
+                              f"eval.icl_tasks[{i}].label another name.")
+        seen[label] = i
+
+
 def whole(value: Any, path: str) -> int:
     """``value`` as an int (``'8'`` and ``8.0`` too, as ``int()`` reads them; not ``true``).
 

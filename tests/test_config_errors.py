@@ -185,6 +185,31 @@ SCHEMA_ERRORS = [
     ({"model_defaults": {"step_resources": {"eval": {}}}}, r"^model_defaults\.step_resources is not a section of "
                                                            r"model_defaults"),
     ({"model_defaults": {"arch": {"d_modle": 3}}}, r"^model_defaults\.arch\.d_modle is not a model setting"),
+    # the open mappings passed on to composer / llm-foundry are closed: their keys are the classes' arguments
+    ({"models": {"mpt-125m": {"train": {"optimizer": {"learning_rate": 1e-4}}}}},
+     r"^models\.mpt-125m\.train\.optimizer\.learning_rate is not an optimizer setting; did you mean lr\?"),
+    ({"model_defaults": {"train": {"scheduler": {"t_warmup": "10ba"}}}},
+     r"^model_defaults\.train\.scheduler\.t_warmup is not a scheduler setting; did you mean t_warmup_batches\?"),
+    ({"models": {"mpt-3b": {"train": {"fsdp": {"activation_checkpoint": True}}}}},
+     r"^models\.mpt-3b\.train\.fsdp\.activation_checkpoint is not a setting of composer's FSDPConfig; did you mean "
+     r"activation_checkpointing\?"),
+    ({"model_defaults": {"train": {"fsdp": {"sharding_stratgy": "FULL_SHARD"}}}},
+     r"^model_defaults\.train\.fsdp\.sharding_stratgy is not a setting of composer's FSDPConfig; did you mean sharding_strategy\?"),
+    ({"finetunes": {"mpt-7b-dolly": {"arch": {"attn_config": {"alibbi": True}}}}},
+     r"^finetunes\.mpt-7b-dolly\.arch\.attn_config\.alibbi is not a key of MPT's attn_config; did you mean "
+     r"alibi\?"),
+    ({"models": {"mpt-125m": {"train": {"optimizer": {"name": "adam"}}}}},
+     r"^models\.mpt-125m\.train\.optimizer\.name is 'adam'; it must be one of decoupled_adamw"),
+    # names become paths and wildcards: letters, digits, _ . - only (rules/common.smk's wildcard_constraints)
+    ({"eval": {"icl_tasks": [{"label": "my task", "kind": "cloze"}]}},
+     r"^eval\.icl_tasks\[0\]\.label is 'my task'; it must be letters, digits, _ \. and - only"),
+    ({"models": {"my model": {"arch": {"d_model": 64}}}},
+     r"^models\.my model is not a usable name: a name must be letters, digits, _ \. and - only.*Fix: rename "
+     r"'my model' \(e\.g\. my-model\)"),
+    ({"finetunes": {"sft/1": {"base": {"run": "mpt-tiny"}}}}, r"^finetunes\.sft/1 is not a usable name"),
+    ({"corpora": {"c4 en": {"source": "hub"}}}, r"^corpora\.c4 en is not a usable name"),
+    ({"tokenizers": {"neox:20b": {"source": "hub", "name": "x"}}}, r"^tokenizers\.neox:20b is not a usable name"),
+    ({"instruction_sets": {"dolly hh": {"source": "builtin"}}}, r"^instruction_sets\.dolly hh is not a usable name"),
     # unknown top-level sections and keys of settings sections
     ({"model_default": {"train": {"seed": 1}}},
      r"^config\.model_default is not a top-level section of the workflow config; did you mean model_defaults\?"),
@@ -250,6 +275,51 @@ def test_schema_names_the_setting_and_the_fix(override, expected):
     msg = schema_error(override)
     assert re.search(expected, msg), msg
     assert "Fix:" in msg, msg
+
+
+def test_optimizer_keys_are_checked_against_the_named_class():
+    """The schema closes optimizer/scheduler to every class's keys; the merged run's keys must be its class's."""
+    from llmpipe.config import validate_run
+
+    config = cfg_with({"models": {"mpt-125m": {"train": {"optimizer": {"outlier_threshold": 10.0}}}}})
+    with pytest.raises(ConfigError, match=r"^models\.mpt-125m\.train\.optimizer\.outlier_threshold is not a setting "
+                                          r"of the optimizer decoupled_adamw \(model_defaults\.train\.optimizer\.name\); "
+                                          r"It takes lr, betas, eps, weight_decay, amsgrad\."):
+        validate_run(config, "mpt-125m")
+    config = cfg_with({"finetunes": {"mpt-tiny-sft": {"train": {"scheduler": {"alpha": 0.5}}}}})
+    with pytest.raises(ConfigError, match=r"^finetunes\.mpt-tiny-sft\.train\.scheduler\.alpha is not a setting of "
+                                          r"the scheduler linear_decay_with_warmup \(finetune_defaults\.train\."
+                                          r"scheduler\.name\); did you mean alpha_[if]\?"):
+        validate_run(config, "mpt-tiny-sft")
+
+
+def test_two_icl_tasks_with_one_label_are_refused():
+    config = _raw_config()
+    config["eval"] = {"icl_tasks": [{"label": "a", "kind": "cloze"}, {"label": "b", "kind": "cloze"},
+                                    {"label": "a", "kind": "cloze_choice"}]}
+    with pytest.raises(ConfigError, match=r"^eval\.icl_tasks\[0\] and eval\.icl_tasks\[2\] have the same label 'a'"):
+        schema.prepare(config)
+
+
+def test_the_schema_names_match_the_workflow_wildcards():
+    """A name the schema accepts must be one a target path's wildcard matches (else MissingInputException)."""
+    import re
+
+    smk = (REPO / "rules/common.smk").read_text()
+    pattern = schema.load()["$defs"]["name"]["pattern"]
+    for wildcard in ("corpus", "tokenizer", "label"):
+        assert f'{wildcard}=r"{pattern[1:-1]}"' in smk
+    assert re.search(r'run=r"\(\?!.*\)' + re.escape(pattern[1:-1]) + '"', smk)
+
+
+def test_a_model_name_with_a_space_fails_the_dry_run(workdir):
+    out = dry_fail(workdir, "results/mpt-tiny/train.json", "--config", "models={'my model': {'arch': {'d_model': 64}}}")
+    assert "models.my model is not a usable name" in out
+
+
+def cfg_with(override: dict) -> dict:
+    """The shipped config with ``override`` merged in as ``--config`` merges it, resolved."""
+    return schema.load_config(REPO / "config/config.yaml", overrides=override)
 
 
 def test_unknown_top_level_section_fails_the_dry_run(workdir):
