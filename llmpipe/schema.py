@@ -25,8 +25,6 @@ from llmpipe.settings import ConfigError, check_unique_labels  # the one error c
 #: The schema file; its ``$defs`` name the shared shapes (train, arch, resources, slurm, ...).
 SCHEMA_PATH = Path(__file__).resolve().parents[1] / "schemas" / "config.schema.yaml"
 
-#: Strings that ``snakemake --config`` hands over for a YAML null.
-_NULL_TEXTS = ("null", "none", "~", "")
 
 
 @functools.lru_cache(maxsize=1)
@@ -133,10 +131,10 @@ def coerce(config: dict) -> dict:
 
     ``snakemake --config`` hands nested values over as strings (``{'train': {'seed': 17}}`` gives ``'17'``). A string
     where the schema does not take that string is read as YAML (and as a number: ``'1e-3'``); the reading is kept when
-    the schema takes it. A null (or null text: ``'null'``, ``''``) becomes ``{}`` for a section whose schema default is
-    a mapping (its defaults apply, as for a section not written), else a null text becomes None where the schema
-    allows null. Inside open mappings
-    (optimizer and scheduler arguments, ``attn_config``, FSDP settings) number, true/false and null texts are read as
+    the schema takes it. A null (or a text YAML reads as null: ``'null'``, ``'~'``, ``''``; ``'none'`` stays text)
+    becomes ``{}`` for a section whose schema default is a mapping (its defaults apply, as for a section not
+    written), else None where the schema allows null. Inside open mappings (e.g. ``attn_config.rope_dail_config``,
+    ``compile.options``) number, true/false and null texts are read as
     YAML. Values the schema refuses either way are left for :func:`check` to name.
     """
     return _coerce([load()], config)
@@ -188,7 +186,16 @@ def _takes(node: Any, value: Any) -> bool:
 
 
 def _is_null_text(value: Any) -> bool:
-    return value is None or (isinstance(value, str) and value.strip().lower() in _NULL_TEXTS)
+    """None, or a text YAML reads as null (``null``, ``Null``, ``NULL``, ``~``, the empty scalar); ``none`` and
+    ``None`` are text, as in a YAML file (``slurm.qos: none`` names a QOS)."""
+    if value is None:
+        return True
+    if not isinstance(value, str):
+        return False
+    try:
+        return yaml.safe_load(value) is None and not value.lstrip().startswith("#")
+    except yaml.YAMLError:
+        return False
 
 
 def _readings(text: str) -> Iterable[Any]:
@@ -247,7 +254,7 @@ def _coerce(nodes: list[Any], value: Any) -> Any:
         items = [n["items"] for n in nodes + alternatives if _admits(n, "array") and isinstance(n.get("items"), dict)]
         return [_coerce(items, v) for v in value]
     if isinstance(value, str):
-        if value.strip().lower() in _NULL_TEXTS and _valid(nodes, None):
+        if _is_null_text(value) and _valid(nodes, None):
             return None
         if _valid(nodes, value):
             return value

@@ -560,6 +560,15 @@ def test_null_strings_from_the_command_line_mean_null():
     assert c["slurm"]["container"]["type"] is None and c["slurm"]["partition"] is None  # no container, default partition
 
 
+@pytest.mark.parametrize("text, null", [("null", True), ("Null", True), ("NULL", True), ("~", True), ("", True),
+                                        ("none", False), ("None", False), ("nil", False)])
+def test_only_what_yaml_reads_as_null_becomes_null(text, null):
+    """A text-or-null setting keeps a text YAML reads as text (``qos: none`` in a site file names a QOS)."""
+    config = _raw_config()
+    config["slurm"] = dict(config.get("slurm") or {}, qos=text)
+    assert schema.coerce(config)["slurm"]["qos"] == (None if null else text)
+
+
 def test_local_run_refuses_multi_node_training_before_anything_runs(workdir):
     """The local executor runs on this one machine: a real run whose training (or finetune) asks for 2 nodes stops
     before any job runs (nothing converted or trained; the message names the setting and the fix); a dry run still
