@@ -233,6 +233,9 @@ def _coerce(nodes: list[Any], value: Any) -> Any:
         return _open(value)
     if _is_null_text(value) and any(isinstance(n.get("default"), dict) for n in nodes):
         return {}  # a settings section (or slurm.container) given as null: its defaults apply
+    typed = [t for n in nodes if (t := _types(n)) is not None]
+    if _is_null_text(value) and typed and all("object" in t and "null" not in t for t in typed):
+        return {}  # a mapping written empty (`train:` in a YAML file): as if not written, what it inherits applies
     alternatives = [x for n in nodes for alt in (n.get("anyOf") or []) + (n.get("oneOf") or []) for x in _expand(alt)]
     if isinstance(value, dict):
         shapes = [n for n in nodes + alternatives if _admits(n, "object") and (
@@ -332,6 +335,11 @@ def _path(parts: Iterable[Any]) -> str:
     return out or "config"
 
 
+def _repr(value: Any) -> str:
+    """``value`` as a message shows it: YAML's ``null``/``true``/``false``, else Python's repr (quoted text)."""
+    return _show(value) if value is None or isinstance(value, bool) else repr(value)
+
+
 def _show(value: Any) -> str:
     if value is None:
         return "null"
@@ -394,15 +402,15 @@ def message(error: Any, prefix: list[str] | tuple = ()) -> str:
     if kind in ("type", "enum", "anyOf", "oneOf", "const", "pattern"):
         section = load()["properties"].get(parts[0], {}) if not prefix and len(parts) == 1 else {}
         if isinstance(section.get("default"), dict):
-            return (f"`{where}:` is {value!r}; it must be a mapping of settings. Fix: remove it (the defaults apply) "
+            return (f"`{where}:` is {_repr(value)}; it must be a mapping of settings. Fix: remove it (the defaults apply) "
                     f"or give its keys, e.g. {where}: {{key: value}} (schemas/config.schema.yaml lists them).")
         if "object" in (_types(node) or ()):
             fix = f"give its keys, e.g. {parts[-1] if parts else 'section'}: {{key: value}}"
         else:
             fix = f"set {where} to such a value"
-        return f"{where} is {value!r}; it must {_must(node)}{_described(node)}. Fix: {fix}."
+        return f"{where} is {_repr(value)}; it must {_must(node)}{_described(node)}. Fix: {fix}."
     bounds = {"minimum": ">=", "exclusiveMinimum": ">", "maximum": "<=", "exclusiveMaximum": "<"}
     if kind in bounds:
-        return (f"{where} is {value!r}; it must be {bounds[kind]} {error.validator_value}{_described(node)}. "
+        return (f"{where} is {_repr(value)}; it must be {bounds[kind]} {error.validator_value}{_described(node)}. "
                 f"Fix: set {where} to such a value.")
-    return f"{where} is {value!r}: {error.message}{_described(node)}. Fix: set {where} as its description says."
+    return f"{where} is {_repr(value)}: {error.message}{_described(node)}. Fix: set {where} as its description says."

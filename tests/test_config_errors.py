@@ -251,7 +251,8 @@ SCHEMA_ERRORS = [
     ({"report": "x"}, r"^`report:` is 'x'; it must be a mapping of settings\. Fix: remove it"),
     ({"data_prep": 3}, r"^`data_prep:` is 3; it must be a mapping of settings\. Fix: remove it"),
     ({"slurm": "gpu"}, r"^`slurm:` is 'gpu'; it must be a mapping of settings\. Fix: remove it"),
-    ({"models": {"mpt-tiny": {"train": None}}}, r"^models\.mpt-tiny\.train is None; it must be a mapping"),
+    ({"models": {"mpt-tiny": {"train": {"seed": None}}}}, r"^models\.mpt-tiny\.train\.seed is null; it must be an "
+                                                          r"integer"),
     ({"models": {"mpt-tiny": {"step_resources": 3}}}, r"^models\.mpt-tiny\.step_resources is 3; it must map steps"),
     ({"models": {"mpt-tiny": {"step_resources": {"eval": "x"}}}},
      r"^models\.mpt-tiny\.step_resources\.eval is 'x'; it must be a mapping of resources"),
@@ -558,6 +559,21 @@ def test_null_strings_from_the_command_line_mean_null():
     assert allreduce.settings(c)["gate"] is None
     c = schema.resolve(deep_merge(_raw_config(), {"slurm": {"container": None, "partition": "null"}}))
     assert c["slurm"]["container"]["type"] is None and c["slurm"]["partition"] is None  # no container, default partition
+
+
+@pytest.mark.parametrize("section", ["train", "resources", "data"])
+def test_a_run_section_written_empty_means_what_it_inherits(section):
+    """``models: {mpt-125m: {train: }}`` in a YAML file is None: as if the section were not written (the model
+    inherits model_defaults'), as ``models.mpt-125m: null`` already is."""
+    from llmpipe.config import run_config, validate_run
+
+    config = _raw_config()
+    config["models"]["mpt-125m"][section] = None
+    config["finetunes"]["mpt-7b-dolly"][section if section not in ("data", "arch") else "resources"] = None
+    resolved = schema.resolve(config)
+    validate_run(resolved, "mpt-125m")
+    validate_run(resolved, "mpt-7b-dolly")
+    assert run_config(resolved, "mpt-125m")[section] == resolved["model_defaults"][section]
 
 
 @pytest.mark.parametrize("text, null", [("null", True), ("Null", True), ("NULL", True), ("~", True), ("", True),
