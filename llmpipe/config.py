@@ -631,12 +631,22 @@ def finetune_run_config(config: dict, run: str) -> dict:
     }
 
 
-def validate_instruction_set(config: dict, name: str) -> dict:
-    """Check an instruction set (``instruction_sets.<name>``); return it. Raises ConfigError naming the fix."""
+def validate_instruction_set(config: dict, name: str, used_at: str | None = None) -> dict:
+    """Check an instruction set (``instruction_sets.<name>``); return it. ``used_at``: the setting that names it
+    (``finetunes.<run>.data.instructions``), named when the set is unknown, with the closest known name.
+
+    Raises:
+        ConfigError: naming the setting and the fix.
+    """
     sets = config.get("instruction_sets") or {}
+    if name is None and used_at:
+        raise ConfigError(f"{used_at} is not set. Fix: set it to an instruction set ({', '.join(sorted(sets))}).")
     if name not in sets:
-        raise ConfigError(f"instruction set {name!r} is not defined under `instruction_sets:` (known: "
-                          f"{', '.join(sorted(sets))}). Fix: add it or pick a known one.")
+        close = closest(str(name), sets) if name is not None else None
+        what = f"{used_at} is {name!r}, which" if used_at else f"instruction set {name!r}"
+        raise ConfigError(f"{what} is not defined under `instruction_sets:`; {f'did you mean {close}? ' if close else ''}"
+                          f"Known: {', '.join(sorted(sets))}. Fix: {f'set it to {close}' if close else 'pick a known one'}"
+                          f" or add it to `instruction_sets:`.")
     s = sets[name] or {}
     where = f"instruction_sets.{name}"
     src = s.get("source")
@@ -684,7 +694,7 @@ def _validated_finetune(config: dict, run: str, node_counts: Iterable[int], coun
                           f"results/{run}/ can hold only one. Fix: rename the finetune.")
     rc = finetune_run_config(config, run)
     data, train = rc["data"], rc["train"]
-    validate_instruction_set(config, data.get("instructions"))
+    validate_instruction_set(config, data.get("instructions"), written_at(config, run, "data.instructions"))
     tok = data.get("tokenizer")
     tokenizers = config.get("tokenizers", {})
     if tok not in tokenizers:

@@ -359,6 +359,9 @@ def _must(node: dict) -> str:
         return f"be one of {', '.join(_show(v) for v in node['enum'])}"
     types = _types(node) or set()
     words = [word for t, word in _TYPE_WORDS.items() if t in types]
+    if "pattern" in node:  # text of a given form: say the form, not only "text"
+        words = [f"text matching {node['pattern']}" if w == "text" else w for w in words] or [
+            f"text matching {node['pattern']}"]
     return "be " + " or ".join(words) if words else "match its description"
 
 
@@ -404,7 +407,10 @@ def message(error: Any, prefix: list[str] | tuple = ()) -> str:
         if isinstance(section.get("default"), dict):
             return (f"`{where}:` is {_repr(value)}; it must be a mapping of settings. Fix: remove it (the defaults apply) "
                     f"or give its keys, e.g. {where}: {{key: value}} (schemas/config.schema.yaml lists them).")
-        if "object" in (_types(node) or ()):
+        text_fix = node.get("x-text-fix") or {}
+        if isinstance(value, str) and value in text_fix.get("values", ()):
+            fix = text_fix["fix"].format(where=where, value=value)
+        elif "object" in (_types(node) or ()):
             fix = f"give its keys, e.g. {parts[-1] if parts else 'section'}: {{key: value}}"
         else:
             fix = f"set {where} to such a value"

@@ -246,6 +246,14 @@ SCHEMA_ERRORS = [
      r"^models\.mpt-125m\.train\.compile is 'layers'; it must be false, true .*'blocks'"),
     ({"slurm": {"container": {"type": "docker"}}}, r"^slurm\.container\.type is 'docker'; it must be one of null, "
                                                    r"pyxis, apptainer"),
+    ({"models": {"mpt-125m": {"train": {"compile": {"scope": "block"}}}}},
+     r"^models\.mpt-125m\.train\.compile\.scope is 'block'; it must be model \(the whole model .*\), blocks "),
+    ({"models": {"mpt-125m": {"train": {"fused_loss": "liger"}}}},
+     r"^models\.mpt-125m\.train\.fused_loss is 'liger'; .*Fix: a kernel goes under the mapping: set "
+     r"models\.mpt-125m\.train\.fused_loss to \{kernel: liger\}"),
+    ({"finetunes": {"mpt-7b-dolly-lora": {"lora": {"rank": 8}}}},
+     r"^finetunes\.mpt-7b-dolly-lora\.lora\.rank is not a LoRA setting; did you mean r\?"),
+    ({"eval": {"icl_tasks": [{"label": 3}]}}, r"^eval\.icl_tasks\[0\]\.label is 3; it must be letters, digits"),
     # sections that are not mappings (a YAML null in a settings section means its defaults: see below)
     ({"eval": "x"}, r"^`eval:` is 'x'; it must be a mapping of settings\. Fix: remove it \(the defaults apply\)"),
     ({"report": "x"}, r"^`report:` is 'x'; it must be a mapping of settings\. Fix: remove it"),
