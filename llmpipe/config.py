@@ -28,10 +28,10 @@ import math
 import os
 from typing import Any, Iterable
 
-from llmpipe.schema import closest, keys_by_name, speed_only_keys
+from llmpipe.schema import check_named_arguments, closest, speed_only_keys
 # ConfigError lives in llmpipe.settings (imported by this module and by llmpipe.schema, never the reverse);
 # llmpipe.config.ConfigError is the same class.
-from llmpipe.settings import ConfigError, Resources, RunSettings  # noqa: F401 - ConfigError re-exported
+from llmpipe.settings import ConfigError, Resources, RunSettings, written_at  # noqa: F401 - ConfigError re-exported
 
 #: Bump a step's version when a change in our code changes what that step produces. The version is part of
 #: the step's identity (its Snakemake params), so bumping it reruns that step and everything after it.
@@ -108,47 +108,6 @@ def run_config(config: dict, run: str) -> dict:
     return merged
 
 
-def written_at(config: dict, run: str, key: str) -> str:
-    """The config path where the value of ``key`` of a run's merged settings is written.
-
-    ``key`` is dotted as in :func:`run_config`'s dict (``train.global_batch_size``, ``resources.gpus_per_node``).
-    A model's value comes from ``models.<run>`` or else ``model_defaults``; a finetune's from ``finetunes.<run>``,
-    ``finetune_defaults`` or (``train``, ``resources``, a hub base's ``arch``) ``model_defaults``; the ``arch``,
-    ``data.tokenizer`` and ``data.corpus`` of a finetune of one of our runs (``base.run``) from that run's
-    sections. A value written nowhere (left to a default) is named in the run's own section, where a user sets it.
-
-    Returns:
-        A dotted path, e.g. ``model_defaults.resources.gpus_per_node``.
-    """
-    parts = key.split(".")
-
-    def has(section: Any, value: bool = False) -> bool:
-        """``key`` is written in ``section`` (a null too, as :func:`deep_merge` takes it; with ``value``, not null)."""
-        for part in parts:
-            if not isinstance(section, dict) or part not in section:
-                return False
-            section = section[part]
-        return section is not None or not value
-
-    md = config.get("model_defaults") or {}
-    if is_finetune(config, run):
-        ft = (config.get("finetunes") or {}).get(run) or {}
-        fd = config.get("finetune_defaults") or {}
-        base_run = (_run_section(config, run).get("base") or {}).get("run")
-        candidates = [(f"finetunes.{run}", ft), ("finetune_defaults", fd)]
-        if base_run in (config.get("models") or {}):
-            if parts[0] == "arch":
-                return written_at(config, base_run, key)
-            if key in ("data.tokenizer", "data.corpus", "data.icl_corpus") and not any(
-                    has(s, value=True) for _, s in candidates):
-                return written_at(config, base_run, "data.tokenizer" if key == "data.tokenizer" else "data.corpus")
-        if parts[0] in ("train", "resources", "arch"):
-            candidates.append(("model_defaults", md))
-    else:
-        candidates = [(f"models.{run}", (config.get("models") or {}).get(run) or {}), ("model_defaults", md)]
-    return next((f"{prefix}.{key}" for prefix, section in candidates if has(section)), f"{candidates[0][0]}.{key}")
-
-
 def dataset_dir(config: dict, run: str) -> str:
     """The dataset folder a run trains on: ``{results}/data/{corpus}/{tokenizer}/concat{N}``."""
     data = run_config(config, run)["data"]
@@ -219,33 +178,10 @@ def _validated(config: dict, run: str, node_counts: Iterable[int], counts_where:
     rs = RunSettings.from_run_config(rc, tokenizer=tcfg, written_at=functools.partial(written_at, config, run)
                                      ).check(node_counts, counts_where)
     validate_data_prep(config, rs.data.concat_tokens, f"{where}.data.concat_tokens")
-    check_named_arguments(config, run, train)
+    check_named_arguments(train, functools.partial(written_at, config, run))
     fused_loss_settings(train, f"{where}.train")
     compile_settings(train, f"{where}.train")
     return rc, rs
-
-
-def check_named_arguments(config: dict, run: str, train: dict) -> None:
-    """Check that the merged ``train.optimizer`` and ``train.scheduler`` of ``run`` set only keys that the class
-    their ``name`` picks takes (the schema's ``x-keys-by-name``; the schema checks each section's keys alone, while
-    ``name`` may be inherited from ``model_defaults``).
-
-    Raises:
-        ConfigError: naming where the key is written, the class's keys and the closest one.
-    """
-    for part in ("optimizer", "scheduler"):
-        value = train.get(part) or {}
-        known = keys_by_name(part).get(value.get("name"))
-        if known is None:
-            continue  # an unknown name is the schema's to name
-        for key in sorted(set(value) - set(known) - {"name"}):
-            close = [c] if (c := closest(key, known)) else []
-            where = written_at(config, run, f"train.{part}.{key}")
-            name_at = written_at(config, run, f"train.{part}.name")
-            raise ConfigError(f"{where} is not a setting of the {part} {value['name']} ({name_at}); "
-                              f"{f'did you mean {close[0]}? ' if close else ''}It takes "
-                              f"{', '.join(known) or 'no settings'}. Fix: "
-                              f"{f'rename it to {close[0]}' if close else 'remove it'}, or pick another {part}.")
 
 
 def compile_settings(train: dict, where: str = "train") -> dict | None:
@@ -644,9 +580,9 @@ def validate_instruction_set(config: dict, name: str, used_at: str | None = None
     if name not in sets:
         close = closest(str(name), sets) if name is not None else None
         what = f"{used_at} is {name!r}, which" if used_at else f"instruction set {name!r}"
-        raise ConfigError(f"{what} is not defined under `instruction_sets:`; {f'did you mean {close}? ' if close else ''}"
-                          f"Known: {', '.join(sorted(sets))}. Fix: {f'set it to {close}' if close else 'pick a known one'}"
-                          f" or add it to `instruction_sets:`.")
+        meant, fix = (f"did you mean {close}? ", f"set it to {close}") if close else ("", "pick a known one")
+        raise ConfigError(f"{what} is not defined under `instruction_sets:`; {meant}Known: {', '.join(sorted(sets))}. "
+                          f"Fix: {fix} or add it to `instruction_sets:`.")
     s = sets[name] or {}
     where = f"instruction_sets.{name}"
     src = s.get("source")
@@ -709,7 +645,7 @@ def _validated_finetune(config: dict, run: str, node_counts: Iterable[int], coun
     validate_corpus(config, corpus)
     rs = RunSettings.from_run_config(rc, tokenizer=tcfg, written_at=functools.partial(written_at, config, run)
                                      ).check(node_counts, counts_where)
-    check_named_arguments(config, run, train)
+    check_named_arguments(train, functools.partial(written_at, config, run))
     compile_settings(train, f"{where}.train")
     return rc, rs
 

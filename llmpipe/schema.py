@@ -16,7 +16,7 @@ import difflib
 import functools
 import re
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 import yaml
 
@@ -59,6 +59,28 @@ def keys_by_name(shape: str) -> dict[str, list[str]]:
     """``$defs.<shape>``'s ``x-keys-by-name``: for each ``name`` (an optimizer or scheduler), the keys its class
     takes besides ``name`` (``{"decoupled_adamw": ["lr", "betas", ...]}``); empty when the shape has none."""
     return dict(load()["$defs"][shape].get("x-keys-by-name") or {})
+
+
+def check_named_arguments(train: dict, written_at: Callable[[str], str]) -> None:
+    """Check that a run's merged ``train.optimizer`` and ``train.scheduler`` set only keys the class their ``name``
+    picks takes (:func:`keys_by_name`; the schema checks each section's keys alone, while ``name`` may be inherited,
+    e.g. from ``model_defaults``). ``written_at`` maps a dotted key (``train.optimizer.lr``) to the config path where
+    it is written (:func:`llmpipe.settings.written_at`).
+
+    Raises:
+        ConfigError: naming where the key is written, the class's keys and the closest one.
+    """
+    for part in ("optimizer", "scheduler"):
+        value = train.get(part) or {}
+        known = keys_by_name(part).get(value.get("name"))
+        if known is None:
+            continue  # an unknown name is the schema's to name
+        for key in sorted(set(value) - set(known) - {"name"}):
+            close = closest(key, known)
+            raise ConfigError(f"{written_at(f'train.{part}.{key}')} is not a setting of the {part} {value['name']} "
+                              f"({written_at(f'train.{part}.name')}); {f'did you mean {close}? ' if close else ''}"
+                              f"It takes {', '.join(known) or 'no settings'}. Fix: "
+                              f"{f'rename it to {close}' if close else 'remove it'}, or pick another {part}.")
 
 
 def section_defaults(section: str) -> Any:
@@ -405,7 +427,8 @@ def message(error: Any, prefix: list[str] | tuple = ()) -> str:
     if kind in ("type", "enum", "anyOf", "oneOf", "const", "pattern"):
         section = load()["properties"].get(parts[0], {}) if not prefix and len(parts) == 1 else {}
         if isinstance(section.get("default"), dict):
-            return (f"`{where}:` is {_repr(value)}; it must be a mapping of settings. Fix: remove it (the defaults apply) "
+            return (f"`{where}:` is {_repr(value)}; it must be a mapping of settings. Fix: remove it (the defaults "
+                    f"apply) "
                     f"or give its keys, e.g. {where}: {{key: value}} (schemas/config.schema.yaml lists them).")
         text_fix = node.get("x-text-fix") or {}
         if isinstance(value, str) and value in text_fix.get("values", ()):

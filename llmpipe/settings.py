@@ -34,6 +34,50 @@ def lcm(values: Iterable[int]) -> int:
     return out
 
 
+def written_at(config: Mapping, run: str, key: str) -> str:
+    """The config path where the value of ``key`` of a run's merged settings is written.
+
+    ``key`` is dotted as in :func:`llmpipe.config.run_config`'s dict (``train.global_batch_size``,
+    ``resources.gpus_per_node``). A model's value comes from ``models.<run>`` or else ``model_defaults``; a
+    finetune's from ``finetunes.<run>``, ``finetune_defaults`` or (``train``, ``resources``, a hub base's ``arch``)
+    ``model_defaults``; the ``arch``, ``data.tokenizer`` and ``data.corpus`` of a finetune of one of our runs
+    (``base.run``) from that run's sections. A value written nowhere (left to a default) is named in the run's own
+    section, where a user sets it.
+
+    Returns:
+        A dotted path, e.g. ``model_defaults.resources.gpus_per_node``.
+    """
+    parts = key.split(".")
+
+    def has(section: Any, value: bool = False) -> bool:
+        """``key`` is written in ``section``: a null too, as :func:`llmpipe.config.deep_merge` takes it (with
+        ``value``: not null)."""
+        for part in parts:
+            if not isinstance(section, Mapping) or part not in section:
+                return False
+            section = section[part]
+        return section is not None or not value
+
+    md = config.get("model_defaults") or {}
+    if run in (config.get("finetunes") or {}):
+        ft = (config.get("finetunes") or {}).get(run) or {}
+        fd = config.get("finetune_defaults") or {}
+        base = ft.get("base") if isinstance(ft.get("base"), Mapping) else {}
+        base_run = base["run"] if "run" in base else ((fd.get("base") or {}).get("run"))
+        candidates = [(f"finetunes.{run}", ft), ("finetune_defaults", fd)]
+        if base_run in (config.get("models") or {}) and base_run != run:
+            if parts[0] == "arch":
+                return written_at(config, base_run, key)
+            if key in ("data.tokenizer", "data.corpus", "data.icl_corpus") and not any(
+                    has(s, value=True) for _, s in candidates):
+                return written_at(config, base_run, "data.tokenizer" if key == "data.tokenizer" else "data.corpus")
+        if parts[0] in ("train", "resources", "arch"):
+            candidates.append(("model_defaults", md))
+    else:
+        candidates = [(f"models.{run}", (config.get("models") or {}).get(run) or {}), ("model_defaults", md)]
+    return next((f"{prefix}.{key}" for prefix, section in candidates if has(section)), f"{candidates[0][0]}.{key}")
+
+
 def check_unique_labels(config: Mapping) -> None:
     """Raise ConfigError when two of ``eval.icl_tasks`` have the same ``label`` (each label is a file,
     results/data/<corpus>/icl/<label>.jsonl, and a key of eval.json), naming both indices."""

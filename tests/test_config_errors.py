@@ -194,7 +194,8 @@ SCHEMA_ERRORS = [
      r"^models\.mpt-3b\.train\.fsdp\.activation_checkpoint is not a setting of composer's FSDPConfig; did you mean "
      r"activation_checkpointing\?"),
     ({"model_defaults": {"train": {"fsdp": {"sharding_stratgy": "FULL_SHARD"}}}},
-     r"^model_defaults\.train\.fsdp\.sharding_stratgy is not a setting of composer's FSDPConfig; did you mean sharding_strategy\?"),
+     r"^model_defaults\.train\.fsdp\.sharding_stratgy is not a setting of composer's FSDPConfig; did you mean "
+     r"sharding_strategy\?"),
     ({"finetunes": {"mpt-7b-dolly": {"arch": {"attn_config": {"alibbi": True}}}}},
      r"^finetunes\.mpt-7b-dolly\.arch\.attn_config\.alibbi is not a key of MPT's attn_config; did you mean "
      r"alibi\?"),
@@ -291,9 +292,9 @@ def test_optimizer_keys_are_checked_against_the_named_class():
     from llmpipe.config import validate_run
 
     config = cfg_with({"models": {"mpt-125m": {"train": {"optimizer": {"outlier_threshold": 10.0}}}}})
-    with pytest.raises(ConfigError, match=r"^models\.mpt-125m\.train\.optimizer\.outlier_threshold is not a setting "
-                                          r"of the optimizer decoupled_adamw \(model_defaults\.train\.optimizer\.name\); "
-                                          r"It takes lr, betas, eps, weight_decay, amsgrad\."):
+    with pytest.raises(ConfigError, match=r"^models\.mpt-125m\.train\.optimizer\.outlier_threshold is not a "
+                                          r"setting of the optimizer decoupled_adamw \(model_defaults\.train\."
+                                          r"optimizer\.name\); It takes lr, betas, eps, weight_decay, amsgrad\."):
         validate_run(config, "mpt-125m")
     config = cfg_with({"finetunes": {"mpt-tiny-sft": {"train": {"scheduler": {"alpha": 0.5}}}}})
     with pytest.raises(ConfigError, match=r"^finetunes\.mpt-tiny-sft\.train\.scheduler\.alpha is not a setting of "
@@ -322,7 +323,8 @@ def test_the_schema_names_match_the_workflow_wildcards():
 
 
 def test_a_model_name_with_a_space_fails_the_dry_run(workdir):
-    out = dry_fail(workdir, "results/mpt-tiny/train.json", "--config", "models={'my model': {'arch': {'d_model': 64}}}")
+    out = dry_fail(workdir, "results/mpt-tiny/train.json", "--config",
+                   "models={'my model': {'arch': {'d_model': 64}}}")
     assert "models.my model is not a usable name" in out
 
 

@@ -163,8 +163,8 @@ def test_config_errors_of_finetunes():
     with pytest.raises(cfg.ConfigError, match=rf"^finetunes\.{SFT}\.data\.instructions is 'alpaca', which is not "
                                               r"defined under `instruction_sets:`"):
         cfg.validate_run(cfg.deep_merge(base, {"finetunes": {SFT: {"data": {"instructions": "alpaca"}}}}), SFT)
-    with pytest.raises(cfg.ConfigError, match=r"^finetune_defaults\.data\.instructions is 'python-docs-q', .*did you "
-                                              r"mean python-docs-qa\?"):
+    with pytest.raises(cfg.ConfigError, match=r"^finetune_defaults\.data\.instructions is 'python-docs-q', "
+                                              r".*did you mean python-docs-qa\?"):
         typo = cfg.deep_merge(base, {"finetune_defaults": {"data": {"instructions": "python-docs-q"}}})
         del typo["finetunes"][SFT]["data"]["instructions"]  # inherited from finetune_defaults
         cfg.validate_run(typo, SFT)

@@ -34,7 +34,8 @@ CASES = {
         {"models": {"mpt-125m": {"resources": {"nodes": 3}}}}, "mpt-125m",
         ["models.mpt-125m.train.global_batch_size (256) is not divisible by the number of GPUs at 3 node(s) "
          "(24 = 3 x 8 per node).", "Fix: make global_batch_size a multiple of 24, or change "
-                                   "models.mpt-125m.resources.nodes (3) or model_defaults.resources.gpus_per_node (8)."]),
+                                   "models.mpt-125m.resources.nodes (3) or "
+                                   "model_defaults.resources.gpus_per_node (8)."]),
     "global batch not divisible by CPU tasks": (
         {"models": {"mpt-tiny": {"resources": {"tasks_per_node": 3}}}}, "mpt-tiny",
         ["models.mpt-tiny.train.global_batch_size (16) is not divisible by the number of tasks at 1 node(s) "
