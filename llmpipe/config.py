@@ -21,14 +21,15 @@ Vocabulary used throughout the project:
 from __future__ import annotations
 
 import copy
+import functools
 import math
 import os
-from typing import Iterable
+from collections.abc import Iterable
 
-from llmpipe.schema import speed_only_keys
+from llmpipe.schema import check_named_arguments, closest, speed_only_keys
 # ConfigError lives in llmpipe.settings (imported by this module and by llmpipe.schema, never the reverse);
 # llmpipe.config.ConfigError is the same class.
-from llmpipe.settings import ConfigError, Resources, RunSettings  # noqa: F401 - ConfigError re-exported
+from llmpipe.settings import ConfigError, Resources, RunSettings, written_at  # noqa: F401 - ConfigError re-exported
 
 #: Keys under a model's ``train:`` that only change speed or placement (``x-speed-only`` in the schema's ``train``);
 #: they are never part of identity.
@@ -147,8 +148,10 @@ def _validated(config: dict, run: str, node_counts: Iterable[int], counts_where:
         raise ConfigError(f"{where}.data.tokenizer is {tok!r}, which is not defined under `tokenizers:` "
                           f"(known: {', '.join(sorted(tokenizers))}). Fix: add it or pick a known one.")
     tcfg = validate_tokenizer(config, tok)
-    rs = RunSettings.from_run_config(rc, tokenizer=tcfg).check(node_counts, counts_where)
+    rs = RunSettings.from_run_config(rc, tokenizer=tcfg, written_at=functools.partial(written_at, config, run)
+                                     ).check(node_counts, counts_where)
     validate_data_prep(config, rs.data.concat_tokens, f"{where}.data.concat_tokens")
+    check_named_arguments(train, functools.partial(written_at, config, run))
     fused_loss_settings(train, f"{where}.train")
     compile_settings(train, f"{where}.train")
     return rc, rs
@@ -477,12 +480,22 @@ def finetune_run_config(config: dict, run: str) -> dict:
     }
 
 
-def validate_instruction_set(config: dict, name: str) -> dict:
-    """Check an instruction set (``instruction_sets.<name>``); return it. Raises ConfigError naming the fix."""
+def validate_instruction_set(config: dict, name: str, used_at: str | None = None) -> dict:
+    """Check an instruction set (``instruction_sets.<name>``); return it. ``used_at``: the setting that names it
+    (``finetunes.<run>.data.instructions``), named when the set is unknown, with the closest known name.
+
+    Raises:
+        ConfigError: naming the setting and the fix.
+    """
     sets = config.get("instruction_sets") or {}
+    if name is None and used_at:
+        raise ConfigError(f"{used_at} is not set. Fix: set it to an instruction set ({', '.join(sorted(sets))}).")
     if name not in sets:
-        raise ConfigError(f"instruction set {name!r} is not defined under `instruction_sets:` (known: "
-                          f"{', '.join(sorted(sets))}). Fix: add it or pick a known one.")
+        close = closest(str(name), sets) if name is not None else None
+        what = f"{used_at} is {name!r}, which" if used_at else f"instruction set {name!r}"
+        meant, fix = (f"did you mean {close}? ", f"set it to {close}") if close else ("", "pick a known one")
+        raise ConfigError(f"{what} is not defined under `instruction_sets:`; {meant}Known: {', '.join(sorted(sets))}. "
+                          f"Fix: {fix} or add it to `instruction_sets:`.")
     s = sets[name] or {}
     where = f"instruction_sets.{name}"
     src = s.get("source")
@@ -530,7 +543,7 @@ def _validated_finetune(config: dict, run: str, node_counts: Iterable[int], coun
                           f"results/{run}/ can hold only one. Fix: rename the finetune.")
     rc = finetune_run_config(config, run)
     data, train = rc["data"], rc["train"]
-    validate_instruction_set(config, data.get("instructions"))
+    validate_instruction_set(config, data.get("instructions"), written_at(config, run, "data.instructions"))
     tok = data.get("tokenizer")
     tokenizers = config.get("tokenizers", {})
     if tok not in tokenizers:
@@ -543,6 +556,8 @@ def _validated_finetune(config: dict, run: str, node_counts: Iterable[int], coun
         raise ConfigError(f"{where}.data.icl_corpus is {corpus!r}, which is not defined under `corpora:`. "
                           f"Fix: name the corpus the ICL tasks are built from.")
     validate_corpus(config, corpus)
-    rs = RunSettings.from_run_config(rc, tokenizer=tcfg).check(node_counts, counts_where)
+    rs = RunSettings.from_run_config(rc, tokenizer=tcfg, written_at=functools.partial(written_at, config, run)
+                                     ).check(node_counts, counts_where)
+    check_named_arguments(train, functools.partial(written_at, config, run))
     compile_settings(train, f"{where}.train")
     return rc, rs

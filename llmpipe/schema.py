@@ -16,17 +16,16 @@ import difflib
 import functools
 import re
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
+from collections.abc import Callable, Iterable
 
 import yaml
 
-from llmpipe.settings import ConfigError  # the one error class of config checks
+from llmpipe.settings import ConfigError, check_unique_labels  # the one error class of config checks
 
 #: The schema file; its ``$defs`` name the shared shapes (train, arch, resources, slurm, ...).
 SCHEMA_PATH = Path(__file__).resolve().parents[1] / "schemas" / "config.schema.yaml"
 
-#: Strings that ``snakemake --config`` hands over for a YAML null.
-_NULL_TEXTS = ("null", "none", "~", "")
 
 
 @functools.lru_cache(maxsize=1)
@@ -41,6 +40,48 @@ def speed_only_keys(shape: str) -> frozenset[str]:
     never what a step produces (left out of step identity)."""
     props = load()["$defs"][shape]["properties"]
     return frozenset(k for k, v in props.items() if v.get("x-speed-only"))
+
+
+def closest(key: str, known: Iterable[str], aliases: dict | None = None) -> str | None:
+    """The known key a user most likely meant by ``key``: its alias (``aliases``, e.g. ``{learning_rate: lr}``), a
+    known key that extends it or that it extends (``t_warmup`` -> ``t_warmup_batches``), else the closest spelling
+    (difflib); None when nothing is close."""
+    known = sorted(known)
+    if aliases and aliases.get(key) in known:
+        return aliases[key]
+    nested = [k for k in known if min(len(k), len(key)) >= 3 and (k.startswith(key) or key.startswith(k))]
+    if nested:
+        return min(nested, key=lambda k: abs(len(k) - len(key)))
+    close = difflib.get_close_matches(key, known, n=1)
+    return close[0] if close else None
+
+
+def keys_by_name(shape: str) -> dict[str, list[str]]:
+    """``$defs.<shape>``'s ``x-keys-by-name``: for each ``name`` (an optimizer or scheduler), the keys its class
+    takes besides ``name`` (``{"decoupled_adamw": ["lr", "betas", ...]}``); empty when the shape has none."""
+    return dict(load()["$defs"][shape].get("x-keys-by-name") or {})
+
+
+def check_named_arguments(train: dict, written_at: Callable[[str], str]) -> None:
+    """Check that a run's merged ``train.optimizer`` and ``train.scheduler`` set only keys the class their ``name``
+    picks takes (:func:`keys_by_name`; the schema checks each section's keys alone, while ``name`` may be inherited,
+    e.g. from ``model_defaults``). ``written_at`` maps a dotted key (``train.optimizer.lr``) to the config path where
+    it is written (:func:`llmpipe.settings.written_at`).
+
+    Raises:
+        ConfigError: naming where the key is written, the class's keys and the closest one.
+    """
+    for part in ("optimizer", "scheduler"):
+        value = train.get(part) or {}
+        known = keys_by_name(part).get(value.get("name"))
+        if known is None:
+            continue  # an unknown name is the schema's to name
+        for key in sorted(set(value) - set(known) - {"name"}):
+            close = closest(key, known)
+            raise ConfigError(f"{written_at(f'train.{part}.{key}')} is not a setting of the {part} {value['name']} "
+                              f"({written_at(f'train.{part}.name')}); {f'did you mean {close}? ' if close else ''}"
+                              f"It takes {', '.join(known) or 'no settings'}. Fix: "
+                              f"{f'rename it to {close}' if close else 'remove it'}, or pick another {part}.")
 
 
 def section_defaults(section: str) -> Any:
@@ -113,10 +154,10 @@ def coerce(config: dict) -> dict:
 
     ``snakemake --config`` hands nested values over as strings (``{'train': {'seed': 17}}`` gives ``'17'``). A string
     where the schema does not take that string is read as YAML (and as a number: ``'1e-3'``); the reading is kept when
-    the schema takes it. A null (or null text: ``'null'``, ``''``) becomes ``{}`` for a section whose schema default is
-    a mapping (its defaults apply, as for a section not written), else a null text becomes None where the schema
-    allows null. Inside open mappings
-    (optimizer and scheduler arguments, ``attn_config``, FSDP settings) number, true/false and null texts are read as
+    the schema takes it. A null (or a text YAML reads as null: ``'null'``, ``'~'``, ``''``; ``'none'`` stays text)
+    becomes ``{}`` for a section whose schema default is a mapping (its defaults apply, as for a section not
+    written), else None where the schema allows null. Inside open mappings (e.g. ``attn_config.rope_dail_config``,
+    ``compile.options``) number, true/false and null texts are read as
     YAML. Values the schema refuses either way are left for :func:`check` to name.
     """
     return _coerce([load()], config)
@@ -168,7 +209,16 @@ def _takes(node: Any, value: Any) -> bool:
 
 
 def _is_null_text(value: Any) -> bool:
-    return value is None or (isinstance(value, str) and value.strip().lower() in _NULL_TEXTS)
+    """None, or a text YAML reads as null (``null``, ``Null``, ``NULL``, ``~``, the empty scalar); ``none`` and
+    ``None`` are text, as in a YAML file (``slurm.qos: none`` names a QOS)."""
+    if value is None:
+        return True
+    if not isinstance(value, str):
+        return False
+    try:
+        return yaml.safe_load(value) is None and not value.lstrip().startswith("#")
+    except yaml.YAMLError:
+        return False
 
 
 def _readings(text: str) -> Iterable[Any]:
@@ -206,6 +256,9 @@ def _coerce(nodes: list[Any], value: Any) -> Any:
         return _open(value)
     if _is_null_text(value) and any(isinstance(n.get("default"), dict) for n in nodes):
         return {}  # a settings section (or slurm.container) given as null: its defaults apply
+    typed = [t for n in nodes if (t := _types(n)) is not None]
+    if _is_null_text(value) and typed and all("object" in t and "null" not in t for t in typed):
+        return {}  # a mapping written empty (`train:` in a YAML file): as if not written, what it inherits applies
     alternatives = [x for n in nodes for alt in (n.get("anyOf") or []) + (n.get("oneOf") or []) for x in _expand(alt)]
     if isinstance(value, dict):
         shapes = [n for n in nodes + alternatives if _admits(n, "object") and (
@@ -227,7 +280,7 @@ def _coerce(nodes: list[Any], value: Any) -> Any:
         items = [n["items"] for n in nodes + alternatives if _admits(n, "array") and isinstance(n.get("items"), dict)]
         return [_coerce(items, v) for v in value]
     if isinstance(value, str):
-        if value.strip().lower() in _NULL_TEXTS and _valid(nodes, None):
+        if _is_null_text(value) and _valid(nodes, None):
             return None
         if _valid(nodes, value):
             return value
@@ -271,6 +324,7 @@ def prepare(config: dict) -> dict:
     config.clear()
     config.update(typed)
     check(config)
+    check_unique_labels(config)
     return config
 
 
@@ -308,6 +362,11 @@ def _path(parts: Iterable[Any]) -> str:
     return out or "config"
 
 
+def _repr(value: Any) -> str:
+    """``value`` as a message shows it: YAML's ``null``/``true``/``false``, else Python's repr (quoted text)."""
+    return _show(value) if value is None or isinstance(value, bool) else repr(value)
+
+
 def _show(value: Any) -> str:
     if value is None:
         return "null"
@@ -327,6 +386,9 @@ def _must(node: dict) -> str:
         return f"be one of {', '.join(_show(v) for v in node['enum'])}"
     types = _types(node) or set()
     words = [word for t, word in _TYPE_WORDS.items() if t in types]
+    if "pattern" in node:  # text of a given form: say the form, not only "text"
+        words = [f"text matching {node['pattern']}" if w == "text" else w for w in words] or [
+            f"text matching {node['pattern']}"]
     return "be " + " or ".join(words) if words else "match its description"
 
 
@@ -350,14 +412,18 @@ def message(error: Any, prefix: list[str] | tuple = ()) -> str:
             from jsonschema.exceptions import relevance
 
             return message(max(inside, key=relevance), prefix)
+    if "propertyNames" in error.schema_path:  # a name (of a model, corpus ...) the wildcards cannot match
+        return (f"{where}.{value} is not a usable name: a name must {_must(node)}. Fix: rename {value!r} (e.g. "
+                f"{re.sub(r'[^A-Za-z0-9_.-]+', '-', str(value)).strip('-') or 'name'}) here and where it is used.")
     if kind == "additionalProperties":
         known = sorted(node.get("properties") or {})
         key = sorted(set(value) - set(known))[0]
-        close = difflib.get_close_matches(key, known, n=1)
+        close = [c] if (c := closest(key, known, node.get("x-aliases"))) else []
         what = node.get("x-key-kind") or f"setting of `{where}:`"
         hint = node.get("x-hint", " (Its value would be ignored.)").format(sp=" ", where=where)
         fix = f"rename it to {close[0]}" if close else "remove it"
-        return (f"{where}.{key} is not a {what}; {f'did you mean {close[0]}? ' if close else ''}Known ones: "
+        article = "an" if what[:1].lower() in "aeiou" else "a"
+        return (f"{where}.{key} is not {article} {what}; {f'did you mean {close[0]}? ' if close else ''}Known ones: "
                 f"{', '.join(known)}.{hint} Fix: {fix} (schemas/config.schema.yaml lists every setting).")
     if kind == "required":
         missing = [k for k in node.get("required", []) if k not in value][0]
@@ -366,15 +432,19 @@ def message(error: Any, prefix: list[str] | tuple = ()) -> str:
     if kind in ("type", "enum", "anyOf", "oneOf", "const", "pattern"):
         section = load()["properties"].get(parts[0], {}) if not prefix and len(parts) == 1 else {}
         if isinstance(section.get("default"), dict):
-            return (f"`{where}:` is {value!r}; it must be a mapping of settings. Fix: remove it (the defaults apply) "
+            return (f"`{where}:` is {_repr(value)}; it must be a mapping of settings. Fix: remove it (the defaults "
+                    f"apply) "
                     f"or give its keys, e.g. {where}: {{key: value}} (schemas/config.schema.yaml lists them).")
-        if "object" in (_types(node) or ()):
+        text_fix = node.get("x-text-fix") or {}
+        if isinstance(value, str) and value in text_fix.get("values", ()):
+            fix = text_fix["fix"].format(where=where, value=value)
+        elif "object" in (_types(node) or ()):
             fix = f"give its keys, e.g. {parts[-1] if parts else 'section'}: {{key: value}}"
         else:
             fix = f"set {where} to such a value"
-        return f"{where} is {value!r}; it must {_must(node)}{_described(node)}. Fix: {fix}."
+        return f"{where} is {_repr(value)}; it must {_must(node)}{_described(node)}. Fix: {fix}."
     bounds = {"minimum": ">=", "exclusiveMinimum": ">", "maximum": "<=", "exclusiveMaximum": "<"}
     if kind in bounds:
-        return (f"{where} is {value!r}; it must be {bounds[kind]} {error.validator_value}{_described(node)}. "
+        return (f"{where} is {_repr(value)}; it must be {bounds[kind]} {error.validator_value}{_described(node)}. "
                 f"Fix: set {where} to such a value.")
-    return f"{where} is {value!r}: {error.message}{_described(node)}. Fix: set {where} as its description says."
+    return f"{where} is {_repr(value)}: {error.message}{_described(node)}. Fix: set {where} as its description says."

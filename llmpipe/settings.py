@@ -17,7 +17,8 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Literal, Mapping
+from typing import Any, Literal
+from collections.abc import Callable, Iterable, Mapping
 
 RUN_KINDS = ("pretrain", "finetune")
 
@@ -32,6 +33,66 @@ def lcm(values: Iterable[int]) -> int:
     for v in values:
         out = out * int(v) // math.gcd(out, int(v))
     return out
+
+
+def written_at(config: Mapping, run: str, key: str) -> str:
+    """The config path where the value of ``key`` of a run's merged settings is written.
+
+    ``key`` is dotted as in :func:`llmpipe.config.run_config`'s dict (``train.global_batch_size``,
+    ``resources.gpus_per_node``). A model's value comes from ``models.<run>`` or else ``model_defaults``; a
+    finetune's from ``finetunes.<run>``, ``finetune_defaults`` or (``train``, ``resources``, a hub base's ``arch``)
+    ``model_defaults``; the ``arch``, ``data.tokenizer`` and ``data.corpus`` of a finetune of one of our runs
+    (``base.run``) from that run's sections. A value written nowhere (left to a default) is named in the run's own
+    section, where a user sets it.
+
+    Returns:
+        A dotted path, e.g. ``model_defaults.resources.gpus_per_node``.
+    """
+    parts = key.split(".")
+
+    def has(section: Any, value: bool = False) -> bool:
+        """``key`` is written in ``section``: a null too, as :func:`llmpipe.config.deep_merge` takes it (with
+        ``value``: not null)."""
+        for part in parts:
+            if not isinstance(section, Mapping) or part not in section:
+                return False
+            section = section[part]
+        return section is not None or not value
+
+    md = config.get("model_defaults") or {}
+    if run in (config.get("finetunes") or {}):
+        ft = (config.get("finetunes") or {}).get(run) or {}
+        fd = config.get("finetune_defaults") or {}
+        base = ft.get("base") if isinstance(ft.get("base"), Mapping) else {}
+        base_run = base["run"] if "run" in base else ((fd.get("base") or {}).get("run"))
+        candidates = [(f"finetunes.{run}", ft), ("finetune_defaults", fd)]
+        if base_run in (config.get("models") or {}) and base_run != run:
+            if parts[0] == "arch":
+                return written_at(config, base_run, key)
+            if key in ("data.tokenizer", "data.corpus", "data.icl_corpus") and not any(
+                    has(s, value=True) for _, s in candidates):
+                return written_at(config, base_run, "data.tokenizer" if key == "data.tokenizer" else "data.corpus")
+        if parts[0] in ("train", "resources", "arch"):
+            candidates.append(("model_defaults", md))
+    else:
+        candidates = [(f"models.{run}", (config.get("models") or {}).get(run) or {}), ("model_defaults", md)]
+    return next((f"{prefix}.{key}" for prefix, section in candidates if has(section)), f"{candidates[0][0]}.{key}")
+
+
+def check_unique_labels(config: Mapping) -> None:
+    """Raise ConfigError when two of ``eval.icl_tasks`` have the same ``label`` (each label is a file,
+    results/data/<corpus>/icl/<label>.jsonl, and a key of eval.json), naming both indices."""
+    tasks = (config.get("eval") or {}).get("icl_tasks") or []
+    seen: dict[str, int] = {}
+    for i, task in enumerate(tasks):
+        label = task.get("label") if isinstance(task, Mapping) else None
+        if label is None:
+            continue
+        if label in seen:
+            raise ConfigError(f"eval.icl_tasks[{seen[label]}] and eval.icl_tasks[{i}] have the same label "
+                              f"{label!r}; each task writes results/data/<corpus>/icl/<label>.jsonl. Fix: give "
+                              f"eval.icl_tasks[{i}].label another name.")
+        seen[label] = i
 
 
 def whole(value: Any, path: str) -> int:
@@ -51,12 +112,24 @@ def whole(value: Any, path: str) -> int:
     return out
 
 
+def _origins() -> Any:
+    """A dataclass field: config path where each value is written, by field name (``{"nodes":
+    "model_defaults.resources.nodes"}``); a field not listed is at ``{where}.<field>``."""
+    return field(default_factory=dict, compare=False, repr=False)
+
+
+def _at(part: Any, key: str) -> str:
+    return part.origins.get(key) or f"{part.where}.{key}"
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Resources:
     """The training step's placement (a run's ``resources:``): how many processes train, one per device."""
 
     #: Config path of the section, for messages (``models.mpt-1b.resources``).
     where: str = field(default="resources", compare=False, repr=False)
+    #: Where each value is written when not in :attr:`where` (``model_defaults.resources.gpus_per_node``).
+    origins: Mapping[str, str] = _origins()
     #: Machines the training runs on (``resources.nodes``, >= 1).
     nodes: int = 1
     #: GPUs per machine (``resources.gpus_per_node``); 0 = CPU-only nodes.
@@ -66,28 +139,41 @@ class Resources:
 
     def __post_init__(self) -> None:
         if self.nodes < 1:
-            raise ConfigError(f"{self.where}.nodes must be at least 1, got {self.nodes}.")
+            raise ConfigError(f"{self.at('nodes')} must be at least 1, got {self.nodes}.")
         if self.gpus_per_node < 0:
-            raise ConfigError(f"{self.where}.gpus_per_node must be 0 (CPU) or more, got {self.gpus_per_node}.")
+            raise ConfigError(f"{self.at('gpus_per_node')} must be 0 (CPU) or more, got {self.gpus_per_node}.")
         if self.tasks_per_node < 1:
-            raise ConfigError(f"{self.where}.tasks_per_node must be at least 1, got {self.tasks_per_node}.")
+            raise ConfigError(f"{self.at('tasks_per_node')} must be at least 1, got {self.tasks_per_node}.")
+
+    def at(self, key: str) -> str:
+        """The config path where the value of ``key`` (a field name) is written."""
+        return _at(self, key)
 
     @classmethod
-    def from_dict(cls, res: Mapping, where: str = "resources") -> Resources:
-        """From a resources mapping; missing keys take the defaults above (``null`` gpus/tasks too).
+    def from_dict(cls, res: Mapping, where: str = "resources", origins: Mapping[str, str] | None = None
+                  ) -> Resources:
+        """From a resources mapping; missing keys take the defaults above (``null`` gpus/tasks too). ``origins``:
+        where each value is written, by key, when not under ``where``.
 
         Raises:
-            ConfigError: a value that is not a whole number, or out of range, naming ``{where}.<key>``.
+            ConfigError: a value that is not a whole number, or out of range, naming where it is written.
         """
+        origins = dict(origins or {})
+        at = {k: origins.get(k) or f"{where}.{k}" for k in ("nodes", "gpus_per_node", "tasks_per_node")}
         gpus, tasks = res.get("gpus_per_node"), res.get("tasks_per_node")
-        return cls(where=where, nodes=whole(res.get("nodes", 1), f"{where}.nodes"),
-                   gpus_per_node=whole(gpus or 0, f"{where}.gpus_per_node"),
-                   tasks_per_node=whole(tasks or 1, f"{where}.tasks_per_node"))
+        return cls(where=where, origins=origins, nodes=whole(res.get("nodes", 1), at["nodes"]),
+                   gpus_per_node=whole(gpus or 0, at["gpus_per_node"]),
+                   tasks_per_node=whole(tasks or 1, at["tasks_per_node"]))
 
     @property
     def per_node(self) -> int:
         """Training processes per machine: one per GPU on GPU nodes, else ``tasks_per_node``."""
         return self.gpus_per_node if self.gpus_per_node > 0 else self.tasks_per_node
+
+    @property
+    def per_node_key(self) -> str:
+        """The field that sets :attr:`per_node`: ``gpus_per_node`` on GPU nodes, else ``tasks_per_node``."""
+        return "gpus_per_node" if self.gpus_per_node > 0 else "tasks_per_node"
 
     @property
     def device_kind(self) -> str:
@@ -104,6 +190,8 @@ class DataSettings:
     """What a run trains on (a run's ``data:``)."""
 
     where: str = field(default="data", compare=False, repr=False)
+    #: Where each value is written when not in :attr:`where` (``concat_tokens``: where ``concat_key`` is written).
+    origins: Mapping[str, str] = _origins()
     #: Corpus under ``corpora:`` (pretraining) or the corpus the ICL tasks come from (a finetune's ``icl_corpus``).
     corpus: str | None = None
     #: Tokenizer under ``tokenizers:``.
@@ -119,11 +207,17 @@ class DataSettings:
 
     def __post_init__(self) -> None:
         if self.concat_tokens < 2:
-            raise ConfigError(f"{self.where}.{self.concat_key} must be at least 2, got {self.concat_tokens}.")
+            raise ConfigError(f"{self.at('concat_tokens')} must be at least 2, got {self.concat_tokens}.")
         pr = self.packing_ratio
         if pr is not None and pr != "auto" and (isinstance(pr, bool) or not isinstance(pr, (int, float))
                                                  or float(pr) < 1):
-            raise ConfigError(f"{self.where}.packing_ratio is {pr!r}; it must be null, 'auto' or a number >= 1.")
+            raise ConfigError(f"{self.at('packing_ratio')} is {pr!r}; it must be null, 'auto' or a number >= 1.")
+
+    def at(self, key: str) -> str:
+        """The config path where the value of ``key`` (a field name) is written."""
+        if key == "concat_tokens" and key not in self.origins:
+            return f"{self.where}.{self.concat_key}"
+        return _at(self, key)
 
 
 #: The ``arch:`` keys every run must have (the shape the MFU formula and the checks read).
@@ -136,6 +230,8 @@ class ArchSettings:
 
     #: Config path of the section the shape is written in (``models.mpt-tiny.arch`` also for a finetune of it).
     where: str = field(default="arch", compare=False, repr=False)
+    #: Where each value is written when not in :attr:`where` (``model_defaults.arch.vocab_size``).
+    origins: Mapping[str, str] = _origins()
     d_model: int
     n_heads: int
     n_layers: int
@@ -147,10 +243,15 @@ class ArchSettings:
     def __post_init__(self) -> None:
         for key in ARCH_REQUIRED:
             if getattr(self, key) < 1:
-                raise ConfigError(f"{self.where}.{key} must be positive, got {getattr(self, key)}.")
+                raise ConfigError(f"{self.at(key)} must be positive, got {getattr(self, key)}.")
         if self.d_model % self.n_heads:
-            raise ConfigError(f"{self.where}.d_model ({self.d_model}) does not divide by n_heads ({self.n_heads}). "
-                              f"Fix: choose n_heads that divides d_model.")
+            heads = "" if self.at("n_heads") == f"{self.where}.n_heads" else f", {self.at('n_heads')}"
+            raise ConfigError(f"{self.at('d_model')} ({self.d_model}) does not divide by n_heads ({self.n_heads}"
+                              f"{heads}). Fix: choose n_heads that divides d_model.")
+
+    def at(self, key: str) -> str:
+        """The config path where the value of ``key`` (a field name) is written."""
+        return _at(self, key)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -158,6 +259,8 @@ class TrainSettings:
     """The batch and length of training (part of a run's ``train:``; the rest is read where it is used)."""
 
     where: str = field(default="train", compare=False, repr=False)
+    #: Where each value is written when not in :attr:`where` (``model_defaults.train.microbatch_size``).
+    origins: Mapping[str, str] = _origins()
     #: Samples per optimizer step over all devices.
     global_batch_size: int
     #: Samples per forward/backward on one device (speed only); divides the per-device batch.
@@ -166,12 +269,13 @@ class TrainSettings:
     max_duration_batches: int
 
     def __post_init__(self) -> None:
-        if self.max_duration_batches <= 0:
-            raise ConfigError(f"{self.where}.max_duration_batches must be positive, got {self.max_duration_batches}.")
-        if self.microbatch_size <= 0:
-            raise ConfigError(f"{self.where}.microbatch_size must be positive, got {self.microbatch_size}.")
-        if self.global_batch_size <= 0:
-            raise ConfigError(f"{self.where}.global_batch_size must be positive, got {self.global_batch_size}.")
+        for key in ("max_duration_batches", "microbatch_size", "global_batch_size"):
+            if getattr(self, key) <= 0:
+                raise ConfigError(f"{self.at(key)} must be positive, got {getattr(self, key)}.")
+
+    def at(self, key: str) -> str:
+        """The config path where the value of ``key`` (a field name) is written."""
+        return _at(self, key)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -266,12 +370,17 @@ class RunSettings:
         return f"{'finetunes' if self.kind == 'finetune' else 'models'}.{self.name}"
 
     @classmethod
-    def from_run_config(cls, rc: Mapping, tokenizer: Mapping | None = None) -> RunSettings:
+    def from_run_config(cls, rc: Mapping, tokenizer: Mapping | None = None,
+                        written_at: Callable[[str], str] | None = None) -> RunSettings:
         """Build from a run's merged settings (:func:`llmpipe.config.run_config`'s dict: ``name``, ``data``,
         ``arch``, ``train``, ``resources``; a finetune's also ``kind``, ``base``, ``lora``, ``node_counts``).
 
         ``tokenizer`` is the run's entry under ``tokenizers:``; a trained one (``source: train``) gives
-        :attr:`tokenizer_vocab_size`. Only each part's own checks run here; call :meth:`check` for the rest.
+        :attr:`tokenizer_vocab_size`. ``written_at`` maps a dotted key of ``rc`` (``train.global_batch_size``) to
+        the config path where its value is written (:func:`llmpipe.config.written_at`: the run's own section,
+        ``finetune_defaults`` or ``model_defaults``); messages name that path. Without it every value is named in
+        the run's own section (a finetune's ``arch`` in its base run's). Only each part's own checks run here;
+        call :meth:`check` for the rest.
 
         Raises:
             ConfigError: a missing or wrong value, naming its config path.
@@ -287,28 +396,45 @@ class RunSettings:
             base = BaseModel(where=f"{where}.base", run=b.get("run"), hub=b.get("hub"), revision=b.get("revision"))
             if base.run:
                 arch_where = f"models.{base.run}.arch"
+        concat_key = "max_seq_len" if kind == "finetune" else "concat_tokens"
+        sections = {"data": f"{where}.data", "arch": arch_where, "train": f"{where}.train",
+                    "resources": f"{where}.resources"}
+
+        def at(section: str, key: str) -> str:
+            return written_at(f"{section}.{key}") if written_at else f"{sections[section]}.{key}"
+
+        def origins(section: str, keys: Iterable[str], fields: Mapping[str, str] | None = None) -> dict[str, str]:
+            fields = fields or {}
+            return {fields.get(k, k): at(section, k) for k in keys}
+
         for key in ARCH_REQUIRED:
             if key not in arch or arch[key] is None:
                 if base is not None and base.hub:
-                    raise ConfigError(f"{arch_where}.{key} is missing: for hub weights, arch must describe the hub "
+                    raise ConfigError(f"{at('arch', key)} is missing: for hub weights, arch must describe the hub "
                                       f"model (used for MFU). Fix: copy it from the model's config.json.")
-                raise ConfigError(f"{arch_where}.{key} is missing. Fix: set it (see the published MPT sizes in "
+                raise ConfigError(f"{at('arch', key)} is missing. Fix: set it (see the published MPT sizes in "
                                   f"config/config.yaml).")
-        concat_key = "max_seq_len" if kind == "finetune" else "concat_tokens"
         vocab = None
         if tokenizer is not None and tokenizer.get("source") == "train":
             vocab = whole(tokenizer.get("vocab_size"), f"tokenizers.{data.get('tokenizer')}.vocab_size")
+        data_at = origins("data", ("corpus", "tokenizer", concat_key, "instructions", "packing_ratio"),
+                          {concat_key: "concat_tokens"})
+        arch_at = origins("arch", ARCH_REQUIRED)
+        train_keys = ("global_batch_size", "microbatch_size", "max_duration_batches")
+        train_at = origins("train", train_keys)
         return cls(
             name=name, kind=kind, base=base, tokenizer_vocab_size=vocab,
-            data=DataSettings(where=f"{where}.data", corpus=data.get("corpus"), tokenizer=data.get("tokenizer"),
-                              concat_tokens=whole(data.get("concat_tokens"), f"{where}.data.{concat_key}"),
+            data=DataSettings(where=sections["data"], origins=data_at, corpus=data.get("corpus"),
+                              tokenizer=data.get("tokenizer"),
+                              concat_tokens=whole(data.get("concat_tokens"), data_at["concat_tokens"]),
                               concat_key=concat_key, instructions=data.get("instructions"),
                               packing_ratio=data.get("packing_ratio")),
-            arch=ArchSettings(where=arch_where, **{k: whole(arch[k], f"{arch_where}.{k}") for k in ARCH_REQUIRED}),
-            train=TrainSettings(where=f"{where}.train", **{
-                k: whole(train.get(k), f"{where}.train.{k}")
-                for k in ("global_batch_size", "microbatch_size", "max_duration_batches")}),
-            resources=Resources.from_dict(rc.get("resources") or {}, f"{where}.resources"),
+            arch=ArchSettings(where=arch_where, origins=arch_at,
+                              **{k: whole(arch[k], arch_at[k]) for k in ARCH_REQUIRED}),
+            train=TrainSettings(where=sections["train"], origins=train_at,
+                                **{k: whole(train.get(k), train_at[k]) for k in train_keys}),
+            resources=Resources.from_dict(rc.get("resources") or {}, sections["resources"],
+                                          origins("resources", ("nodes", "gpus_per_node", "tasks_per_node"))),
             node_counts=tuple(sorted({whole(n, f"{where}.node_counts") for n in rc.get("node_counts") or ()})),
             lora=LoraSettings.from_value(rc.get("lora"), f"{where}.lora"),
         )
@@ -329,9 +455,9 @@ class RunSettings:
         d, a = self.data, self.arch
         if d.concat_tokens > a.max_seq_len:
             if self.kind == "finetune":
-                raise ConfigError(f"{d.where}.{d.concat_key} ({d.concat_tokens}) is larger than the base model's "
-                                  f"max_seq_len ({a.max_seq_len}, {a.where}.max_seq_len). Fix: lower max_seq_len.")
-            raise ConfigError(f"{d.where}.{d.concat_key} ({d.concat_tokens}) is larger than {a.where}.max_seq_len "
+                raise ConfigError(f"{d.at('concat_tokens')} ({d.concat_tokens}) is larger than the base model's "
+                                  f"max_seq_len ({a.max_seq_len}, {a.at('max_seq_len')}). Fix: lower max_seq_len.")
+            raise ConfigError(f"{d.at('concat_tokens')} ({d.concat_tokens}) is larger than {a.at('max_seq_len')} "
                               f"({a.max_seq_len}): samples would not fit the model. Fix: lower concat_tokens or "
                               f"raise max_seq_len.")
         if self.tokenizer_vocab_size is not None:
@@ -346,9 +472,16 @@ class RunSettings:
         before it is trained, or its manifest once it is prepared.
         """
         if int(vocab_size) > self.arch.vocab_size:
-            raise ConfigError(f"{source} ({int(vocab_size)}) exceeds {self.arch.where}.vocab_size "
+            raise ConfigError(f"{source} ({int(vocab_size)}) exceeds {self.arch.at('vocab_size')} "
                               f"({self.arch.vocab_size}): the tokenizer {self.data.tokenizer} has more tokens than "
                               f"the model's embedding. Fix: raise the model's vocab_size or lower the tokenizer's.")
+
+    def resource_at(self, key: str) -> str:
+        """Where ``resources.<key>`` is written (the run's section when its :class:`Resources` has no path)."""
+        r = self.resources
+        if key not in r.origins and r.where == "resources":
+            return f"{self.where}.resources.{key}"
+        return r.at(key)
 
     def node_counts_to_check(self, node_counts: Iterable[int] = ()) -> list[int]:
         """Every node count the run trains at: ``resources.nodes``, :attr:`node_counts`, and ``node_counts``."""
@@ -359,11 +492,11 @@ class RunSettings:
         t, r = self.train, self.resources
         ws = r.devices(nodes)
         if t.global_batch_size % ws:
-            return (f"{t.where}.global_batch_size ({t.global_batch_size}) is not divisible by the number of "
+            return (f"{t.at('global_batch_size')} ({t.global_batch_size}) is not divisible by the number of "
                     f"{r.device_kind} at {nodes} node(s) ({ws} = {nodes} x {r.per_node} per node)")
         per_device = t.global_batch_size // ws
         if per_device % t.microbatch_size and t.microbatch_size < per_device:
-            return (f"{t.where}.microbatch_size ({t.microbatch_size}) does not divide the per-device batch at "
+            return (f"{t.at('microbatch_size')} ({t.microbatch_size}) does not divide the per-device batch at "
                     f"{nodes} node(s) ({per_device} = {t.global_batch_size} / {ws} {r.device_kind})")
         return None
 
@@ -388,11 +521,12 @@ class RunSettings:
                        if all(b % m == 0 or m >= b for b in per_device))
             what = (f"pick a microbatch_size that divides the per-device batch ({', '.join(map(str, per_device))}), "
                     f"e.g. {fits}")
-        if counts_where:
-            change = counts_where + (f" / {self.where}.node_counts" if self.node_counts else "")
-        else:
-            change = f"{self.where}.resources.nodes" + (" / node_counts" if self.kind == "finetune" else "")
-        fix = f"Fix: {what}, or change {change}."
+        # what can change: the node counts (as written) and the devices per node (where it is written)
+        change = [counts_where] if counts_where else [f"{self.resource_at('nodes')} ({r.nodes})"]
+        if self.node_counts or (self.kind == "finetune" and not counts_where):
+            change.append(f"{self.where}.node_counts")
+        change.append(f"{self.resource_at(r.per_node_key)} ({r.per_node})")
+        fix = f"Fix: {what}, or change {', '.join(change[:-1])} or {change[-1]}."
         if len(counts) == 1:
             raise ConfigError(f"{problems[counts[0]]}. {fix}")
         lines = "\n".join(f"  at {n} node(s): {p}" for n, p in problems.items())

@@ -28,7 +28,7 @@ def test_unknown_model(workdir):
 
 def test_missing_local_data_source(workdir, tmp_path):
     out = dry_fail(workdir, "results/mpt-125m/train.json", "--config",
-                   "corpora={'c4': {'source': 'local', 'local_dir': '%s/nowhere'}}" % tmp_path)
+                   f"corpora={{'c4': {{'source': 'local', 'local_dir': '{tmp_path}/nowhere'}}}}")
     assert "corpora.c4.local_dir" in out and "does not exist" in out
 
 
@@ -185,6 +185,32 @@ SCHEMA_ERRORS = [
     ({"model_defaults": {"step_resources": {"eval": {}}}}, r"^model_defaults\.step_resources is not a section of "
                                                            r"model_defaults"),
     ({"model_defaults": {"arch": {"d_modle": 3}}}, r"^model_defaults\.arch\.d_modle is not a model setting"),
+    # the open mappings passed on to composer / llm-foundry are closed: their keys are the classes' arguments
+    ({"models": {"mpt-125m": {"train": {"optimizer": {"learning_rate": 1e-4}}}}},
+     r"^models\.mpt-125m\.train\.optimizer\.learning_rate is not an optimizer setting; did you mean lr\?"),
+    ({"model_defaults": {"train": {"scheduler": {"t_warmup": "10ba"}}}},
+     r"^model_defaults\.train\.scheduler\.t_warmup is not a scheduler setting; did you mean t_warmup_batches\?"),
+    ({"models": {"mpt-3b": {"train": {"fsdp": {"activation_checkpoint": True}}}}},
+     r"^models\.mpt-3b\.train\.fsdp\.activation_checkpoint is not a setting of composer's FSDPConfig; did you mean "
+     r"activation_checkpointing\?"),
+    ({"model_defaults": {"train": {"fsdp": {"sharding_stratgy": "FULL_SHARD"}}}},
+     r"^model_defaults\.train\.fsdp\.sharding_stratgy is not a setting of composer's FSDPConfig; did you mean "
+     r"sharding_strategy\?"),
+    ({"finetunes": {"mpt-7b-dolly": {"arch": {"attn_config": {"alibbi": True}}}}},
+     r"^finetunes\.mpt-7b-dolly\.arch\.attn_config\.alibbi is not a key of MPT's attn_config; did you mean "
+     r"alibi\?"),
+    ({"models": {"mpt-125m": {"train": {"optimizer": {"name": "adam"}}}}},
+     r"^models\.mpt-125m\.train\.optimizer\.name is 'adam'; it must be one of decoupled_adamw"),
+    # names become paths and wildcards: letters, digits, _ . - only (rules/common.smk's wildcard_constraints)
+    ({"eval": {"icl_tasks": [{"label": "my task", "kind": "cloze"}]}},
+     r"^eval\.icl_tasks\[0\]\.label is 'my task'; it must be letters, digits, _ \. and - only"),
+    ({"models": {"my model": {"arch": {"d_model": 64}}}},
+     r"^models\.my model is not a usable name: a name must be letters, digits, _ \. and - only.*Fix: rename "
+     r"'my model' \(e\.g\. my-model\)"),
+    ({"finetunes": {"sft/1": {"base": {"run": "mpt-tiny"}}}}, r"^finetunes\.sft/1 is not a usable name"),
+    ({"corpora": {"c4 en": {"source": "hub"}}}, r"^corpora\.c4 en is not a usable name"),
+    ({"tokenizers": {"neox:20b": {"source": "hub", "name": "x"}}}, r"^tokenizers\.neox:20b is not a usable name"),
+    ({"instruction_sets": {"dolly hh": {"source": "builtin"}}}, r"^instruction_sets\.dolly hh is not a usable name"),
     # unknown top-level sections and keys of settings sections
     ({"model_default": {"train": {"seed": 1}}},
      r"^config\.model_default is not a top-level section of the workflow config; did you mean model_defaults\?"),
@@ -221,12 +247,21 @@ SCHEMA_ERRORS = [
      r"^models\.mpt-125m\.train\.compile is 'layers'; it must be false, true .*'blocks'"),
     ({"slurm": {"container": {"type": "docker"}}}, r"^slurm\.container\.type is 'docker'; it must be one of null, "
                                                    r"pyxis, apptainer"),
+    ({"models": {"mpt-125m": {"train": {"compile": {"scope": "block"}}}}},
+     r"^models\.mpt-125m\.train\.compile\.scope is 'block'; it must be model \(the whole model .*\), blocks "),
+    ({"models": {"mpt-125m": {"train": {"fused_loss": "liger"}}}},
+     r"^models\.mpt-125m\.train\.fused_loss is 'liger'; .*Fix: a kernel goes under the mapping: set "
+     r"models\.mpt-125m\.train\.fused_loss to \{kernel: liger\}"),
+    ({"finetunes": {"mpt-7b-dolly-lora": {"lora": {"rank": 8}}}},
+     r"^finetunes\.mpt-7b-dolly-lora\.lora\.rank is not a LoRA setting; did you mean r\?"),
+    ({"eval": {"icl_tasks": [{"label": 3}]}}, r"^eval\.icl_tasks\[0\]\.label is 3; it must be letters, digits"),
     # sections that are not mappings (a YAML null in a settings section means its defaults: see below)
     ({"eval": "x"}, r"^`eval:` is 'x'; it must be a mapping of settings\. Fix: remove it \(the defaults apply\)"),
     ({"report": "x"}, r"^`report:` is 'x'; it must be a mapping of settings\. Fix: remove it"),
     ({"data_prep": 3}, r"^`data_prep:` is 3; it must be a mapping of settings\. Fix: remove it"),
     ({"slurm": "gpu"}, r"^`slurm:` is 'gpu'; it must be a mapping of settings\. Fix: remove it"),
-    ({"models": {"mpt-tiny": {"train": None}}}, r"^models\.mpt-tiny\.train is None; it must be a mapping"),
+    ({"models": {"mpt-tiny": {"train": {"seed": None}}}}, r"^models\.mpt-tiny\.train\.seed is null; it must be an "
+                                                          r"integer"),
     ({"models": {"mpt-tiny": {"step_resources": 3}}}, r"^models\.mpt-tiny\.step_resources is 3; it must map steps"),
     ({"models": {"mpt-tiny": {"step_resources": {"eval": "x"}}}},
      r"^models\.mpt-tiny\.step_resources\.eval is 'x'; it must be a mapping of resources"),
@@ -250,6 +285,52 @@ def test_schema_names_the_setting_and_the_fix(override, expected):
     msg = schema_error(override)
     assert re.search(expected, msg), msg
     assert "Fix:" in msg, msg
+
+
+def test_optimizer_keys_are_checked_against_the_named_class():
+    """The schema closes optimizer/scheduler to every class's keys; the merged run's keys must be its class's."""
+    from llmpipe.config import validate_run
+
+    config = cfg_with({"models": {"mpt-125m": {"train": {"optimizer": {"outlier_threshold": 10.0}}}}})
+    with pytest.raises(ConfigError, match=r"^models\.mpt-125m\.train\.optimizer\.outlier_threshold is not a "
+                                          r"setting of the optimizer decoupled_adamw \(model_defaults\.train\."
+                                          r"optimizer\.name\); It takes lr, betas, eps, weight_decay, amsgrad\."):
+        validate_run(config, "mpt-125m")
+    config = cfg_with({"finetunes": {"mpt-tiny-sft": {"train": {"scheduler": {"alpha": 0.5}}}}})
+    with pytest.raises(ConfigError, match=r"^finetunes\.mpt-tiny-sft\.train\.scheduler\.alpha is not a setting of "
+                                          r"the scheduler linear_decay_with_warmup \(finetune_defaults\.train\."
+                                          r"scheduler\.name\); did you mean alpha_[if]\?"):
+        validate_run(config, "mpt-tiny-sft")
+
+
+def test_two_icl_tasks_with_one_label_are_refused():
+    config = _raw_config()
+    config["eval"] = {"icl_tasks": [{"label": "a", "kind": "cloze"}, {"label": "b", "kind": "cloze"},
+                                    {"label": "a", "kind": "cloze_choice"}]}
+    with pytest.raises(ConfigError, match=r"^eval\.icl_tasks\[0\] and eval\.icl_tasks\[2\] have the same label 'a'"):
+        schema.prepare(config)
+
+
+def test_the_schema_names_match_the_workflow_wildcards():
+    """A name the schema accepts must be one a target path's wildcard matches (else MissingInputException)."""
+    import re
+
+    smk = (REPO / "rules/common.smk").read_text()
+    pattern = schema.load()["$defs"]["name"]["pattern"]
+    for wildcard in ("corpus", "tokenizer", "label"):
+        assert f'{wildcard}=r"{pattern[1:-1]}"' in smk
+    assert re.search(r'run=r"\(\?!.*\)' + re.escape(pattern[1:-1]) + '"', smk)
+
+
+def test_a_model_name_with_a_space_fails_the_dry_run(workdir):
+    out = dry_fail(workdir, "results/mpt-tiny/train.json", "--config",
+                   "models={'my model': {'arch': {'d_model': 64}}}")
+    assert "models.my model is not a usable name" in out
+
+
+def cfg_with(override: dict) -> dict:
+    """The shipped config with ``override`` merged in as ``--config`` merges it, resolved."""
+    return schema.load_config(REPO / "config/config.yaml", overrides=override)
 
 
 def test_unknown_top_level_section_fails_the_dry_run(workdir):
@@ -488,6 +569,30 @@ def test_null_strings_from_the_command_line_mean_null():
     assert allreduce.settings(c)["gate"] is None
     c = schema.resolve(deep_merge(_raw_config(), {"slurm": {"container": None, "partition": "null"}}))
     assert c["slurm"]["container"]["type"] is None and c["slurm"]["partition"] is None  # no container, default partition
+
+
+@pytest.mark.parametrize("section", ["train", "resources", "data"])
+def test_a_run_section_written_empty_means_what_it_inherits(section):
+    """``models: {mpt-125m: {train: }}`` in a YAML file is None: as if the section were not written (the model
+    inherits model_defaults'), as ``models.mpt-125m: null`` already is."""
+    from llmpipe.config import run_config, validate_run
+
+    config = _raw_config()
+    config["models"]["mpt-125m"][section] = None
+    config["finetunes"]["mpt-7b-dolly"][section if section not in ("data", "arch") else "resources"] = None
+    resolved = schema.resolve(config)
+    validate_run(resolved, "mpt-125m")
+    validate_run(resolved, "mpt-7b-dolly")
+    assert run_config(resolved, "mpt-125m")[section] == resolved["model_defaults"][section]
+
+
+@pytest.mark.parametrize("text, null", [("null", True), ("Null", True), ("NULL", True), ("~", True), ("", True),
+                                        ("none", False), ("None", False), ("nil", False)])
+def test_only_what_yaml_reads_as_null_becomes_null(text, null):
+    """A text-or-null setting keeps a text YAML reads as text (``qos: none`` in a site file names a QOS)."""
+    config = _raw_config()
+    config["slurm"] = dict(config.get("slurm") or {}, qos=text)
+    assert schema.coerce(config)["slurm"]["qos"] == (None if null else text)
 
 
 def test_local_run_refuses_multi_node_training_before_anything_runs(workdir):

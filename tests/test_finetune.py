@@ -161,8 +161,14 @@ def test_config_errors_of_finetunes():
         cfg.validate_run(cfg.deep_merge(base, {"finetunes": {SFT: {"base": {"hub": "mosaicml/mpt-7b"}}}}), SFT)
     with pytest.raises(cfg.ConfigError, match="base.run is 'mpt-9b'"):
         cfg.validate_run(cfg.deep_merge(base, {"finetunes": {SFT: {"base": {"run": "mpt-9b"}}}}), SFT)
-    with pytest.raises(cfg.ConfigError, match="instruction set 'alpaca' is not defined"):
+    with pytest.raises(cfg.ConfigError, match=rf"^finetunes\.{SFT}\.data\.instructions is 'alpaca', which is not "
+                                              r"defined under `instruction_sets:`"):
         cfg.validate_run(cfg.deep_merge(base, {"finetunes": {SFT: {"data": {"instructions": "alpaca"}}}}), SFT)
+    with pytest.raises(cfg.ConfigError, match=r"^finetune_defaults\.data\.instructions is 'python-docs-q', "
+                                              r".*did you mean python-docs-qa\?"):
+        typo = cfg.deep_merge(base, {"finetune_defaults": {"data": {"instructions": "python-docs-q"}}})
+        del typo["finetunes"][SFT]["data"]["instructions"]  # inherited from finetune_defaults
+        cfg.validate_run(typo, SFT)
     with pytest.raises(cfg.ConfigError, match=r"max_seq_len \(4096\) is larger than the base"):
         cfg.validate_run(cfg.deep_merge(base, {"finetunes": {"mpt-7b-dolly": {"data": {"max_seq_len": 4096}}}}),
                          "mpt-7b-dolly")

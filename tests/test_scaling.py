@@ -61,7 +61,8 @@ def test_dry_run_names_every_node_count_where_the_batch_does_not_divide(workdir)
     assert ("at 3 node(s): models.mpt-7b.train.global_batch_size (1024) is not divisible by the number of GPUs at 3 "
             "node(s) (24 = 3 x 8 per node)") in out, out
     assert "at 5 node(s)" in out and "at 2 node(s)" not in out
-    assert "Fix: make global_batch_size a multiple of 240, or change scaling.nodes." in out
+    assert ("Fix: make global_batch_size a multiple of 240, or change scaling.nodes or "
+            "model_defaults.resources.gpus_per_node (8).") in out
 
 
 def test_dry_run_plans_one_training_per_node_count(workdir):

@@ -34,7 +34,8 @@ CASES = {
         {"models": {"mpt-125m": {"resources": {"nodes": 3}}}}, "mpt-125m",
         ["models.mpt-125m.train.global_batch_size (256) is not divisible by the number of GPUs at 3 node(s) "
          "(24 = 3 x 8 per node).", "Fix: make global_batch_size a multiple of 24, or change "
-                                   "models.mpt-125m.resources.nodes."]),
+                                   "models.mpt-125m.resources.nodes (3) or "
+                                   "model_defaults.resources.gpus_per_node (8)."]),
     "global batch not divisible by CPU tasks": (
         {"models": {"mpt-tiny": {"resources": {"tasks_per_node": 3}}}}, "mpt-tiny",
         ["models.mpt-tiny.train.global_batch_size (16) is not divisible by the number of tasks at 1 node(s) "
@@ -82,14 +83,45 @@ CASES = {
         ["at every node count it trains at (1, 2, 4, 8)",
          "  at 4 node(s): finetunes.mpt-7b-dolly.train.global_batch_size (48) is not divisible by the number of "
          "GPUs at 4 node(s) (32 = 4 x 8 per node)\n", "  at 8 node(s): ",
-         "Fix: make global_batch_size a multiple of 64, or change finetunes.mpt-7b-dolly.resources.nodes / "
-         "node_counts."]),
+         "Fix: make global_batch_size a multiple of 64, or change finetune_defaults.resources.nodes (1), "
+         "finetunes.mpt-7b-dolly.node_counts or finetune_defaults.resources.gpus_per_node (8)."]),
     "finetune microbatch at its node_counts": (
         {"finetunes": {"mpt-7b-dolly": {"train": {"microbatch_size": 3}}}}, "mpt-7b-dolly",
         ["  at 1 node(s): finetunes.mpt-7b-dolly.train.microbatch_size (3) does not divide the per-device batch at "
          "1 node(s) (8 = 64 / 8 GPUs)", "  at 2 node(s): ",
          "Fix: pick a microbatch_size that divides the per-device batch (8, 4, 2, 1), e.g. 2, or change "
-         "finetunes.mpt-7b-dolly.resources.nodes / node_counts."]),
+         "finetune_defaults.resources.nodes (1), finetunes.mpt-7b-dolly.node_counts or "
+         "finetune_defaults.resources.gpus_per_node (8)."]),
+    # each value is named where it is written: the run's section, model_defaults or finetune_defaults
+    "concat_tokens inherited from model_defaults": (
+        {"model_defaults": {"data": {"concat_tokens": 4096}}}, "mpt-1b",
+        ["model_defaults.data.concat_tokens (4096) is larger than model_defaults.arch.max_seq_len (2048)"]),
+    "devices per node inherited from model_defaults": (
+        {"model_defaults": {"resources": {"gpus_per_node": 6}}}, "mpt-1b",
+        ["(6 = 1 x 6 per node)", "or change model_defaults.resources.nodes (1) or "
+                                 "model_defaults.resources.gpus_per_node (6)."]),
+    "CPU tasks per node inherited from model_defaults": (
+        {"model_defaults": {"resources": {"gpus_per_node": 0, "tasks_per_node": 3}}}, "mpt-125m",
+        ["models.mpt-125m.train.global_batch_size (256)", "model_defaults.resources.tasks_per_node (3)."]),
+    "finetune nodes inherited from finetune_defaults": (
+        {"finetune_defaults": {"resources": {"nodes": 3}}}, "mpt-7b-dolly",
+        ["at every node count it trains at (1, 2, 3, 4, 8)", "or change finetune_defaults.resources.nodes (3), "]),
+    "vocabulary inherited from model_defaults": (
+        {"model_defaults": {"arch": {"vocab_size": 0}}}, "mpt-125m",
+        ["model_defaults.arch.vocab_size must be positive, got 0."]),
+    "packing ratio inherited from finetune_defaults": (
+        {"finetune_defaults": {"data": {"packing_ratio": 0.5}}}, "mpt-7b-dolly",
+        ["finetune_defaults.data.packing_ratio is 0.5; it must be null"]),
+    "a null in the run's section is named there": (
+        {"finetunes": {"mpt-7b-dolly": {"train": {"microbatch_size": None}}}}, "mpt-7b-dolly",
+        ["finetunes.mpt-7b-dolly.train.microbatch_size is missing."]),
+    "nodes in model_defaults below 1": (
+        {"model_defaults": {"resources": {"nodes": 0}}}, "mpt-125m",
+        ["model_defaults.resources.nodes must be at least 1, got 0."]),
+    "finetune's base run's max_seq_len": (
+        {"finetunes": {"mpt-tiny-sft": {"data": {"max_seq_len": 4096}}}}, "mpt-tiny-sft",
+        ["finetunes.mpt-tiny-sft.data.max_seq_len (4096) is larger than the base model's max_seq_len (128, "
+         "models.mpt-tiny.arch.max_seq_len)"]),
     "finetune node count below 1": (
         {"finetunes": {"mpt-7b-dolly": {"node_counts": [0, 1]}}}, "mpt-7b-dolly",
         ["finetunes.mpt-7b-dolly.node_counts must list node counts >= 1"]),
@@ -136,7 +168,8 @@ def test_a_run_with_extra_node_counts_is_checked_at_each(shipped):
     message = error_of(shipped, {}, "mpt-7b", node_counts=[3], counts_where="scaling.nodes")
     assert ("  at 3 node(s): models.mpt-7b.train.global_batch_size (1024) is not divisible by the number of GPUs at "
             "3 node(s) (24 = 3 x 8 per node)\n") in message
-    assert "at 2 node(s)" not in message and message.endswith("or change scaling.nodes.")
+    assert "at 2 node(s)" not in message and message.endswith(
+        "or change scaling.nodes or model_defaults.resources.gpus_per_node (8).")
 
 
 def test_scaling_study_uses_the_same_check(shipped):
@@ -146,7 +179,8 @@ def test_scaling_study_uses_the_same_check(shipped):
     study = str(err.value)
     assert study.startswith("the node-scaling study of mpt-7b (scaling.nodes = [1, 2, 3, 5]) cannot run: ")
     assert "at 1 node(s)" not in study and "at 2 node(s)" not in study
-    assert "Fix: make global_batch_size a multiple of 240, or change scaling.nodes." in study
+    assert ("Fix: make global_batch_size a multiple of 240, or change scaling.nodes or "
+            "model_defaults.resources.gpus_per_node (8).") in study
     for n in (3, 5):
         own = error_of(shipped, {"models": {"mpt-7b": {"resources": {"nodes": n}}}}, "mpt-7b")
         line = own.split(". Fix:")[0]
@@ -160,7 +194,8 @@ def test_scaling_study_of_a_finetune_keeps_its_node_counts(shipped):
     message = str(err.value)
     assert "every node count it trains at (1, 2, 3, 4, 8)" in message
     assert "  at 3 node(s): finetunes.mpt-30b-instruct.train.global_batch_size (64) is not divisible" in message
-    assert "or change scaling.nodes / finetunes.mpt-30b-instruct.node_counts." in message
+    assert ("or change scaling.nodes, finetunes.mpt-30b-instruct.node_counts or "
+            "finetune_defaults.resources.gpus_per_node (8).") in message
 
 
 def test_scaling_study_reports_a_setting_error_once(shipped):
@@ -210,7 +245,8 @@ def test_settings_built_by_hand_check_the_same():
     assert run().check(node_counts=[2, 4]) is not None
     with pytest.raises(ConfigError, match=r"at 3 node\(s\): models\.m\.train\.global_batch_size \(16\) is not "
                                           r"divisible .*\nFix: make global_batch_size a multiple of 6, or change "
-                                          r"models\.m\.resources\.nodes\.$"):
+                                          r"models\.m\.resources\.nodes \(1\) or models\.m\.resources\."
+                                          r"gpus_per_node \(2\)\.$"):
         run().check(node_counts=[3])
     with pytest.raises(ConfigError, match=r"^models\.m\.train\.max_duration_batches must be positive"):
         run(max_duration_batches=-1)
@@ -221,7 +257,7 @@ def test_prepared_tokenizer_checked_against_the_model(shipped):
     rs = cfg.run_settings(shipped, "mpt-125m")
     rs.check_vocab(50277, "results/tokenizers/gpt-neox-20b/manifest.json vocab_size")
     with pytest.raises(ConfigError, match=r"^results/tokenizers/gpt-neox-20b/manifest\.json vocab_size \(60000\) "
-                                          r"exceeds models\.mpt-125m\.arch\.vocab_size \(50368\).*Fix: raise"):
+                                          r"exceeds model_defaults\.arch\.vocab_size \(50368\).*Fix: raise"):
         rs.check_vocab(60000, "results/tokenizers/gpt-neox-20b/manifest.json vocab_size")
 
 
