@@ -80,16 +80,26 @@ def single_task_resources(config: dict, wildcards) -> dict:
 
 # ------------------------------------------------------------------------------------------- steps
 
+def prepare_named(ctx: StepContext, prepare, section: str, name: str, what: str) -> dict:
+    """Dispatch ``prepare(settings, out_dir)`` for the entry ``name`` of the config section ``section`` on the
+    submitting machine (it may need the hub, which compute nodes often cannot reach); return the settings used.
+
+    Raises:
+        RuntimeError: the step ended without writing its output (``ctx.output[0]``).
+    """
+    settings = dict(ctx.config[section][name], key=name)
+    ctx.dispatch(prepare, settings, os.path.dirname(ctx.output[0]), step=f"{what} {name}",
+                 config=ctx.on_submitting_machine())
+    if not os.path.exists(ctx.output[0]):
+        raise RuntimeError(f"{what} {name}: {ctx.output[0]} was not written")
+    return settings
+
+
 def corpus(ctx: StepContext) -> dict:
     """Rule ``corpus``: write or download a corpus in C4's layout (on the submitting machine: it needs the hub)."""
     from llmpipe.data.corpus import prepare_corpus
 
-    name = ctx.wildcards.corpus
-    settings = dict(ctx.config["corpora"][name], key=name)
-    ctx.dispatch(prepare_corpus, settings, os.path.dirname(ctx.output[0]), step=f"corpus {name}",
-                 config=ctx.on_submitting_machine())
-    if not os.path.exists(ctx.output[0]):
-        raise RuntimeError(f"corpus {name}: {ctx.output[0]} was not written")
+    settings = prepare_named(ctx, prepare_corpus, "corpora", ctx.wildcards.corpus, "corpus")
     return {"corpus": settings, "resources": ctx.resources}
 
 
@@ -148,10 +158,5 @@ def instructions(ctx: StepContext) -> dict:
     """Rule ``instructions``: prepare an instruction set on the submitting machine (it may need the hub)."""
     from llmpipe.data.instructions import prepare_instructions
 
-    name = ctx.wildcards.iset
-    settings = dict(ctx.config["instruction_sets"][name], key=name)
-    ctx.dispatch(prepare_instructions, settings, os.path.dirname(ctx.output[0]), step=f"instructions {name}",
-                 config=ctx.on_submitting_machine())
-    if not os.path.exists(ctx.output[0]):
-        raise RuntimeError(f"instructions {name}: {ctx.output[0]} was not written")
+    settings = prepare_named(ctx, prepare_instructions, "instruction_sets", ctx.wildcards.iset, "instructions")
     return {"instruction_set": settings, "resources": ctx.resources}
