@@ -20,10 +20,14 @@ from llmpipe.atomic import atomic_write_json
 STOCK_ATTN_IMPLS = ("torch", "flash")
 
 
-def mpt_config_dict(config: dict, run: str) -> dict:
-    """The ``MPTConfig`` keyword arguments of a run (same model as :func:`llmpipe.train.foundry_train_config`)."""
+def mpt_config_dict(rc: dict) -> dict:
+    """The ``MPTConfig`` keyword arguments of a run (same model as :func:`llmpipe.train.foundry_train_config`).
+
+    Args:
+        rc: the run's merged settings (:func:`llmpipe.config.run_config`).
+    """
     from llmpipe.train import FUSED_LOSS_MODEL_KEYS, foundry_train_config
-    model = dict(foundry_train_config(config, run, data_dir=None, save_folder=None, world_size=1)["model"])
+    model = dict(foundry_train_config(rc, data_dir=None, save_folder=None, world_size=1)["model"])
     model.pop("name")  # mpt_causal_lm or mpt_causal_lm_fused_loss: the same MPTForCausalLM weights
     for key in FUSED_LOSS_MODEL_KEYS:  # training-speed settings of the composer class, not of MPTConfig
         model.pop(key, None)
@@ -48,13 +52,20 @@ def load_composer_weights(ckpt_path: str) -> dict:
     return {k[len(prefix):] if k.startswith(prefix) else k: v for k, v in model_sd.items()}
 
 
-def build_hf_model(config: dict, run: str, ckpt_path: str):
+def build_hf_model(rc: dict, ckpt_path: str):
     """Instantiate llm-foundry's ``MPTForCausalLM`` for a run and load the checkpoint's weights (fp32).
 
     A finetune's checkpoint holds an HF-wrapped model (``hf_causal_lm``): its config comes from the checkpoint
-    and LoRA adapters are merged (:func:`llmpipe.finetune.build_finetuned_mpt`)."""
-    from llmpipe.config import is_finetune
-    if is_finetune(config, run):
+    and LoRA adapters are merged (:func:`llmpipe.finetune.build_finetuned_mpt`).
+
+    Args:
+        rc: the run's merged settings (:func:`llmpipe.config.run_config`; ``kind: finetune`` for a finetune).
+
+    Raises:
+        KeyError: the checkpoint's weights do not match ``models.<run>.arch``.
+    """
+    run = rc["name"]
+    if rc.get("kind") == "finetune":
         from llmpipe.finetune import build_finetuned_mpt
         return build_finetuned_mpt(ckpt_path)
     from llmfoundry.models.mpt import MPTConfig, MPTForCausalLM
@@ -62,7 +73,7 @@ def build_hf_model(config: dict, run: str, ckpt_path: str):
     from llmpipe.train import register_extensions
     register_extensions()  # the training config may name our SDPA attention class
 
-    kwargs = mpt_config_dict(config, run)
+    kwargs = mpt_config_dict(rc)
     mpt_cfg = MPTConfig(**kwargs)
     model = MPTForCausalLM(mpt_cfg)
     missing, unexpected = model.load_state_dict(load_composer_weights(ckpt_path), strict=False)
@@ -73,14 +84,18 @@ def build_hf_model(config: dict, run: str, ckpt_path: str):
     return model.eval()
 
 
-def convert_checkpoint(config: dict, run: str, ckpt_path: str, tokenizer_dir: str, out_dir: str,
-                       dtype: str = "bfloat16", verify: bool = True) -> dict:
+def convert_checkpoint(rc: dict, ckpt_path: str, tokenizer_dir: str, out_dir: str, dtype: str = "bfloat16",
+                       verify: bool = True) -> dict:
     """Write the Hugging Face folder ``out_dir`` for a run's composer checkpoint; return its manifest.
 
     The folder is written aside and renamed into place, and ``manifest.json`` (the rule's output) is written
     last, after verification, so an interrupted export never looks complete.
 
     Args:
+        rc: the run's merged settings (:func:`llmpipe.config.run_config`).
+        ckpt_path: the final composer checkpoint.
+        tokenizer_dir: the saved Hugging Face tokenizer folder (copied into the export).
+        out_dir: the export folder (replaced when it exists).
         dtype: ``bfloat16`` | ``float16`` | ``float32``: the dtype of the saved weights.
         verify: reload the written folder through transformers alone and compare its logits with the source
             model on a fixed random input; the max abs difference is recorded in the manifest.
@@ -97,7 +112,8 @@ def convert_checkpoint(config: dict, run: str, ckpt_path: str, tokenizer_dir: st
     if dtype not in dtypes:
         raise ValueError(f"convert.dtype is {dtype!r}; it must be one of {', '.join(dtypes)}.")
     t0 = time.time()
-    model = build_hf_model(config, run, ckpt_path)
+    run = rc["name"]
+    model = build_hf_model(rc, ckpt_path)
     from llmpipe.attention import stock_attn_config
     model.config.attn_config = stock_attn_config(model.config.attn_config)  # sdpa_* class -> stock class
     if model.config.attn_config.get("attn_impl") not in STOCK_ATTN_IMPLS:
@@ -130,7 +146,7 @@ def convert_checkpoint(config: dict, run: str, ckpt_path: str, tokenizer_dir: st
         "seconds": None,
     }
     if verify:
-        manifest["verify_max_abs_logit_diff"] = verify_export(out_dir, build_hf_model(config, run, ckpt_path),
+        manifest["verify_max_abs_logit_diff"] = verify_export(out_dir, build_hf_model(rc, ckpt_path),
                                                               dtype)
     manifest["seconds"] = round(time.time() - t0, 2)
     atomic_write_json(os.path.join(out_dir, "manifest.json"), manifest)  # last: the folder is complete now

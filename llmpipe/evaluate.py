@@ -1,7 +1,7 @@
 """Evaluation of the exported model on unseen data through llm-foundry's evaluator.
 
 Held-out language-modelling metrics (cross entropy, perplexity, token accuracy) on the val split of the run's
-MDS dataset, and accuracy on the in-context-learning tasks of ``config['eval']['icl_tasks']`` (built by the
+MDS dataset, and accuracy on the in-context-learning tasks of the ``eval.icl_tasks`` setting (built by the
 project from held-out text, see :mod:`llmpipe.data.icl`). The model is the Hugging Face export
 (``hf_causal_lm`` with ``trust_remote_code``), so evaluation also proves the export loads and runs.
 """
@@ -13,16 +13,17 @@ import os
 import tempfile
 import time
 
-from llmpipe.config import run_config
 
-
-def evaluate(config: dict, run: str, model_dir: str, data_dir: str | None, icl_files: dict[str, str],
+def evaluate(rc: dict, model_dir: str, data_dir: str | None, icl_files: dict[str, str], *, eval_settings: dict,
              eval_loader: dict | None = None) -> dict:
     """Evaluate the Hugging Face model in ``model_dir``; return the eval.json record.
 
     Args:
+        rc: the run's merged settings (:func:`llmpipe.config.run_config`: ``name``, ``data.concat_tokens``).
+        model_dir: the Hugging Face export.
         data_dir: the MDS dataset folder (its ``val`` split is used).
         icl_files: ICL task label -> jsonl path.
+        eval_settings: the config's ``eval`` section (``batch_size``, ``val_batches``, ``icl_tasks``).
         eval_loader: an llm-foundry loader config for the held-out metrics instead of ``data_dir``'s val split
             (a finetune's held-out instructions, see :func:`llmpipe.finetune.evaluate_finetune`).
 
@@ -37,8 +38,8 @@ def evaluate(config: dict, run: str, model_dir: str, data_dir: str | None, icl_f
     from llmpipe.train import export_dist_env
     export_dist_env()
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    rc = run_config(config, run)
-    ecfg = config["eval"]
+    run = rc["name"]
+    ecfg = eval_settings
     seq = int(rc["data"]["concat_tokens"])
     bs = int(ecfg.get("batch_size", 8))
     on_gpu = torch.cuda.is_available()

@@ -23,7 +23,7 @@ import math
 import os
 from typing import Any
 
-from llmpipe.config import ConfigError, run_config
+from llmpipe.config import ConfigError
 from llmpipe.data.instructions import SPLIT_FILES
 from llmpipe.train import TrainTask, foundry_train_config
 
@@ -33,31 +33,41 @@ HF_ATTN_IMPLS = ("torch", "flash", "triton")
 
 # ------------------------------------------------------------------------------------------- checks
 
-def require_peft(config: dict, run: str) -> None:
+def require_peft(rc: dict) -> None:
     """Raise a clear error when the finetune uses LoRA and the ``peft`` package is not installed.
+
+    Args:
+        rc: the finetune's merged settings (:func:`llmpipe.config.run_config`: ``name``, ``lora``).
 
     Raises:
         ConfigError: ``finetunes.<run>.lora`` is set but ``import peft`` would fail (names ``pip install peft``).
     """
-    if run_config(config, run).get("lora") and importlib.util.find_spec("peft") is None:
+    run = rc["name"]
+    if rc.get("lora") and importlib.util.find_spec("peft") is None:
         raise ConfigError(
             f"finetunes.{run}.lora is set, but the `peft` package is not installed in this environment "
             f"(llm-foundry's LoRA support needs it). Fix: `pip install peft` (or `pip install llm-foundry[peft]`) "
             f"in the environment the jobs run in, or set finetunes.{run}.lora: null for full finetuning.")
 
 
-def base_model_path(config: dict, run: str) -> str:
-    """Where the finetune's starting weights are: ``{results}/<base run>/hf`` (absolute) or the hub repo id."""
-    base = run_config(config, run)["base"]
+def base_model_path(rc: dict, *, results_dir: str) -> str:
+    """Where the finetune's starting weights are: ``{results_dir}/<base run>/hf`` (absolute) or the hub repo id.
+
+    Args:
+        rc: the finetune's merged settings (:func:`llmpipe.config.run_config`: ``base``).
+        results_dir: the workflow's results folder (config ``results_dir``).
+    """
+    base = rc["base"]
     if base.get("run"):
-        return os.path.abspath(os.path.join(config["results_dir"], base["run"], "hf"))
+        return os.path.abspath(os.path.join(results_dir, base["run"], "hf"))
     return base["hub"]
 
 
 # ------------------------------------------------------------------------------------------- config
 
-def foundry_finetune_config(config: dict, run: str, *, instructions_dir: str | None, base_path: str,
-                            save_folder: str | None, world_size: int, tokenizer_dir: str | None = None) -> dict:
+def foundry_finetune_config(rc: dict, *, instructions_dir: str | None, base_path: str, save_folder: str | None,
+                            world_size: int, tokenizer_dir: str | None = None,
+                            tokenizer_name: str | None = None) -> dict:
     """Build the llm-foundry train config (``llmfoundry.command_utils.train``'s dict) for one finetune.
 
     Optimizer, scheduler, batch sizes, precision, FSDP, checkpointing and our run monitor are the pretraining
@@ -65,21 +75,23 @@ def foundry_finetune_config(config: dict, run: str, *, instructions_dir: str | N
     the loaders are llm-foundry's ``finetuning`` loaders over the prepared instruction set.
 
     Args:
+        rc: the finetune's merged settings (:func:`llmpipe.config.run_config`).
         instructions_dir: the prepared instruction set (``results/data/instructions/<name>``; its ``data/``
             holds ``train.jsonl`` and ``test.jsonl``), or None to leave the loaders out.
         base_path: a local Hugging Face folder or a hub repo id.
         save_folder: checkpoint folder (None: no checkpoints).
         world_size: number of ranks; used to split the global batch.
-        tokenizer_dir: a folder with a saved tokenizer (None: the config's hub name of the run's tokenizer).
+        tokenizer_dir: a folder with a saved tokenizer (wins over ``tokenizer_name``).
+        tokenizer_name: the hub name of the run's tokenizer (``tokenizers.<data.tokenizer>.name``; may be None),
+            used when ``tokenizer_dir`` is None.
 
     Returns:
         A plain dict; keys follow llm-foundry's ``TrainConfig``.
     """
-    rc = run_config(config, run)
     data, train = rc["data"], rc["train"]
     seq = int(data["concat_tokens"])
-    cfg = foundry_train_config(config, run, data_dir=None, save_folder=save_folder, world_size=world_size,
-                               tokenizer_dir=tokenizer_dir)
+    cfg = foundry_train_config(rc, data_dir=None, save_folder=save_folder, world_size=world_size,
+                               tokenizer_dir=tokenizer_dir, tokenizer_name=tokenizer_name)
     packing = data.get("packing_ratio")
     fsdp_on = bool(train.get("fsdp")) and world_size > 1
     attn_impl = train.get("attn_impl", "torch")
@@ -108,26 +120,30 @@ def foundry_finetune_config(config: dict, run: str, *, instructions_dir: str | N
         model["should_save_peft_only"] = False  # full weights in the checkpoint: conversion merges the adapters
     cfg["model"] = model
     cfg["max_seq_len"] = seq
-    cfg["tokenizer"] = {"name": tokenizer_dir or config["tokenizers"][data["tokenizer"]].get("name"),
+    cfg["tokenizer"] = {"name": tokenizer_dir or tokenizer_name,
                         "kwargs": {"model_max_length": seq}}
     # padding is real in finetuning batches: keep the attention mask (no drop_full_attention_mask callback)
     cfg["callbacks"] = {k: v for k, v in cfg["callbacks"].items() if k != "drop_full_attention_mask"}
     if "fsdp_config" in cfg:
         cfg["fsdp_config"]["sync_module_states"] = True
     if instructions_dir is not None:
-        cfg["train_loader"] = finetuning_loader(config, run, instructions_dir, "train")
-        cfg["eval_loader"] = finetuning_loader(config, run, instructions_dir, "test")
+        cfg["train_loader"] = finetuning_loader(rc, instructions_dir, "train")
+        cfg["eval_loader"] = finetuning_loader(rc, instructions_dir, "test")
     return cfg
 
 
-def finetuning_loader(config: dict, run: str, instructions_dir: str, split: str) -> dict:
+def finetuning_loader(rc: dict, instructions_dir: str, split: str) -> dict:
     """llm-foundry ``finetuning`` loader config over a prepared instruction set's ``train`` or ``test`` split.
 
     Prompt/response rows (``decoder_only_format``: the loss covers the response tokens only), ``max_seq_len``,
     ``allow_pad_trimming`` and ``packing_ratio`` from ``finetunes.<run>.data``. The train split is shuffled and
     drops its last partial batch; the held-out split keeps every row in order.
+
+    Args:
+        rc: the finetune's merged settings (:func:`llmpipe.config.run_config`: ``data``, ``train.num_workers``).
+        instructions_dir: the prepared instruction set (its ``data/`` holds ``train.jsonl`` and ``test.jsonl``).
+        split: ``train`` or ``test``.
     """
-    rc = run_config(config, run)
     data, train = rc["data"], rc["train"]
     train_split = split == "train"
     ds: dict[str, Any] = {
@@ -150,21 +166,24 @@ def finetuning_loader(config: dict, run: str, instructions_dir: str, split: str)
     return out
 
 
-def build_dataloader(config: dict, run: str, instructions_dir: str, split: str, tokenizer_dir: str,
+def build_dataloader(rc: dict, instructions_dir: str, split: str, tokenizer_dir: str,
                      device_batch_size: int | None = None):
     """Build llm-foundry's finetuning dataloader for a finetune's split, in this process (one rank).
 
     What training builds on every rank, usable on its own: the data check of the 7B/30B finetunes runs it on a
     few stand-in rows. Returns composer's ``DataSpec`` (``.dataloader`` yields ``input_ids``, ``attention_mask``,
-    ``labels`` with prompt tokens set to -100).
+    ``labels`` with prompt tokens set to -100), batches of ``device_batch_size`` rows (default
+    ``train.microbatch_size``) of ``data.concat_tokens`` tokens.
+
+    Args:
+        rc: the finetune's merged settings (:func:`llmpipe.config.run_config`).
     """
     from llmfoundry.data.finetuning import build_finetuning_dataloader
     from llmfoundry.utils.builders import build_tokenizer
 
-    rc = run_config(config, run)
     seq = int(rc["data"]["concat_tokens"])
     tok = build_tokenizer(tokenizer_dir, {"model_max_length": seq})
-    loader = copy.deepcopy(finetuning_loader(config, run, instructions_dir, split))
+    loader = copy.deepcopy(finetuning_loader(rc, instructions_dir, split))
     loader.pop("name")
     bs = device_batch_size or int(rc["train"]["microbatch_size"])
     return build_finetuning_dataloader(tokenizer=tok, device_batch_size=bs, **loader)
@@ -176,20 +195,22 @@ class FinetuneTask(TrainTask):
     """The finetuning step as submitit runs it in every task (one per GPU); checkpointable like pretraining.
 
     Resumes from the newest complete checkpoint of the same identity, trains, and returns the train.json dict
-    (:func:`llmpipe.train.summarize`) on rank 0.
+    (:func:`llmpipe.train.summarize`) on rank 0. Arguments as :class:`llmpipe.train.TrainTask`'s, with the
+    prepared instruction set for the data and ``base_path`` (:func:`base_model_path`) for the starting weights.
     """
 
-    def __init__(self, config: dict, run: str, instructions_dir: str, tokenizer_dir: str, run_dir: str,
-                 identity: str, base_path: str):
-        super().__init__(config, run, instructions_dir, tokenizer_dir, run_dir, identity)
+    def __init__(self, rc: dict, instructions_dir: str, tokenizer_dir: str, run_dir: str, identity: str,
+                 base_path: str, *, resources: dict, peak_flops_table: dict | None = None):
+        super().__init__(rc, instructions_dir, tokenizer_dir, run_dir, identity, resources=resources,
+                         peak_flops_table=peak_flops_table)
         self.base_path = os.path.abspath(base_path) if os.path.isdir(base_path) else base_path
 
     def before_start(self) -> None:
-        require_peft(self.config, self.run)
+        require_peft(self.rc)
         os.environ.setdefault("MAX_NUM_PROC", "1")  # llm-foundry tokenizes with cpu_count - 8 processes
 
     def build_config(self, save_folder: str, world_size: int) -> dict:
-        return foundry_finetune_config(self.config, self.run, instructions_dir=self.data_dir,
+        return foundry_finetune_config(self.rc, instructions_dir=self.data_dir,
                                        base_path=self.base_path, save_folder=save_folder, world_size=world_size,
                                        tokenizer_dir=self.tokenizer_dir)
 
@@ -200,19 +221,26 @@ class FinetuneTask(TrainTask):
         result["kind"] = "finetune"
         result["base"] = self.base_path if not os.path.isabs(self.base_path) else os.path.relpath(
             self.base_path, self.submit_dir)
-        result["lora"] = run_config(self.config, self.run).get("lora")
+        result["lora"] = self.rc.get("lora")
         return result
 
 
 # ------------------------------------------------------------------------------------------- evaluation
 
-def evaluate_finetune(config: dict, run: str, model_dir: str, instructions_dir: str,
-                      icl_files: dict[str, str]) -> dict:
+def evaluate_finetune(rc: dict, model_dir: str, instructions_dir: str, icl_files: dict[str, str], *,
+                      eval_settings: dict) -> dict:
     """Evaluate a finetune's Hugging Face export on its held-out split and the ICL tasks; return eval.json.
 
     The shared evaluation (:func:`llmpipe.evaluate.evaluate`: ICL tasks, metrics, record) with llm-foundry's
     ``finetuning`` loader over the held-out ``test.jsonl`` instead of an MDS val split: prompt tokens are masked,
     so loss (nats per token), perplexity and token accuracy are over the response tokens only.
+
+    Args:
+        rc: the finetune's merged settings (:func:`llmpipe.config.run_config`).
+        model_dir: the finetune's Hugging Face export.
+        instructions_dir: the prepared instruction set (its held-out ``test`` split is used).
+        icl_files: ICL task label -> jsonl path.
+        eval_settings: the config's ``eval`` section (``batch_size``, ``val_batches``, ``icl_tasks``).
 
     Returns:
         pretraining's eval.json keys (``val``: loss, perplexity, token_accuracy; ``icl``; ``metrics`` ...), with
@@ -221,9 +249,9 @@ def evaluate_finetune(config: dict, run: str, model_dir: str, instructions_dir: 
     from llmpipe.evaluate import evaluate
 
     os.environ.setdefault("MAX_NUM_PROC", "1")  # llm-foundry tokenizes with cpu_count - 8 processes
-    loader = finetuning_loader(config, run, instructions_dir, "test")
+    loader = finetuning_loader(rc, instructions_dir, "test")
     loader.update(num_workers=0, prefetch_factor=None, persistent_workers=False)
-    result = evaluate(config, run, model_dir, None, icl_files, eval_loader=loader)
+    result = evaluate(rc, model_dir, None, icl_files, eval_settings=eval_settings, eval_loader=loader)
     result["kind"] = "finetune"
     result["val"].update(split="test", tokens="response")
     return result

@@ -1,6 +1,6 @@
 """Pretraining through llm-foundry's own train entry point, configured from our YAML.
 
-:func:`foundry_train_config` turns one run of ``config/config.yaml`` into the config dict that
+:func:`foundry_train_config` turns one run's merged settings (:func:`llmpipe.config.run_config`) into the config dict that
 ``llmfoundry.command_utils.train`` takes. :class:`TrainTask` is what the dispatch module runs in every task
 (one per GPU): it exports the torch.distributed environment from submitit, picks the newest complete checkpoint
 to resume from, calls llm-foundry, and on rank 0 writes ``train.json``.
@@ -26,8 +26,7 @@ import tempfile
 import time
 from typing import Any
 
-from llmpipe.config import (compile_settings, fused_loss_settings, is_finetune, run_config,
-                            step_resources, world_size)
+from llmpipe.config import compile_settings, fused_loss_settings, world_size
 from llmpipe.identity import same_identity
 
 log = logging.getLogger("llmpipe.train")
@@ -41,22 +40,24 @@ FUSED_LOSS_MODEL_KEYS = ("fused_loss_chunk_size", "fused_loss_kernel")
 
 # ------------------------------------------------------------------------------------------- config
 
-def foundry_train_config(config: dict, run: str, *, data_dir: str | None, save_folder: str | None,
-                         world_size: int, tokenizer_dir: str | None = None) -> dict:
+def foundry_train_config(rc: dict, *, data_dir: str | None, save_folder: str | None, world_size: int,
+                         tokenizer_dir: str | None = None, tokenizer_name: str | None = None) -> dict:
     """Build the llm-foundry train config (the dict ``llmfoundry.command_utils.train`` takes) for one run.
 
     Args:
-        config: the workflow config (``config/config.yaml`` merged with overrides).
-        run: a model name under ``models:``.
+        rc: the run's merged settings (:func:`llmpipe.config.run_config`: ``name``, ``data``, ``arch``,
+            ``train``; ``kind: finetune`` for a finetune, whose errors then name ``finetunes.<run>``).
         data_dir: the MDS dataset folder with ``train/`` and ``val/`` (None: caller sets the loaders).
         save_folder: checkpoint folder (None: no checkpoints).
         world_size: number of ranks; used to split the global batch.
-        tokenizer_dir: a folder with a saved Hugging Face tokenizer (None: the config's hub name).
+        tokenizer_dir: a folder with a saved Hugging Face tokenizer (wins over ``tokenizer_name``).
+        tokenizer_name: the hub name of the run's tokenizer (``tokenizers.<data.tokenizer>.name``; may be None),
+            used when ``tokenizer_dir`` is None.
 
     Returns:
         A plain dict; keys follow llm-foundry's ``TrainConfig``.
     """
-    rc = run_config(config, run)
+    run = rc["name"]
     arch, train, data = rc["arch"], rc["train"], rc["data"]
     seq = int(data["concat_tokens"])
     opt = dict(train["optimizer"])
@@ -89,7 +90,7 @@ def foundry_train_config(config: dict, run: str, *, data_dir: str | None, save_f
         model["name"] = _fused_loss_model_name()
         model["fused_loss_chunk_size"] = fused["chunk_size"]
         model["fused_loss_kernel"] = fused["kernel"]
-    tok_name = tokenizer_dir or config["tokenizers"][data["tokenizer"]].get("name")
+    tok_name = tokenizer_dir or tokenizer_name
 
     def loader(split: str, shuffle: bool, drop_last: bool) -> dict:
         workers = int(train.get("num_workers", 0))
@@ -142,7 +143,7 @@ def foundry_train_config(config: dict, run: str, *, data_dir: str | None, save_f
         cfg["fsdp_config"] = {"sharding_strategy": "FULL_SHARD", "mixed_precision": "PURE",
                               "activation_checkpointing": False, "activation_checkpointing_reentrant": False,
                               "activation_cpu_offload": False, "limit_all_gathers": True, **fsdp}
-    apply_compile(cfg, train, f"{'finetunes' if is_finetune(config, run) else 'models'}.{run}.train")
+    apply_compile(cfg, train, f"{'finetunes' if rc.get('kind') == 'finetune' else 'models'}.{run}.train")
     if save_folder is not None:
         cfg["save_folder"] = save_folder
         cfg["save_interval"] = f"{int(train['save_interval_batches'])}ba"
@@ -446,14 +447,27 @@ class TrainTask:
     Calling it trains (resuming from the newest complete checkpoint) and returns the train.json dict on rank 0.
     ``checkpoint()`` is what submitit calls when Slurm signals the end: the job is requeued with the same task,
     which resumes from the checkpoint :class:`RunMonitor` saved just before.
+
+    Holds plain values only (submitit pickles the task). Args:
+        rc: the run's merged settings (:func:`llmpipe.config.run_config`).
+        data_dir: the MDS dataset folder (a finetune: the prepared instruction set).
+        tokenizer_dir: the saved Hugging Face tokenizer folder.
+        run_dir: ``results/<run>``; checkpoints go to its ``checkpoints/``.
+        identity: the training identity (canonical JSON text) written to the checkpoint folder.
+        resources: the job's resources (:func:`llmpipe.config.step_resources` of step ``train``).
+        peak_flops_table: the config's ``gpu_peak_flops`` (device name -> peak FLOP/s by precision) or None,
+            for MFU (:func:`llmpipe.mfu.detect_peak_flops`).
     """
 
-    def __init__(self, config: dict, run: str, data_dir: str, tokenizer_dir: str, run_dir: str, identity: str):
+    def __init__(self, rc: dict, data_dir: str, tokenizer_dir: str, run_dir: str, identity: str, *,
+                 resources: dict, peak_flops_table: dict | None = None):
         # absolute paths: every task runs in a node-private scratch folder (see __call__)
         self.submit_dir = os.getcwd()
-        self.config, self.run, self.data_dir = config, run, os.path.abspath(data_dir)
+        self.rc, self.run, self.data_dir = rc, rc["name"], os.path.abspath(data_dir)
         self.tokenizer_dir, self.run_dir = os.path.abspath(tokenizer_dir), os.path.abspath(run_dir)
         self.identity = identity
+        self.resources = dict(resources)
+        self.peak_flops_table = peak_flops_table
 
     def checkpoint(self, *args: Any, **kwargs: Any):
         import submitit
@@ -464,7 +478,7 @@ class TrainTask:
 
     def build_config(self, save_folder: str, world_size: int) -> dict:
         """The llm-foundry train config of this task (a subclass hook; finetuning builds its own)."""
-        return foundry_train_config(self.config, self.run, data_dir=self.data_dir, save_folder=save_folder,
+        return foundry_train_config(self.rc, data_dir=self.data_dir, save_folder=save_folder,
                                     world_size=world_size, tokenizer_dir=self.tokenizer_dir)
 
     def describe(self) -> str:
@@ -479,7 +493,7 @@ class TrainTask:
         self.before_start()
         dist_env = export_dist_env()
         os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-        register_extensions(compile_settings(run_config(self.config, self.run)["train"]) is not None)
+        register_extensions(compile_settings(self.rc["train"]) is not None)
         from llmfoundry.command_utils import train
         from omegaconf import OmegaConf
 
@@ -487,13 +501,13 @@ class TrainTask:
         rank = int(dist_env["rank"])
         if rank == 0:
             prepare_save_folder(save_folder, self.identity)
-        res = step_resources(self.config, "train", self.run)
+        res = self.resources
         ws = int(dist_env["world_size"])
         cfg = self.build_config(save_folder, ws)
         # every rank waits until rank 0 cleaned the folder: a shared file is simplest before dist is up
         _wait_for_file(os.path.join(save_folder, "identity.json"), self.identity)
         resume = newest_checkpoint(save_folder)
-        max_batches = int(run_config(self.config, self.run)["train"]["max_duration_batches"])
+        max_batches = int(self.rc["train"]["max_duration_batches"])
         done = finished_result(save_folder, resume, max_batches)
         if done is not None:
             # training already reached its last step (the job ended after the final checkpoint but before Snakemake
@@ -519,7 +533,7 @@ class TrainTask:
               f"{self.describe()}, expected devices {world_size(res)}", flush=True)
         if rank == 0:
             print("llmpipe: " + batch_layout(int(cfg["global_train_batch_size"]), ws,
-                                             int(run_config(self.config, self.run)["train"]["microbatch_size"]),
+                                             int(self.rc["train"]["microbatch_size"]),
                                              int(cfg["device_train_microbatch_size"])), flush=True)
         t0 = time.time()
         # llm-foundry writes signal files named after rank 0 into the working folder; with a shared working folder
@@ -531,7 +545,8 @@ class TrainTask:
             trainer = train(OmegaConf.create(cfg))
             wall = time.time() - t0
             monitor = next(cb for cb in trainer.state.callbacks if type(cb).__name__ == "RunMonitor")
-            result = summarize(self.config, self.run, trainer, monitor, wall, ws, save_folder, resume)
+            result = summarize(self.rc, trainer, monitor, wall, ws, save_folder, resume,
+                               nodes=int(res["nodes"]), peak_flops_table=self.peak_flops_table)
             trainer.close()
         finally:
             os.chdir(cwd)
@@ -604,9 +619,16 @@ def _wait_for_file(path: str, content: str, timeout_s: float = 600) -> None:
     raise TimeoutError(f"{path} did not appear within {timeout_s} s (rank 0 could not prepare checkpoints)")
 
 
-def summarize(config: dict, run: str, trainer, monitor, wall_s: float, ws: int, save_folder: str,
-              resumed_from: str | None) -> dict:
-    """Build the train.json record (seed 000's Table 1 columns) from a finished trainer.
+def summarize(rc: dict, trainer, monitor, wall_s: float, ws: int, save_folder: str, resumed_from: str | None, *,
+              nodes: int, peak_flops_table: dict | None = None) -> dict:
+    """Build the train.json record from a finished trainer.
+
+    Args:
+        rc: the run's merged settings (:func:`llmpipe.config.run_config`).
+        trainer, monitor: the finished composer trainer and its :class:`RunMonitor`; ``ws``: ranks (devices).
+        wall_s: seconds the training call took (fallback for the fit time); ``nodes``: the job's node count.
+        save_folder, resumed_from: the checkpoint folder; the checkpoint this job resumed from, or None.
+        peak_flops_table: the config's ``gpu_peak_flops`` or None (:func:`llmpipe.mfu.detect_peak_flops`).
 
     Throughput counts only batches trained by this job (a resumed job does not take credit for earlier ones).
     MFU = tokens/s per device x model FLOPs per token / peak FLOP/s of the device (None on CPU or an unknown
@@ -615,7 +637,7 @@ def summarize(config: dict, run: str, trainer, monitor, wall_s: float, ws: int, 
     import torch
     from llmpipe import mfu as mfu_mod
 
-    rc = run_config(config, run)
+    run = rc["name"]
     state = trainer.state
     steps = int(state.timestamp.batch)
     tokens = int(state.timestamp.token)
@@ -623,7 +645,7 @@ def summarize(config: dict, run: str, trainer, monitor, wall_s: float, ws: int, 
     fit_s = time.time() - monitor.t_fit_start if monitor.t_fit_start else wall_s
     tps = tokens_this_job / fit_s if fit_s > 0 else None
     precision = rc["train"]["precision"]
-    peak = mfu_mod.detect_peak_flops(precision, config.get("gpu_peak_flops"))
+    peak = mfu_mod.detect_peak_flops(precision, peak_flops_table)
     fpt = mfu_mod.flops_per_token(rc["arch"], int(rc["data"]["concat_tokens"]))
     mfu = mfu_mod.mfu(tps / ws, fpt, peak) if (tps and peak) else None
     final = newest_checkpoint(save_folder)
@@ -634,7 +656,6 @@ def summarize(config: dict, run: str, trainer, monitor, wall_s: float, ws: int, 
         mem = None
         device = "cpu"
     import resource
-    res = step_resources(config, "train", run)
     return {
         "run": run,
         "steps": steps,
@@ -648,7 +669,7 @@ def summarize(config: dict, run: str, trainer, monitor, wall_s: float, ws: int, 
         "peak_memory_per_device_gib": round(mem, 3) if mem is not None else None,
         "peak_host_rss_gib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 3),
         "device": device,
-        "nodes": int(res["nodes"]),
+        "nodes": int(nodes),
         "devices": ws,
         "global_batch_size": int(rc["train"]["global_batch_size"]),
         "concat_tokens": int(rc["data"]["concat_tokens"]),

@@ -96,3 +96,31 @@ def test_library_code_never_imports_snakemake():
            if isinstance(node, (ast.Import, ast.ImportFrom))
            and any((getattr(node, "module", None) or a.name).split(".")[0] == "snakemake" for a in node.names)]
     assert not bad, f"llmpipe imports snakemake at {bad}"
+
+
+#: Library modules (data, model, training, export, evaluation, generation): they take a run's merged settings
+#: (``rc``) and the other values they need as arguments; only ``llmpipe/steps/`` reads the workflow config.
+LIBRARY_MODULES = ("train.py", "finetune.py", "convert.py", "evaluate.py", "generate.py", "data")
+
+
+def library_files() -> list[Path]:
+    out = []
+    for name in LIBRARY_MODULES:
+        path = PACKAGE / name
+        out += sorted(path.rglob("*.py")) if path.is_dir() else [path]
+    return out
+
+
+def test_library_functions_do_not_take_the_workflow_config():
+    files = library_files()
+    assert len(files) >= 6 and all(p.exists() for p in files)
+    bad = []
+    for p in files:
+        for node in ast.walk(ast.parse(p.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+                a = node.args
+                names = [x.arg for x in a.posonlyargs + a.args + a.kwonlyargs]
+                if "config" in names:
+                    bad.append(f"{p.relative_to(REPO)}:{node.lineno} {getattr(node, 'name', 'lambda')}(config, ...)")
+    assert not bad, ("library functions take the whole workflow config; pass the run's merged settings (rc) and "
+                     "the values they need instead (built in llmpipe/steps/):\n" + "\n".join(bad))

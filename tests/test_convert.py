@@ -9,6 +9,7 @@ import sys
 import pytest
 import torch
 
+from llmpipe.config import run_config
 from tests.conftest import project_config
 
 pytestmark = pytest.mark.slow
@@ -38,7 +39,7 @@ def composer_logits(config: dict, run: str, ckpt: str, ids: torch.Tensor) -> tor
     from llmfoundry.utils.builders import build_composer_model
 
     from llmpipe.train import foundry_train_config
-    cfg = foundry_train_config(config, run, data_dir=None, save_folder=None, world_size=1)
+    cfg = foundry_train_config(run_config(config, run), data_dir=None, save_folder=None, world_size=1)
     model_cfg = dict(cfg["model"])
     name = model_cfg.pop("name")
     model = build_composer_model(name=name, cfg=model_cfg, tokenizer=None)
@@ -59,8 +60,8 @@ def test_export_matches_composer_logits(tiny_run, tmp_path, dtype, tol):
     ckpt = str(tiny_run / train["final_checkpoint"])
     out = tmp_path / "hf"
     out.mkdir()
-    manifest = convert_checkpoint(config, "mpt-tiny", ckpt, str(tiny_run / "results/tokenizers/bpe-builtin-docs"),
-                                  str(out), dtype)
+    manifest = convert_checkpoint(run_config(config, "mpt-tiny"), ckpt,
+                                  str(tiny_run / "results/tokenizers/bpe-builtin-docs"), str(out), dtype)
     assert manifest["dtype"] == dtype and (out / "model.safetensors").exists() and (out / "tokenizer.json").exists()
     assert json.loads((out / "config.json").read_text())["attn_config"]["attn_impl"] == "torch"
 

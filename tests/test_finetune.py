@@ -239,7 +239,7 @@ def test_hub_finetune_data_and_config_on_standin_rows(tmp_path, run, iset, with_
 
     # the llm-foundry train config at the largest node count of the study, checked by llm-foundry's own dataclass
     ws = 8 * 8
-    fcfg = foundry_finetune_config(config, run, instructions_dir=str(out_dir), base_path=rc["base"]["hub"],
+    fcfg = foundry_finetune_config(rc, instructions_dir=str(out_dir), base_path=rc["base"]["hub"],
                                    save_folder=str(tmp_path / "ckpt"), world_size=ws, tokenizer_dir="tok")
     assert fcfg["model"]["name"] == "hf_causal_lm" and fcfg["model"]["pretrained_model_name_or_path"] == rc["base"]["hub"]
     assert fcfg["model"]["init_device"] == "mixed" and fcfg["fsdp_config"]["sync_module_states"] is True
@@ -255,11 +255,11 @@ def test_hub_finetune_data_and_config_on_standin_rows(tmp_path, run, iset, with_
     _, train_cfg = make_dataclass_and_log_config(OmegaConf.create(fcfg), TrainConfig, TRAIN_CONFIG_KEYS,
                                                  transforms="all")
     assert train_cfg.model["pretrained_model_name_or_path"] == rc["base"]["hub"]
-    require_peft(config, run)  # no LoRA: nothing to check
+    require_peft(rc)  # no LoRA: nothing to check
 
     # llm-foundry's finetuning dataloader on the stand-in rows: one batch, prompt tokens masked out of the labels
     tok_dir = _tokenizer(tmp_path, [r["prompt"] + r["response"] for r in _standin_rows(12, False)])
-    spec = build_dataloader(config, run, str(out_dir), "train", tok_dir, device_batch_size=2)
+    spec = build_dataloader(rc, str(out_dir), "train", tok_dir, device_batch_size=2)
     batch = next(iter(spec.dataloader))
     seq = rc["data"]["max_seq_len"]
     assert batch["input_ids"].shape == (2, seq) and batch["labels"].shape == (2, seq)
@@ -269,7 +269,7 @@ def test_hub_finetune_data_and_config_on_standin_rows(tmp_path, run, iset, with_
     if rc["data"].get("packing_ratio"):
         assert int(batch["sequence_id"].max()) >= 1  # several examples packed into one sequence
     assert torch.all(batch["attention_mask"].sum(1) > 0)
-    held = build_dataloader(config, run, str(out_dir), "test", tok_dir, device_batch_size=2)
+    held = build_dataloader(rc, str(out_dir), "test", tok_dir, device_batch_size=2)
     assert next(iter(held.dataloader))["input_ids"].shape[1] == seq
 
 
@@ -279,8 +279,9 @@ def test_lora_config_and_peft_requirement():
 
     config = load_config()
     pytest.importorskip("llmfoundry")
-    fcfg = foundry_finetune_config(config, "mpt-7b-dolly-lora", instructions_dir=None, base_path="mosaicml/mpt-7b",
-                                   save_folder=None, world_size=8)
+    rc = cfg.run_config(config, "mpt-7b-dolly-lora")
+    fcfg = foundry_finetune_config(rc, instructions_dir=None, base_path="mosaicml/mpt-7b", save_folder=None,
+                                   world_size=8)
     peft_cfg = fcfg["model"]["peft_config"]
     assert peft_cfg == {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": 8, "lora_alpha": 16, "lora_dropout": 0.05,
                         "target_modules": ["Wqkv"]}
@@ -289,7 +290,7 @@ def test_lora_config_and_peft_requirement():
         import peft  # noqa: F401
     except ImportError:
         with pytest.raises(cfg.ConfigError, match=r"pip install peft"):
-            require_peft(config, "mpt-7b-dolly-lora")
+            require_peft(rc)
 
 
 def test_lora_merge_and_prefixes():

@@ -246,7 +246,8 @@ def build_train_config(config: dict, run: str, variant: dict, *, steps: int, mb_
                        tok_dir: str) -> tuple[dict, dict]:
     """The llm-foundry train config for one benchmark run and a summary of the knobs as used.
 
-    Starts from ``llmpipe.train.foundry_train_config(config, run, data_dir=None, save_folder=None, world_size=1)``
+    Starts from ``llmpipe.train.foundry_train_config(run_config(config, run), data_dir=None, save_folder=None,
+    world_size=1)``
     and overrides only data, duration, batch, checkpoints/loggers/eval and the variant's knobs. Two shims make a
     config that llm-foundry would reject runnable, and are recorded in the row's ``shims`` column:
     ``attn_impl: sdpa`` written straight into MPT's ``attn_config`` (MPTConfig accepts only torch/flash) becomes
@@ -262,7 +263,8 @@ def build_train_config(config: dict, run: str, variant: dict, *, steps: int, mb_
     train_over = {k: variant[k] for k in ('train_metrics', 'fused_loss') if k in variant}
     if train_over:
         config = deep_merge(config, {'models': {run: {'train': train_over}}})
-    cfg = foundry_train_config(config, run, data_dir=None, save_folder=None, world_size=1)
+    rc = run_config(config, run)
+    cfg = foundry_train_config(rc, data_dir=None, save_folder=None, world_size=1)  # the tokenizer is set below
     cfg = json.loads(json.dumps(cfg))  # deep copy, plain types
     source = 'llmpipe.train.foundry_train_config'
     shims = []
@@ -273,7 +275,6 @@ def build_train_config(config: dict, run: str, variant: dict, *, steps: int, mb_
     if 'loss_fn' not in cfg['model']:
         cfg['model']['loss_fn'] = 'torch_crossentropy'
         shims.append('loss_fn:torch_crossentropy')
-    rc = run_config(config, run)
     arch = rc['arch']
     seq_len = int(rc['data']['concat_tokens'])
 

@@ -46,8 +46,9 @@ def evaluate(ctx: StepContext) -> dict:
     from llmpipe.evaluate import evaluate as evaluate_model
 
     run = ctx.wildcards.run
-    result = ctx.dispatch(evaluate_model, ctx.config, run, os.path.dirname(ctx.input.model),
-                          os.path.join(os.path.dirname(ctx.input.data), "mds"), icl_files(ctx), step=f"eval {run}")
+    result = ctx.dispatch(evaluate_model, run_config(ctx.config, run), os.path.dirname(ctx.input.model),
+                          os.path.join(os.path.dirname(ctx.input.data), "mds"), icl_files(ctx),
+                          eval_settings=ctx.config["eval"], step=f"eval {run}")
     ctx.write_json(result)
     return {"eval": ctx.config["eval"], "run": run_config(ctx.config, run), "resources": ctx.resources}
 
@@ -57,7 +58,8 @@ def finetune_eval(ctx: StepContext) -> dict:
     from llmpipe.finetune import evaluate_finetune
 
     run = ctx.wildcards.run
-    result = ctx.dispatch(evaluate_finetune, ctx.config, run, os.path.dirname(ctx.input.model),
-                          os.path.dirname(ctx.input.instructions), icl_files(ctx), step=f"eval {run}")
+    result = ctx.dispatch(evaluate_finetune, run_config(ctx.config, run), os.path.dirname(ctx.input.model),
+                          os.path.dirname(ctx.input.instructions), icl_files(ctx), eval_settings=ctx.config["eval"],
+                          step=f"eval {run}")
     ctx.write_json(result)
     return {"eval": ctx.config["eval"], "run": run_config(ctx.config, run), "resources": ctx.resources}

@@ -92,8 +92,12 @@ def training_task(ctx: StepContext, config: dict, run: str, rc: dict):
     dataset beside ``ctx.input.data``; the tokenizer must fit the model's vocabulary). Both write into the folder
     of ``ctx.output[0]`` under the identity ``ctx.params.identity``.
 
+    The task gets the run's merged settings ``rc``, the job's resources and ``gpu_peak_flops`` as plain values;
+    this is the one place that reads them from the workflow config.
+
     Args:
         config: the config the training sees (a scaling study's differs from ``ctx.config`` in its nodes).
+        rc: ``run_config(config, run)``.
 
     Raises:
         ValueError / ConfigError: the tokenizer does not fit, or LoRA is on without ``peft`` (before any job waits
@@ -101,15 +105,16 @@ def training_task(ctx: StepContext, config: dict, run: str, rc: dict):
     """
     run_dir = os.path.dirname(ctx.output[0])
     tok_dir = os.path.dirname(ctx.input.tokenizer)
+    job = {"resources": step_resources(config, "train", run), "peak_flops_table": config.get("gpu_peak_flops")}
     if is_finetune(config, run):
         from llmpipe.finetune import FinetuneTask, base_model_path, require_peft
-        require_peft(config, run)
-        return FinetuneTask(config, run, os.path.dirname(ctx.input.instructions), tok_dir, run_dir,
-                            ctx.params.identity, base_model_path(config, run))
+        require_peft(rc)
+        return FinetuneTask(rc, os.path.dirname(ctx.input.instructions), tok_dir, run_dir, ctx.params.identity,
+                            base_model_path(rc, results_dir=config["results_dir"]), **job)
     from llmpipe.train import TrainTask
     check_vocab_fits(read_json(ctx.input.tokenizer), rc, run)
-    return TrainTask(config, run, os.path.join(os.path.dirname(ctx.input.data), "mds"), tok_dir, run_dir,
-                     ctx.params.identity)
+    return TrainTask(rc, os.path.join(os.path.dirname(ctx.input.data), "mds"), tok_dir, run_dir,
+                     ctx.params.identity, **job)
 
 
 def finished_training(ctx: StepContext, rc: dict, label: str) -> dict | None:
