@@ -186,6 +186,9 @@ def _reattach(config: dict, record: dict):
     return None  # local processes die with their parent's session; resubmit
 
 
+#: Slurm states of a job that has not ended (squeue/sacct names).
+_SLURM_LIVE = {"PENDING", "CONFIGURING", "RUNNING", "COMPLETING", "REQUEUED", "RESIZING", "SUSPENDED", "STAGE_OUT"}
+
 #: Slurm states in which a job will never run again (sacct's first word; ``CANCELLED by 0`` is ``CANCELLED``).
 _SLURM_TERMINAL = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL",
                    "DEADLINE", "REVOKED", "SPECIAL_EXIT"}
@@ -386,7 +389,10 @@ def run_step(fn: Callable, *args: Any, step: str, resources: dict, config: dict,
                  f"submitting a new one", log_file)
         else:
             state = job.state
-            if state in _FINISHED_OK or not job.done():
+            live = (str(state).split() or [""])[0] in _SLURM_LIVE
+            # a job Slurm still lists as live is re-attached even when submitit already calls it done (its result
+            # is written while Slurm still shows RUNNING/COMPLETING): _wait then waits for its real end
+            if state in _FINISHED_OK or live or not job.done():
                 say(f"{step}: re-attaching to job {job.job_id} ({state}) submitted earlier; "
                      f"not submitting a second copy", log_file)
             else:

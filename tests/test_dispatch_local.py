@@ -113,3 +113,26 @@ def test_no_literal_job_id_folder_after_a_failed_step(tmp_path):
                           log_dir=str(tmp_path / "logs"), key="pattern-fail")
     names = os.listdir(tmp_path / "logs")
     assert names and "%j" not in names, names
+
+
+def test_a_job_slurm_still_lists_as_running_is_reattached_not_resubmitted(tmp_path, monkeypatch):
+    """A killed Snakemake left a Slurm job whose result is already written (submitit calls it done) while Slurm
+    still shows RUNNING: the rerun re-attaches and waits for it; it never submits a second copy."""
+    from llmpipe import dispatch
+
+    class FinishingJob:
+        job_id, state, num_tasks = "27", "RUNNING", 1
+
+        def done(self, force_check=False):
+            return True
+
+    config = {"dispatch": {"executor": "slurm", "state_dir": str(tmp_path / "jobs")}}
+    dispatch._write_record(dispatch._record_path(config, "k"), {"executor": "slurm", "job_id": "27"})
+    monkeypatch.setattr(dispatch, "_reattach", lambda config, record: FinishingJob())
+    monkeypatch.setattr(dispatch, "make_executor", lambda *a, **k: pytest.fail("submitted a second copy"))
+    monkeypatch.setattr(dispatch, "_wait", lambda job, *a, **k: [f"result of {job.job_id}"])
+    log = tmp_path / "rule.log"
+    got = dispatch.run_step(print, step="train x", resources={}, config=config, log_dir=str(tmp_path / "logs"),
+                            key="k", log_file=str(log))
+    assert got == "result of 27"
+    assert "re-attaching to job 27 (RUNNING)" in log.read_text()
