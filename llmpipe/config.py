@@ -22,11 +22,10 @@ from __future__ import annotations
 
 import copy
 import functools
-import math
 import os
 from collections.abc import Iterable
 
-from llmpipe.schema import check_named_arguments, closest, speed_only_keys
+from llmpipe.schema import check_named_arguments, closest, deep_merge, speed_only_keys
 # ConfigError lives in llmpipe.settings (imported by this module and by llmpipe.schema, never the reverse);
 # llmpipe.config.ConfigError is the same class.
 from llmpipe.settings import ConfigError, Resources, RunSettings, written_at  # noqa: F401 - ConfigError re-exported
@@ -37,21 +36,6 @@ SPEED_ONLY_TRAIN_KEYS = speed_only_keys("train")
 
 #: Names that cannot be run names because they are folders of their own under results/.
 RESERVED_RUN_NAMES = frozenset({"data", "tokenizers", "report", "scaling", "bench", "logs"})
-
-
-def deep_merge(base: dict, override: dict | None) -> dict:
-    """Return a new dict: ``base`` updated recursively with ``override``.
-
-    Nested dicts merge key by key; any other value in ``override`` (lists included) replaces the base value.
-    ``None`` as an override value replaces too (``fsdp: null`` turns FSDP off).
-    """
-    out = copy.deepcopy(base)
-    for key, value in (override or {}).items():
-        if isinstance(value, dict) and isinstance(out.get(key), dict):
-            out[key] = deep_merge(out[key], value)
-        else:
-            out[key] = copy.deepcopy(value)
-    return out
 
 
 def known_runs(config: dict) -> list[str]:
@@ -79,13 +63,6 @@ def run_config(config: dict, run: str) -> dict:
     merged = deep_merge(config.get("model_defaults", {}), models[run] or {})
     merged["name"] = run
     return merged
-
-
-def dataset_dir(config: dict, run: str) -> str:
-    """The dataset folder a run trains on: ``{results}/data/{corpus}/{tokenizer}/concat{N}``."""
-    data = run_config(config, run)["data"]
-    return os.path.join(config["results_dir"], "data", data["corpus"], data["tokenizer"],
-                        f"concat{data['concat_tokens']}")
 
 
 def world_size(resources: dict) -> int:
@@ -394,11 +371,6 @@ def tokens_per_run(config: dict, run: str) -> int:
     rc = run_config(config, run)
     return int(rc["train"]["max_duration_batches"]) * int(rc["train"]["global_batch_size"]) * int(
         rc["data"]["concat_tokens"])
-
-
-def ln_vocab(vocab_size: int) -> float:
-    """ln(V): the loss of a uniform guess over V tokens, in nats."""
-    return math.log(vocab_size)
 
 
 # ------------------------------------------------------------------------------------------------ finetuning

@@ -341,18 +341,24 @@ def load_config(*paths: str | Path, overrides: dict | None = None) -> dict:
     config: dict = {}
     for path in paths:
         with open(path) as fh:
-            _merge(config, yaml.safe_load(fh) or {})
-    _merge(config, overrides or {})
+            config = deep_merge(config, yaml.safe_load(fh) or {})
+    config = deep_merge(config, overrides or {})
     return resolve(config)
 
 
-def _merge(config: dict, over: dict) -> None:
-    """Merge ``over`` into ``config`` in place, mapping by mapping (Snakemake's rule for config files)."""
-    for key, value in over.items():
-        if isinstance(value, dict) and isinstance(config.get(key), dict):
-            _merge(config[key], value)
+def deep_merge(base: dict, override: dict | None) -> dict:
+    """Return a new dict: ``base`` updated recursively with ``override`` (Snakemake's rule for config files).
+
+    Nested dicts merge key by key; any other value in ``override`` (lists included) replaces the base value.
+    ``None`` as an override value replaces too (``fsdp: null`` turns FSDP off).
+    """
+    out = copy.deepcopy(base)
+    for key, value in (override or {}).items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = deep_merge(out[key], value)
         else:
-            config[key] = copy.deepcopy(value)
+            out[key] = copy.deepcopy(value)
+    return out
 
 
 def _path(parts: Iterable[Any]) -> str:
