@@ -35,25 +35,24 @@ def mpt_config_dict(rc: dict) -> dict:
     return model
 
 
-def load_composer_weights(ckpt_path: str) -> dict:
-    """Load the model weights of a composer checkpoint (full state dict) as an ``MPTForCausalLM`` state dict.
+def load_composer_weights(ckpt_path: str, dtype=None) -> dict:
+    """Load the model weights of a composer checkpoint (a full file or a sharded folder) as an ``MPTForCausalLM``
+    state dict in ``dtype`` (None: float32), without the optimizer state and without a process group
+    (:func:`llmpipe.checkpoints.load_model_weights`).
 
     Raises:
         FileNotFoundError: the checkpoint is missing.
         KeyError: the file is not a composer checkpoint with ``state.model``.
     """
     import torch
-    if not os.path.exists(ckpt_path):
-        raise FileNotFoundError(f"composer checkpoint {ckpt_path} does not exist; rerun training "
-                                f"(snakemake --forcerun train ...)")
-    state = torch.load(ckpt_path, map_location="cpu", weights_only=False)
-    model_sd = state["state"]["model"]
-    prefix = "model."
-    return {k[len(prefix):] if k.startswith(prefix) else k: v for k, v in model_sd.items()}
+    from llmpipe.checkpoints import load_model_weights
+    return load_model_weights(ckpt_path, dtype or torch.float32)
 
 
-def build_hf_model(rc: dict, ckpt_path: str):
-    """Instantiate llm-foundry's ``MPTForCausalLM`` for a run and load the checkpoint's weights (fp32).
+def build_hf_model(rc: dict, ckpt_path: str, dtype=None):
+    """Instantiate llm-foundry's ``MPTForCausalLM`` for a run and load the checkpoint's weights in ``dtype``
+    (None: float32). The model is built on the meta device and takes the loaded tensors as its parameters, so the
+    host holds one copy of the weights.
 
     A finetune's checkpoint holds an HF-wrapped model (``hf_causal_lm``): its config comes from the checkpoint
     and LoRA adapters are merged (:func:`llmpipe.finetune.build_finetuned_mpt`).
@@ -67,25 +66,33 @@ def build_hf_model(rc: dict, ckpt_path: str):
     run = rc["name"]
     if rc.get("kind") == "finetune":
         from llmpipe.finetune import build_finetuned_mpt
-        return build_finetuned_mpt(ckpt_path)
+        return build_finetuned_mpt(ckpt_path)  # a finetune's checkpoint is full or sharded; fp32
     from llmfoundry.models.mpt import MPTConfig, MPTForCausalLM
 
     from llmpipe.train import register_extensions
     register_extensions()  # the training config may name our SDPA attention class
 
+    import torch
     kwargs = mpt_config_dict(rc)
+    kwargs["init_device"] = "meta"
     mpt_cfg = MPTConfig(**kwargs)
     model = MPTForCausalLM(mpt_cfg)
-    missing, unexpected = model.load_state_dict(load_composer_weights(ckpt_path), strict=False)
+    weights = load_composer_weights(ckpt_path, dtype)
+    missing, unexpected = model.load_state_dict(weights, strict=False, assign=True)
     missing = [k for k in missing if not k.endswith("lm_head.weight")]  # tied to wte when absent
     if missing or unexpected:
         raise KeyError(f"checkpoint {ckpt_path} does not match models.{run}.arch: missing {missing[:5]}, "
                        f"unexpected {unexpected[:5]}")
-    return model.eval()
+    left = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
+    if left:
+        raise KeyError(f"checkpoint {ckpt_path} has no value for {left[:5]} (models.{run}.arch)")
+    model.tie_weights()
+    model.config.init_device = "cpu"
+    return model.to(dtype or torch.float32).eval()
 
 
 def convert_checkpoint(rc: dict, ckpt_path: str, tokenizer_dir: str, out_dir: str, dtype: str = "bfloat16",
-                       verify: bool = True) -> dict:
+                       verify: bool = True, max_shard_size: str = "5GB") -> dict:
     """Write the Hugging Face folder ``out_dir`` for a run's composer checkpoint; return its manifest.
 
     The folder is written aside and renamed into place, and ``manifest.json`` (the rule's output) is written
@@ -97,8 +104,16 @@ def convert_checkpoint(rc: dict, ckpt_path: str, tokenizer_dir: str, out_dir: st
         tokenizer_dir: the saved Hugging Face tokenizer folder (copied into the export).
         out_dir: the export folder (replaced when it exists).
         dtype: ``bfloat16`` | ``float16`` | ``float32``: the dtype of the saved weights.
+        max_shard_size: the largest safetensors file (transformers' ``save_pretrained``, e.g. ``5GB``); larger
+            exports are split into ``model-0000k-of-0000n.safetensors`` with ``model.safetensors.index.json``.
         verify: reload the written folder through transformers alone and compare its logits with the source
             model on a fixed random input; the max abs difference is recorded in the manifest.
+
+    The checkpoint may be full or sharded (FSDP): only the model weights are read, without a process group or
+    a GPU, straight into ``dtype`` (:func:`llmpipe.checkpoints.load_model_weights`), so the peak host memory
+    before verification is about one ``dtype`` copy of the weights; the manifest records it
+    (``peak_rss_gib_export``, the process's peak resident set, interpreter and libraries included) beside the
+    weights' size (``weights_gib``) and the time.
 
     Raises:
         ValueError: unknown dtype.
@@ -113,7 +128,7 @@ def convert_checkpoint(rc: dict, ckpt_path: str, tokenizer_dir: str, out_dir: st
         raise ValueError(f"convert.dtype is {dtype!r}; it must be one of {', '.join(dtypes)}.")
     t0 = time.time()
     run = rc["name"]
-    model = build_hf_model(rc, ckpt_path)
+    model = build_hf_model(rc, ckpt_path, dtypes[dtype])
     from llmpipe.attention import stock_attn_config
     model.config.attn_config = stock_attn_config(model.config.attn_config)  # sdpa_* class -> stock class
     if model.config.attn_config.get("attn_impl") not in STOCK_ATTN_IMPLS:
@@ -127,30 +142,44 @@ def convert_checkpoint(rc: dict, ckpt_path: str, tokenizer_dir: str, out_dir: st
     MPTForCausalLM.register_for_auto_class("AutoModelForCausalLM")
     export = model.to(dtypes[dtype])
     export.config.torch_dtype = dtypes[dtype]
-    export.save_pretrained(tmp, safe_serialization=True)
+    export.save_pretrained(tmp, safe_serialization=True, max_shard_size=max_shard_size)
     AutoTokenizer.from_pretrained(tokenizer_dir).save_pretrained(tmp)
     edit_files_for_hf_compatibility(tmp)
     if os.path.isdir(out_dir):
         shutil.rmtree(out_dir)
     os.replace(tmp, out_dir)
 
+    from llmpipe.checkpoints import checkpoint_bytes, is_sharded
     manifest = {
         "run": run,
         "source_checkpoint": os.path.abspath(ckpt_path),
-        "source_checkpoint_bytes": os.path.getsize(ckpt_path),
+        "source_checkpoint_bytes": checkpoint_bytes(ckpt_path),
+        "source_checkpoint_sharded": is_sharded(ckpt_path),
         "dtype": dtype,
         "attn_impl": export.config.attn_config["attn_impl"],
         "attn_type": export.config.attn_config.get("attn_type", "multihead_attention"),
         "n_params": int(sum(p.numel() for p in model.parameters())),
         "bytes": int(sum(os.path.getsize(os.path.join(out_dir, f)) for f in os.listdir(out_dir))),
+        "weights_gib": round(sum(p.numel() * p.element_size() for p in export.parameters()) / 2**30, 4),
+        "max_shard_size": max_shard_size,
+        "safetensors_files": sorted(f for f in os.listdir(out_dir) if f.endswith(".safetensors")),
+        "peak_rss_gib_export": _peak_rss_gib(),
+        "export_seconds": round(time.time() - t0, 2),
         "seconds": None,
     }
+    del model, export
     if verify:
-        manifest["verify_max_abs_logit_diff"] = verify_export(out_dir, build_hf_model(rc, ckpt_path),
-                                                              dtype)
+        manifest["verify_max_abs_logit_diff"] = verify_export(out_dir, build_hf_model(rc, ckpt_path), dtype)
+        manifest["peak_rss_gib_with_verify"] = _peak_rss_gib()
     manifest["seconds"] = round(time.time() - t0, 2)
     atomic_write_json(os.path.join(out_dir, "manifest.json"), manifest)  # last: the folder is complete now
     return manifest
+
+
+def _peak_rss_gib() -> float:
+    """This process's peak resident set size in GiB (``getrusage``'s ``ru_maxrss``, KiB on Linux)."""
+    import resource
+    return round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 3)
 
 
 def verify_export(folder: str, reference, dtype: str, seq_len: int = 16, seed: int = 0) -> float:

@@ -67,7 +67,7 @@ def base_model_path(rc: dict, *, results_dir: str) -> str:
 
 def foundry_finetune_config(rc: dict, *, instructions_dir: str | None, base_path: str, save_folder: str | None,
                             world_size: int, tokenizer_dir: str | None = None,
-                            tokenizer_name: str | None = None) -> dict:
+                            tokenizer_name: str | None = None, fsdp: bool | None = None) -> dict:
     """Build the llm-foundry train config (``llmfoundry.command_utils.train``'s dict) for one finetune.
 
     Optimizer, scheduler, batch sizes, precision, FSDP, checkpointing and our run monitor are the pretraining
@@ -84,6 +84,7 @@ def foundry_finetune_config(rc: dict, *, instructions_dir: str | None, base_path
         tokenizer_dir: a folder with a saved tokenizer (wins over ``tokenizer_name``).
         tokenizer_name: the hub name of the run's tokenizer (``tokenizers.<data.tokenizer>.name``; may be None),
             used when ``tokenizer_dir`` is None.
+        fsdp: train under FSDP with sharded checkpoints (None: :func:`llmpipe.train.uses_fsdp`).
 
     Returns:
         A plain dict; keys follow llm-foundry's ``TrainConfig``.
@@ -91,9 +92,9 @@ def foundry_finetune_config(rc: dict, *, instructions_dir: str | None, base_path
     data, train = rc["data"], rc["train"]
     seq = int(data["concat_tokens"])
     cfg = foundry_train_config(rc, data_dir=None, save_folder=save_folder, world_size=world_size,
-                               tokenizer_dir=tokenizer_dir, tokenizer_name=tokenizer_name)
+                               tokenizer_dir=tokenizer_dir, tokenizer_name=tokenizer_name, fsdp=fsdp)
     packing = data.get("packing_ratio")
-    fsdp_on = bool(train.get("fsdp")) and world_size > 1
+    fsdp_on = "fsdp_config" in cfg
     attn_impl = train.get("attn_impl", "torch")
     overrides: dict[str, Any] = {
         "attn_config": {"attn_impl": attn_impl if attn_impl in HF_ATTN_IMPLS else "torch",
@@ -209,10 +210,10 @@ class FinetuneTask(TrainTask):
         require_peft(self.rc)
         os.environ.setdefault("MAX_NUM_PROC", "1")  # llm-foundry tokenizes with cpu_count - 8 processes
 
-    def build_config(self, save_folder: str, world_size: int) -> dict:
+    def build_config(self, save_folder: str, world_size: int, fsdp: bool) -> dict:
         return foundry_finetune_config(self.rc, instructions_dir=self.data_dir,
                                        base_path=self.base_path, save_folder=save_folder, world_size=world_size,
-                                       tokenizer_dir=self.tokenizer_dir)
+                                       tokenizer_dir=self.tokenizer_dir, fsdp=fsdp)
 
     def describe(self) -> str:
         return f"finetuning {self.run} from {self.base_path}"

@@ -5,33 +5,31 @@
 (one per GPU): it exports the torch.distributed environment from submitit, picks the newest complete checkpoint
 to resume from, calls llm-foundry, and on rank 0 writes ``train.json``.
 
-Checkpoints live in ``results/{run}/checkpoints/`` and never rely on symlinks: composer's ``latest-rank0.pt``
-symlink is switched off by :class:`RunMonitor` (shared drives such as CIFS mounts refuse symlinks, and the
-run would die at its first checkpoint). A checkpoint counts only once its ``.complete`` marker is written after the save returned, so
-a checkpoint half-written by a killed job is never resumed from. When Slurm signals the end of the allocation
+Checkpoints live in ``results/{run}/checkpoints/<identity key>/`` (:mod:`llmpipe.checkpoints` owns the layout,
+the completion markers and retention) and never rely on symlinks: composer's ``latest-rank0.pt`` symlink is switched
+off by :class:`RunMonitor` (shared drives such as CIFS mounts refuse symlinks). With FSDP (every multi-device
+training, and from ``train.fsdp_min_params`` parameters on one device) each rank writes its shard of a sharded
+checkpoint (PyTorch distributed checkpoint), which resumes on any world size. When Slurm signals the end of the allocation
 (``--signal=USR2@...``, preemption or time limit), training saves a checkpoint at the next batch boundary on all
 ranks and only then lets submitit requeue the job, which resumes from it.
 """
 
 from __future__ import annotations
 
-import glob
 import json
 import logging
 import os
-import re
 import shutil
 import signal
 import tempfile
 import time
 from typing import Any
 
+from llmpipe import checkpoints as ckpt
 from llmpipe.config import compile_settings, fused_loss_settings, world_size
-from llmpipe.identity import same_identity
 
 log = logging.getLogger("llmpipe.train")
 
-_CKPT_RE = re.compile(r"ep(\d+)-ba(\d+)-rank0\.pt$")
 _PENDING_SIGNAL: list = []  # (signum, frame, previous handler) set by our USR2 handler
 
 #: Model keys that only :class:`llmpipe.fused_loss.ComposerMPTCausalLMFusedLoss` takes (not ``MPTConfig``).
@@ -40,8 +38,25 @@ FUSED_LOSS_MODEL_KEYS = ("fused_loss_chunk_size", "fused_loss_kernel")
 
 # ------------------------------------------------------------------------------------------- config
 
+def uses_fsdp(rc: dict, world_size: int, sharded_resume: bool = False) -> bool:
+    """Whether a training runs under FSDP (and so saves sharded checkpoints): on more than one device always; on
+    one device when the model has at least ``train.fsdp_min_params`` parameters (:func:`llmpipe.mfu.mpt_param_count`
+    of ``arch``; a run without ``arch.d_model``, a finetune of a hub base, only on more than one device) or when it
+    resumes from a sharded checkpoint."""
+    if world_size > 1 or sharded_resume:
+        return True
+    threshold = rc["train"].get("fsdp_min_params")
+    if threshold is None:
+        return False
+    if "d_model" not in (rc.get("arch") or {}):
+        return False
+    from llmpipe.mfu import mpt_param_count
+    return mpt_param_count(rc["arch"])["total"] >= float(threshold)
+
+
 def foundry_train_config(rc: dict, *, data_dir: str | None, save_folder: str | None, world_size: int,
-                         tokenizer_dir: str | None = None, tokenizer_name: str | None = None) -> dict:
+                         tokenizer_dir: str | None = None, tokenizer_name: str | None = None,
+                         fsdp: bool | None = None) -> dict:
     """Build the llm-foundry train config (the dict ``llmfoundry.command_utils.train`` takes) for one run.
 
     Args:
@@ -53,11 +68,15 @@ def foundry_train_config(rc: dict, *, data_dir: str | None, save_folder: str | N
         tokenizer_dir: a folder with a saved Hugging Face tokenizer (wins over ``tokenizer_name``).
         tokenizer_name: the hub name of the run's tokenizer (``tokenizers.<data.tokenizer>.name``; may be None),
             used when ``tokenizer_dir`` is None.
+        fsdp: train under FSDP with sharded checkpoints (None: :func:`uses_fsdp`).
 
     Returns:
-        A plain dict; keys follow llm-foundry's ``TrainConfig``.
+        A plain dict; keys follow llm-foundry's ``TrainConfig``. Checkpoint retention is ours
+        (:func:`llmpipe.checkpoints.prune_checkpoints` counts every job's saves), so composer keeps all.
     """
     run = rc["name"]
+    if fsdp is None:
+        fsdp = uses_fsdp(rc, world_size)
     arch, train, data = rc["arch"], rc["train"], rc["data"]
     seq = int(data["concat_tokens"])
     opt = dict(train["optimizer"])
@@ -65,7 +84,7 @@ def foundry_train_config(rc: dict, *, data_dir: str | None, save_folder: str | N
     sched_cfg = {"name": sched.pop("name"), "t_warmup": f"{int(sched.pop('t_warmup_batches'))}ba", **sched}
     model = {
         "name": "mpt_causal_lm",
-        "init_device": "meta" if train.get("fsdp") and world_size > 1 else "cpu",
+        "init_device": "meta" if fsdp and world_size > 1 else "cpu",
         "d_model": int(arch["d_model"]),
         "n_heads": int(arch["n_heads"]),
         "n_layers": int(arch["n_layers"]),
@@ -129,7 +148,10 @@ def foundry_train_config(rc: dict, *, data_dir: str | None, save_folder: str | N
         "console_log_interval": f"{int(train.get('log_interval_batches', 10))}ba",
         "python_log_level": "info",
         "dist_timeout": 600,
-        "callbacks": {"llmpipe_run_monitor": {"log_interval": int(train.get("log_interval_batches", 10))},
+        "callbacks": {"llmpipe_run_monitor": {
+            "log_interval": int(train.get("log_interval_batches", 10)),
+            "checkpoints_to_keep": int(train.get("checkpoints_to_keep", 2)),
+            "earlier_identities_to_keep": int(train.get("earlier_identities_to_keep", 1))},
                       "drop_full_attention_mask": {}},
         "loggers": {},
         "autoresume": False,
@@ -138,16 +160,16 @@ def foundry_train_config(rc: dict, *, data_dir: str | None, save_folder: str | N
     if data_dir is not None:
         cfg["train_loader"] = loader("train", True, True)
         cfg["eval_loader"] = loader("val", False, False)
-    fsdp = train.get("fsdp")
-    if fsdp and world_size > 1:
+    if fsdp:
         cfg["fsdp_config"] = {"sharding_strategy": "FULL_SHARD", "mixed_precision": "PURE",
                               "activation_checkpointing": False, "activation_checkpointing_reentrant": False,
-                              "activation_cpu_offload": False, "limit_all_gathers": True, **fsdp}
+                              "activation_cpu_offload": False, "limit_all_gathers": True,
+                              "state_dict_type": "sharded", **(train.get("fsdp") or {})}
     apply_compile(cfg, train, f"{'finetunes' if rc.get('kind') == 'finetune' else 'models'}.{run}.train")
     if save_folder is not None:
         cfg["save_folder"] = save_folder
         cfg["save_interval"] = f"{int(train['save_interval_batches'])}ba"
-        cfg["save_num_checkpoints_to_keep"] = int(train.get("checkpoints_to_keep", 2))
+        cfg["save_num_checkpoints_to_keep"] = -1
     return cfg
 
 
@@ -207,68 +229,6 @@ def register_extensions(compile_enabled: bool = False) -> None:
         speedups.dynamo_catalogue_fix()
 
 
-# ------------------------------------------------------------------------------------------- checkpoints
-
-def complete_checkpoints(save_folder: str) -> list[tuple[int, str]]:
-    """Checkpoints in ``save_folder`` whose ``.complete`` marker exists, as ``(batch, path)`` sorted by batch.
-
-    A checkpoint file without its marker (a save interrupted by a kill) is ignored.
-    """
-    found = []
-    for path in glob.glob(os.path.join(save_folder, "ep*-ba*-rank0.pt")):
-        m = _CKPT_RE.search(path)
-        if m and os.path.exists(path + ".complete"):
-            found.append((int(m.group(2)), path))
-    return sorted(found)
-
-
-def newest_checkpoint(save_folder: str) -> str | None:
-    """Path of the newest complete checkpoint in ``save_folder`` (by batch number), or None."""
-    ckpts = complete_checkpoints(save_folder)
-    return ckpts[-1][1] if ckpts else None
-
-
-def clear_save_folder(save_folder: str) -> None:
-    """Delete everything in ``save_folder`` (checkpoints, markers, identity); the folder itself stays."""
-    for p in glob.glob(os.path.join(save_folder, "*")):
-        if os.path.isdir(p):
-            shutil.rmtree(p, ignore_errors=True)
-        else:
-            os.remove(p)
-
-
-def prepare_save_folder(save_folder: str, identity: str) -> None:
-    """Make ``save_folder`` hold only checkpoints of this training identity, and write ``identity`` to its
-    ``identity.json``.
-
-    Checkpoints of another identity (the architecture, data or optimizer changed) are removed so they are never
-    resumed from; leftover incomplete checkpoint files (no ``.complete`` marker) are removed too. Identities are
-    compared by meaning (:func:`llmpipe.identity.same_identity`): a folder whose ``identity.json`` holds the same
-    identity in another text form (key order, or the legacy form with nested identities as JSON text) keeps its
-    checkpoints, and its ``identity.json`` is rewritten in the form given.
-    """
-    os.makedirs(save_folder, exist_ok=True)
-    ident_path = os.path.join(save_folder, "identity.json")
-    if os.path.exists(ident_path):
-        with open(ident_path) as fh:
-            old = fh.read()
-        if not same_identity(old, identity):
-            log.warning("training settings changed since the checkpoints in %s were saved: removing them",
-                        save_folder)
-            clear_save_folder(save_folder)
-    for path in glob.glob(os.path.join(save_folder, "ep*-ba*-rank*.pt")):
-        rank0 = re.sub(r"-rank\d+\.pt$", "-rank0.pt", path)
-        if not os.path.exists(rank0 + ".complete"):
-            os.remove(path)
-    for path in glob.glob(os.path.join(save_folder, "*.complete")):
-        if not os.path.exists(path[: -len(".complete")]):
-            os.remove(path)
-    tmp = ident_path + ".tmp"
-    with open(tmp, "w") as fh:
-        fh.write(identity)
-    os.replace(tmp, ident_path)
-
-
 # ------------------------------------------------------------------------------------------- the callback
 
 def _build_monitor_class():
@@ -280,12 +240,17 @@ def _build_monitor_class():
         """Records the loss curve and throughput, disables checkpoint symlinks, marks complete checkpoints and
         saves a checkpoint when Slurm signals the end of the allocation.
 
-        Writes ``{save_folder}/../train_log.jsonl`` (one JSON line per ``log_interval`` batches: batch, loss,
-        tokens, elapsed seconds) on rank 0.
+        Writes ``{save_folder}/train_log.jsonl`` (one JSON line per ``log_interval`` batches: batch, loss,
+        tokens, elapsed seconds) on rank 0. After each save, rank 0 writes the checkpoint's ``.complete`` marker
+        and applies retention (:func:`llmpipe.checkpoints.prune_checkpoints` with ``checkpoints_to_keep``, then
+        :func:`llmpipe.checkpoints.prune_earlier_identities` with ``earlier_identities_to_keep``).
         """
 
-        def __init__(self, log_interval: int = 10, signal_check_interval: int = 1):
+        def __init__(self, log_interval: int = 10, signal_check_interval: int = 1, checkpoints_to_keep: int = 2,
+                     earlier_identities_to_keep: int = 1):
             self.log_interval = int(log_interval)
+            self.checkpoints_to_keep = int(checkpoints_to_keep)
+            self.earlier_identities_to_keep = int(earlier_identities_to_keep)
             self.signal_check_interval = max(1, int(signal_check_interval))
             self.records: list[dict] = []
             self.first_loss: float | None = None
@@ -317,8 +282,7 @@ def _build_monitor_class():
                 torch.cuda.reset_peak_memory_stats()
             savers = self._savers(state)
             if savers and savers[0].folder:
-                self.log_path = os.path.join(os.path.dirname(os.path.abspath(savers[0].folder)),
-                                             "train_log.jsonl")
+                self.log_path = os.path.join(os.path.abspath(savers[0].folder), "train_log.jsonl")
             self._install_signal_handler()
 
         def _install_signal_handler(self) -> None:
@@ -392,15 +356,19 @@ def _build_monitor_class():
             from composer.utils import dist
             if dist.get_global_rank() != 0:
                 return
-            for marker in glob.glob(os.path.join(self._save_folder(state), "*.complete")):
-                if not os.path.exists(marker[: -len(".complete")]):
-                    os.remove(marker)  # composer removed the checkpoint (checkpoints_to_keep)
+            folder = self._save_folder(state)
+            marked = False
             for saver in self._savers(state):
                 if saver.saved_checkpoints:
                     path = saver.saved_checkpoints[-1]
-                    if os.path.exists(path) and not os.path.exists(path + ".complete"):
-                        with open(path + ".complete", "w") as fh:
-                            fh.write(str(int(state.timestamp.batch)))
+                    if ckpt.checkpoint_batch(os.path.dirname(path)) is not None:
+                        path = os.path.dirname(path)  # a sharded checkpoint: rank 0's shard file in its folder
+                    if os.path.exists(path) and not os.path.exists(path + ckpt.MARKER):
+                        ckpt.mark_complete(path, int(state.timestamp.batch))
+                        marked = True
+            if marked:
+                ckpt.prune_checkpoints(folder, self.checkpoints_to_keep)
+                ckpt.prune_earlier_identities(os.path.dirname(folder), folder, self.earlier_identities_to_keep)
 
         def fit_end(self, state: State, logger: Logger) -> None:
             self.batch_checkpoint(state, logger)
@@ -476,10 +444,10 @@ class TrainTask:
     def before_start(self) -> None:
         """Checks and environment set-up before anything is built (a subclass hook)."""
 
-    def build_config(self, save_folder: str, world_size: int) -> dict:
+    def build_config(self, save_folder: str, world_size: int, fsdp: bool) -> dict:
         """The llm-foundry train config of this task (a subclass hook; finetuning builds its own)."""
         return foundry_train_config(self.rc, data_dir=self.data_dir, save_folder=save_folder,
-                                    world_size=world_size, tokenizer_dir=self.tokenizer_dir)
+                                    world_size=world_size, tokenizer_dir=self.tokenizer_dir, fsdp=fsdp)
 
     def describe(self) -> str:
         """What this task trains, for the log line of every rank."""
@@ -489,6 +457,24 @@ class TrainTask:
         """Add task-specific fields to the train.json record (a subclass hook)."""
         return result
 
+    def plan_resume(self, save_folder: str) -> dict:
+        """Rank 0's start-up, before any other rank reads the folder: prepare this identity's checkpoint folder,
+        pick the newest loadable checkpoint (damaged ones moved aside) and cut the loss log back to it.
+
+        Returns ``{"resume": path or None, "done": the finished record or None}``; errors are returned as
+        ``{"error": message}`` so every rank can raise them."""
+        try:
+            ckpt.prepare_identity_folder(os.path.dirname(save_folder), self.identity)
+            resume = ckpt.loadable_checkpoint(save_folder)
+        except (OSError, RuntimeError) as exc:
+            return {"error": str(exc)}
+        max_batches = int(self.rc["train"]["max_duration_batches"])
+        done = ckpt.finished_result(save_folder, resume, max_batches)
+        if done is None:
+            ckpt.cut_loss_log(os.path.join(save_folder, "train_log.jsonl"),
+                         ckpt.checkpoint_batch(resume) if resume else 0)
+        return {"resume": resume, "done": done}
+
     def __call__(self) -> dict | None:
         self.before_start()
         dist_env = export_dist_env()
@@ -497,34 +483,37 @@ class TrainTask:
         from llmfoundry.command_utils import train
         from omegaconf import OmegaConf
 
-        save_folder = os.path.join(self.run_dir, "checkpoints")
+        save_folder = ckpt.identity_folder(os.path.join(self.run_dir, "checkpoints"), self.identity)
         rank = int(dist_env["rank"])
+        # every rank waits for rank 0's plan: a shared file is simplest before torch.distributed is up; the token
+        # tells this allocation's plan from a requeued allocation's
+        token = f"{dist_env.get('job_id', os.getpid())}:{os.environ.get('SLURM_RESTART_COUNT', '0')}"
+        plan_path = os.path.join(save_folder, ".start")
         if rank == 0:
-            prepare_save_folder(save_folder, self.identity)
-        res = self.resources
-        ws = int(dist_env["world_size"])
-        cfg = self.build_config(save_folder, ws)
-        # every rank waits until rank 0 cleaned the folder: a shared file is simplest before dist is up
-        _wait_for_file(os.path.join(save_folder, "identity.json"), self.identity)
-        resume = newest_checkpoint(save_folder)
-        max_batches = int(self.rc["train"]["max_duration_batches"])
-        done = finished_result(save_folder, resume, max_batches)
+            plan = {"token": token, **self.plan_resume(save_folder)}
+            from llmpipe.atomic import atomic_write_json
+            atomic_write_json(plan_path, plan)
+        else:
+            plan = _wait_for_plan(plan_path, token)
+        if plan.get("error"):
+            raise RuntimeError(f"{self.describe()}: {plan['error']}")
+        resume, done = plan["resume"], plan["done"]
         if done is not None:
             # training already reached its last step (the job ended after the final checkpoint but before Snakemake
-            # recorded train.json): nothing to redo. Delete results/{run}/checkpoints to retrain from scratch.
+            # recorded train.json): nothing to redo.
             print(f"llmpipe: rank {rank}: training already complete at {resume}; reusing its result", flush=True)
             return done if rank == 0 else None
-        if resume is not None and _CKPT_RE.search(resume) and int(_CKPT_RE.search(resume).group(2)) >= max_batches:
-            print(f"llmpipe: rank {rank}: {resume} is the final step but its result record is missing; "
-                  f"training again from scratch", flush=True)
-            if rank == 0:
-                clear_save_folder(save_folder)
-                prepare_save_folder(save_folder, self.identity)
-            resume = None
-        if rank == 0 and resume is None:
-            log_path = os.path.join(self.run_dir, "train_log.jsonl")
-            if os.path.exists(log_path):
-                os.remove(log_path)  # a fresh start: the old loss curve belongs to another training
+        res = self.resources
+        ws = int(dist_env["world_size"])
+        sharded = bool(resume) and ckpt.is_sharded(resume)
+        fsdp = self.uses_fsdp(ws, sharded)
+        if resume and not sharded and fsdp:
+            raise RuntimeError(resume_mismatch(resume, self.describe()))
+        cfg = self.build_config(save_folder, ws, fsdp)
+        if fsdp:
+            from llmpipe.speedups import fsdp_on_cpu
+            if fsdp_on_cpu():  # no GPU (the CPU test of sharded checkpoints): every rank builds its model on the CPU
+                cfg["model"]["init_device"] = "cpu"
         if resume:
             cfg["load_path"] = resume
             print(f"llmpipe: rank {rank} resuming from {resume}", flush=True)
@@ -534,12 +523,15 @@ class TrainTask:
         if rank == 0:
             print("llmpipe: " + batch_layout(int(cfg["global_train_batch_size"]), ws,
                                              int(self.rc["train"]["microbatch_size"]),
-                                             int(cfg["device_train_microbatch_size"])), flush=True)
+                                             int(cfg["device_train_microbatch_size"]))
+                  + ("; FSDP, sharded checkpoints" if fsdp else "; full checkpoints"), flush=True)
         t0 = time.time()
-        # llm-foundry writes signal files named after rank 0 into the working folder; with a shared working folder
-        # the local-rank-0 task of every node would remove the same file. Run each task in a private scratch folder.
+        # llm-foundry's node signal files are written into the working folder by local rank 0 and awaited by the
+        # other local ranks: run the tasks of one node in one private scratch folder, never the shared submit folder
         cwd = os.getcwd()
-        scratch = tempfile.mkdtemp(prefix=f"llmpipe-{self.run}-rank{rank}-")
+        scratch = os.path.join(tempfile.gettempdir(), f"llmpipe-{self.run}-{token.replace(':', '-')}-"
+                                                      f"node{dist_env.get('node_rank', 0)}")
+        os.makedirs(scratch, exist_ok=True)
         os.chdir(scratch)
         try:
             trainer = train(OmegaConf.create(cfg))
@@ -547,9 +539,11 @@ class TrainTask:
             monitor = next(cb for cb in trainer.state.callbacks if type(cb).__name__ == "RunMonitor")
             result = summarize(self.rc, trainer, monitor, wall, ws, save_folder, resume,
                                nodes=int(res["nodes"]), peak_flops_table=self.peak_flops_table)
+            result["fsdp"] = fsdp
             trainer.close()
         finally:
             os.chdir(cwd)
+        if int(dist_env.get("local_rank", 0)) == 0:
             shutil.rmtree(scratch, ignore_errors=True)
         for key in ("final_checkpoint", "resumed_from", "train_log"):
             if result.get(key):  # relative to the workflow's folder (when inside it), like the paths Snakemake sees
@@ -558,63 +552,29 @@ class TrainTask:
                     result[key] = os.path.relpath(path, self.submit_dir)
         result = self.finish_result(result)
         if rank == 0:
-            _write_result_record(save_folder, result)
-        if rank == 0:
+            ckpt.write_result(save_folder, result)
             return result
         return None
 
-
-def _write_result_record(save_folder: str, result: dict) -> None:
-    from llmpipe.atomic import atomic_write_json
-    atomic_write_json(os.path.join(save_folder, "result.json"), result)
-
-
-def finished_result(save_folder: str, newest: str | None, max_batches: int) -> dict | None:
-    """The train.json record saved in ``save_folder`` (``result.json``) when ``newest`` (the newest complete
-    checkpoint) is the final step (batch ``max_batches`` or later) and is the record's final checkpoint; else None.
-
-    A training whose record this returns is finished: a rerun (forced, or after its train.json was lost or its
-    identity text changed form) returns the record instead of training again."""
-    if newest is None:
-        return None
-    m = _CKPT_RE.search(newest)
-    if not m or int(m.group(2)) < max_batches:
-        return None
-    try:
-        with open(os.path.join(save_folder, "result.json")) as fh:
-            rec = json.load(fh)
-    except (OSError, ValueError):
-        return None
-    if os.path.basename(rec.get("final_checkpoint") or "") != os.path.basename(newest):
-        return None
-    return rec
+    def uses_fsdp(self, world_size: int, sharded_resume: bool) -> bool:
+        """Whether this task trains under FSDP (a subclass hook; :func:`uses_fsdp`)."""
+        return uses_fsdp(self.rc, world_size, sharded_resume)
 
 
-def recorded_result(save_folder: str, identity: str, max_batches: int) -> dict | None:
-    """The train.json record of a finished training of ``identity`` in ``save_folder``, or None.
-
-    Finished: ``identity.json`` holds the same identity (:func:`llmpipe.identity.same_identity`: any text form)
-    and :func:`finished_result` returns the record for the newest complete checkpoint. Only reads; light enough
-    for the submitting machine, so a rerun of a finished training needs no job (:mod:`llmpipe.steps.train`).
-    """
-    try:
-        with open(os.path.join(save_folder, "identity.json")) as fh:
-            if not same_identity(fh.read(), identity):
-                return None
-    except OSError:
-        return None
-    return finished_result(save_folder, newest_checkpoint(save_folder), max_batches)
+def resume_mismatch(resume: str, what: str) -> str:
+    """The error for a full (unsharded) checkpoint that a training under FSDP cannot resume from."""
+    return (f"{what}: the newest checkpoint {resume} is a full checkpoint saved on 1 device without FSDP; this "
+            f"training would run under FSDP (more than one device, or train.fsdp_min_params). Resume it on "
+            f"1 device (resources: nodes 1, one task) or move the checkpoint folder "
+            f"{os.path.dirname(resume)} away to train from scratch.")
 
 
-def _wait_for_file(path: str, content: str, timeout_s: float = 600) -> None:
+def _wait_for_plan(path: str, token: str, timeout_s: float = 900) -> dict:
     t0 = time.time()
     while time.time() - t0 < timeout_s:
-        try:
-            with open(path) as fh:
-                if fh.read() == content:
-                    return
-        except FileNotFoundError:
-            pass
+        plan = ckpt.read_json(path)
+        if plan is not None and plan.get("token") == token:
+            return plan
         time.sleep(0.5)
     raise TimeoutError(f"{path} did not appear within {timeout_s} s (rank 0 could not prepare checkpoints)")
 
@@ -648,7 +608,7 @@ def summarize(rc: dict, trainer, monitor, wall_s: float, ws: int, save_folder: s
     peak = mfu_mod.detect_peak_flops(precision, peak_flops_table)
     fpt = mfu_mod.flops_per_token(rc["arch"], int(rc["data"]["concat_tokens"]))
     mfu = mfu_mod.mfu(tps / ws, fpt, peak) if (tps and peak) else None
-    final = newest_checkpoint(save_folder)
+    final = ckpt.newest_checkpoint(save_folder)
     if torch.cuda.is_available():
         mem = torch.cuda.max_memory_allocated() / 2**30
         device = torch.cuda.get_device_name()
@@ -678,13 +638,13 @@ def summarize(rc: dict, trainer, monitor, wall_s: float, ws: int, save_folder: s
         "resumed_from": resumed_from,
         "batches_this_job": monitor.batches_this_job,
         "final_checkpoint": final,
-        "checkpoint_size_bytes": os.path.getsize(final) if final else None,
+        "checkpoint_size_bytes": ckpt.checkpoint_bytes(final) if final else None,
         "train_log": monitor.log_path,
     }
 
 
 def _first_logged_loss(save_folder: str) -> float | None:
-    path = os.path.join(os.path.dirname(os.path.abspath(save_folder)), "train_log.jsonl")
+    path = os.path.join(os.path.abspath(save_folder), "train_log.jsonl")
     try:
         with open(path) as fh:
             return json.loads(fh.readline())["loss"]
@@ -692,5 +652,4 @@ def _first_logged_loss(save_folder: str) -> float | None:
         return None
 
 
-__all__ = ["foundry_train_config", "TrainTask", "newest_checkpoint", "complete_checkpoints",
-           "prepare_save_folder", "clear_save_folder", "finished_result", "recorded_result", "register", "summarize"]
+__all__ = ["foundry_train_config", "uses_fsdp", "TrainTask", "resume_mismatch", "register", "summarize"]

@@ -8,12 +8,14 @@ from llmpipe.config import run_config, step_resources
 from llmpipe.steps.context import StepContext, read_json
 
 #: Bump when a change in our code changes the exported folder (reruns conversion and everything after it).
-VERSION = 1
+VERSION = 2
 
 
 def convert_identity(config: dict, run: str) -> dict:
-    """What determines the exported Hugging Face model besides the trained model (its input): the export dtype."""
-    return {"step": "convert", "version": VERSION, "dtype": config["convert"]["dtype"]}
+    """What determines the exported Hugging Face folder besides the trained model (its input): the export dtype
+    and the largest safetensors file."""
+    return {"step": "convert", "version": VERSION, "dtype": config["convert"]["dtype"],
+            "max_shard_size": config["convert"]["max_shard_size"]}
 
 
 def convert_resources(config: dict, wildcards) -> dict:
@@ -29,5 +31,6 @@ def convert(ctx: StepContext) -> dict:
     checkpoint = os.path.abspath(read_json(ctx.input.train)["final_checkpoint"])
     dtype = ctx.config["convert"]["dtype"]
     ctx.dispatch(convert_checkpoint, run_config(ctx.config, run), checkpoint, os.path.dirname(ctx.input.tokenizer),
-                 os.path.dirname(ctx.output[0]), dtype, step=f"convert {run}")
+                 os.path.dirname(ctx.output[0]), dtype, max_shard_size=ctx.config["convert"]["max_shard_size"],
+                 step=f"convert {run}")
     return {"checkpoint": checkpoint, "dtype": dtype, "resources": ctx.resources}

@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import os
 
-from llmpipe.config import SPEED_ONLY_FINETUNE_DATA_KEYS, SPEED_ONLY_TRAIN_KEYS, is_finetune, run_config, step_resources
+from llmpipe.config import (SPEED_ONLY_FINETUNE_DATA_KEYS, SPEED_ONLY_TRAIN_KEYS, is_finetune, run_config, step_resources,
+                            world_size)
 from llmpipe.steps.context import StepContext, read_json
 from llmpipe.steps.convert import convert_identity
 from llmpipe.steps.data import instructions_identity, mds_identity, tokenizer_identity
-from llmpipe.train import prepare_save_folder, recorded_result
+from llmpipe import checkpoints as ckpt
 
 #: Bump when a change in our code changes the trained model (reruns training and everything after it).
 VERSIONS = {"train": 1, "finetune": 1}
@@ -119,26 +120,41 @@ def training_task(ctx: StepContext, config: dict, run: str, rc: dict):
 
 def finished_training(ctx: StepContext, rc: dict, label: str) -> dict | None:
     """The recorded result when the training of ``ctx.output[0]``'s folder already finished under this identity
-    (:func:`llmpipe.train.recorded_result`), else None.
+    (:func:`llmpipe.checkpoints.recorded_result`), else None.
 
     A finished training is never trained again: a forced rerun, a lost train.json, or the one re-plan after an
     upgrade changed the identity's text form returns its record without a job (no queue wait for its nodes), and
     its ``identity.json`` is rewritten in the current form.
     """
-    save_folder = os.path.join(os.path.dirname(ctx.output[0]), "checkpoints")
-    result = recorded_result(save_folder, ctx.params.identity, int(rc["train"]["max_duration_batches"]))
+    checkpoints_dir = os.path.join(os.path.dirname(ctx.output[0]), "checkpoints")
+    result = ckpt.recorded_result(checkpoints_dir, ctx.params.identity, int(rc["train"]["max_duration_batches"]))
     if result is not None:
-        prepare_save_folder(save_folder, ctx.params.identity)
+        ckpt.prepare_identity_folder(checkpoints_dir, ctx.params.identity)
         ctx.log(f"{label}: training already complete at {result.get('final_checkpoint')}; reusing its result, "
                 f"no job submitted")
     return result
+
+
+def check_resumable(ctx: StepContext, task, label: str) -> None:
+    """Raise RuntimeError before a job waits in a queue when the newest complete checkpoint of this training is a
+    full (unsharded) one and the job would train under FSDP, which cannot resume from it
+    (:func:`llmpipe.train.resume_mismatch` names the world size it needs). Sharded checkpoints resume on any world
+    size."""
+    folder = ckpt.identity_folder(os.path.join(os.path.dirname(ctx.output[0]), "checkpoints"), ctx.params.identity)
+    newest = ckpt.newest_checkpoint(folder) if os.path.isdir(folder) else None
+    if newest and not ckpt.is_sharded(newest) and task.uses_fsdp(world_size(task.resources), False):
+        from llmpipe.train import resume_mismatch
+        raise RuntimeError(resume_mismatch(newest, label))
 
 
 def _train_run(ctx: StepContext, label: str) -> dict:
     run = ctx.wildcards.run
     rc = run_config(ctx.config, run)
     task = training_task(ctx, ctx.config, run, rc)  # checks peft and the vocabulary before a job waits in a queue
-    result = finished_training(ctx, rc, f"{label} {run}") or ctx.dispatch(task, step=f"{label} {run}")
+    result = finished_training(ctx, rc, f"{label} {run}")
+    if result is None:
+        check_resumable(ctx, task, f"{label} {run}")
+        result = ctx.dispatch(task, step=f"{label} {run}")
     check_all_steps(result, rc, f"{label} {run}")
     ctx.write_json(result)
     return {"run": rc, "resources": ctx.resources}
