@@ -63,8 +63,9 @@ def identity_folder(checkpoints_dir: str, identity: str) -> str:
 
 def adopt_flat_layout(checkpoints_dir: str) -> str | None:
     """Move the checkpoints of the earlier flat layout (files directly in ``checkpoints_dir`` with an
-    ``identity.json`` beside them) into their identity's folder; return that folder, or None when there was
-    nothing to move. Nothing is deleted."""
+    ``identity.json`` beside them, the loss log in the run folder) into their identity's folder and point the
+    paths of its ``result.json`` there; return that folder, or None when there was nothing to move. Nothing is
+    deleted."""
     ident_path = os.path.join(checkpoints_dir, "identity.json")
     if not os.path.isfile(ident_path):
         return None
@@ -77,6 +78,20 @@ def adopt_flat_layout(checkpoints_dir: str) -> str | None:
         if src == dest or (os.path.isdir(src) and re.fullmatch(r"[0-9a-f]{16}", path)):
             continue
         os.replace(src, os.path.join(dest, path))
+    old_log = os.path.join(os.path.dirname(os.path.abspath(checkpoints_dir)), "train_log.jsonl")
+    if os.path.exists(old_log):
+        os.replace(old_log, os.path.join(dest, "train_log.jsonl"))
+    rec = read_json(os.path.join(dest, "result.json"))
+    if rec is not None:
+        key = os.path.basename(dest)
+        for field in ("final_checkpoint", "resumed_from", "train_log"):
+            old = rec.get(field)
+            if not old or os.path.basename(os.path.dirname(old)) == key:
+                continue
+            # same form (relative or absolute) as before; the loss log sat beside checkpoints/
+            base = os.path.join(os.path.dirname(old), "checkpoints") if field == "train_log" else os.path.dirname(old)
+            rec[field] = os.path.join(base, key, os.path.basename(old))
+        write_result(dest, rec)
     log.info("moved the checkpoints of %s into %s (one folder per training identity)", checkpoints_dir, dest)
     return dest
 
@@ -158,22 +173,24 @@ def mark_complete(path: str, batch: int) -> None:
 
 # ------------------------------------------------------------------------------------------- damage
 
-def checkpoint_problem(path: str) -> str | None:
+def checkpoint_problem(path: str, deep: bool = True) -> str | None:
     """Why the checkpoint at ``path`` cannot be loaded, or None when it reads.
 
-    A full checkpoint (torch's zip format) must open and pass the zip CRC check of every member and unpickle
-    (memory-mapped, so no tensor is read into memory). A sharded one must have a readable ``.metadata`` whose
-    every stored item lies inside a file of the folder. Reads the whole file of a full checkpoint (small runs
-    only write those); for a sharded one only the metadata and the file sizes.
+    A full checkpoint (torch's zip format) must open as a zip file and, with ``deep``, pass the CRC check of every
+    member and unpickle (memory-mapped, so no tensor is read into memory): that reads the whole file (full
+    checkpoints are written by small single-device runs). A sharded one must have a readable ``.metadata`` whose
+    every stored item lies inside a file of the folder (only the metadata and file sizes are read).
     """
     try:
         if is_sharded(path):
             return _sharded_problem(path)
         import zipfile
         with zipfile.ZipFile(path) as zf:
-            bad = zf.testzip()
+            bad = zf.testzip() if deep else None
         if bad is not None:
             return f"member {bad} fails its CRC check"
+        if not deep:
+            return None
         import torch
         state = torch.load(path, map_location="cpu", weights_only=False, mmap=True)
         if not isinstance(state, dict) or "state" not in state:
@@ -307,6 +324,8 @@ def finished_result(save_folder: str, newest: str | None, max_batches: int) -> d
     identity text changed form) returns the record instead of training again."""
     if newest is None or (checkpoint_batch(newest) or 0) < max_batches:
         return None
+    if checkpoint_problem(newest, deep=False) is not None:
+        return None  # a damaged final checkpoint: the training job moves it aside and resumes from an older one
     rec = read_json(os.path.join(save_folder, "result.json"))
     if rec is None or os.path.basename((rec.get("final_checkpoint") or "").rstrip(os.sep)) != os.path.basename(newest):
         return None

@@ -1,7 +1,7 @@
 """The committed loss curve of ``mpt-tiny`` (CPU, fp32, seed 17) and the tolerance it is compared within.
 
 ``tests/expected/mpt-tiny-loss.json`` holds the train loss logged every ``log_interval_batches`` by the embedded
-default run (``results/mpt-tiny/train_log.jsonl``). A change in attention, loss, optimizer or data wiring that moves
+default run (the loss log train.json names, ``results/mpt-tiny/checkpoints/<identity>/train_log.jsonl``). A change in attention, loss, optimizer or data wiring that moves
 the numbers fails ``tests/test_pipeline.py::test_loss_curve_matches_committed_reference``. When a change is meant to
 move them (a new tokenizer default, another schedule), regenerate the file from a fresh run and say why in the
 commit::
@@ -25,9 +25,10 @@ RTOL = 2e-3
 
 
 def loss_curve(workdir: Path) -> dict[str, float]:
-    """``{batch: loss}`` (batch as text, loss in nats) from ``workdir/results/mpt-tiny/train_log.jsonl``."""
-    rows = [json.loads(line) for line in (workdir / "results/mpt-tiny/train_log.jsonl").read_text().splitlines()
-            if line.strip()]
+    """``{batch: loss}`` (batch as text, loss in nats) from the loss log that ``workdir``'s
+    ``results/mpt-tiny/train.json`` names (``train_log``, relative to ``workdir``)."""
+    train = json.loads((workdir / "results/mpt-tiny/train.json").read_text())
+    rows = [json.loads(line) for line in (workdir / train["train_log"]).read_text().splitlines() if line.strip()]
     return {str(r["batch"]): float(r["loss"]) for r in rows}
 
 

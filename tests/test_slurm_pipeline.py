@@ -87,10 +87,9 @@ def read_json(wd: Path, rel: str) -> dict:
 
 
 def max_batch(wd: Path) -> int:
-    p = wd / RUN_DIR / "train_log.jsonl"
-    if not p.exists():
-        return 0
-    return max((json.loads(line)["batch"] for line in p.read_text().splitlines() if line.strip()), default=0)
+    logs = list((wd / RUN_DIR / "checkpoints").glob("*/train_log.jsonl"))  # one folder per training identity
+    return max((json.loads(line)["batch"] for p in logs for line in p.read_text().splitlines() if line.strip()),
+               default=0)
 
 
 def task_log(wd: Path, job_id: str, rank: int = 0, kind: str = "out") -> str:
@@ -108,8 +107,7 @@ def fresh_training(wd: Path) -> None:
     naming the copied run's training job)."""
     (wd / TRAIN_JSON).unlink()
     (wd / "results/logs/train/mpt-tiny.log").unlink()
-    shutil.rmtree(wd / RUN_DIR / "checkpoints")
-    (wd / RUN_DIR / "train_log.jsonl").unlink(missing_ok=True)
+    shutil.rmtree(wd / RUN_DIR / "checkpoints")  # the loss log lives there too
 
 
 def slurm_jobs_since(cluster, t0: float, name: str) -> list[dict[str, str]]:
@@ -366,13 +364,13 @@ def test_requeued_twice_resumes_and_ends_at_the_step_count(two_node_run, site, s
 
     train = read_json(wd, TRAIN_JSON)
     assert train["steps"] == STEPS, train                       # exactly the configured step count
-    assert train["final_checkpoint"].endswith(f"ep0-ba{STEPS}-rank0.pt")
+    assert train["final_checkpoint"].endswith(f"ep0-ba{STEPS}") and train["fsdp"]  # 2 ranks: a sharded checkpoint
     assert saved[0] < saved[1] < STEPS, saved
     # each run resumed from the checkpoint written on the signal: the newest one
     log0 = task_log(wd, job_id)
-    resumed = [int(b) for b in re.findall(r"rank 0 resuming from \S+/ep0-ba(\d+)-rank0\.pt", log0)]
+    resumed = [int(b) for b in re.findall(r"rank 0 resuming from \S+/ep0-ba(\d+)\b", log0)]
     assert resumed == saved, (resumed, saved)
-    assert train["resumed_from"].endswith(f"ep0-ba{saved[1]}-rank0.pt") and \
+    assert train["resumed_from"].endswith(f"ep0-ba{saved[1]}") and \
         train["batches_this_job"] == STEPS - saved[1], train
     assert "Caught signal SIGUSR2 on n1: this job is preempted" in task_log(wd, job_id, kind="err")  # submitit's path
     # one job id, requeued twice, never submitted again
@@ -505,7 +503,7 @@ def test_sigkilled_training_job_does_not_poison_the_rerun(two_node_run, site, sl
         with background_snakemake(wd, TRAIN_JSON, *site.args) as (proc, out):
             job_id = wait_until(lambda: (submitted_ids(rule_log(wd, "train")) or [None])[0], 120,
                                 "the training job", out)
-            wait_until(lambda: (ck / f"ep0-ba{SAVE_EVERY}-rank0.pt.complete").exists() and
+            wait_until(lambda: any(ck.glob(f"*/ep0-ba{SAVE_EVERY}.complete")) and
                        max_batch(wd) >= SAVE_EVERY + 5, 240, "the first checkpoint", out)
             shm_during = {n: node_shm(slurm_cluster, n) for n in ("n1", "n2")}
             killed = sigkill_tasks(job_id)                          # every task dies at once, mid-step
@@ -521,19 +519,20 @@ def test_sigkilled_training_job_does_not_poison_the_rerun(two_node_run, site, sl
         # cleaned up by a SIGKILLed process) ...
         for n in ("n1", "n2"):
             assert shm_during[n] and set(shm_during[n]) <= set(node_shm(slurm_cluster, n)), (n, shm_during[n])
-        # ... and, had the kill come during a save, a half-written newer checkpoint without its .complete marker
-        newest = max(int(m.group(1)) for p in ck.glob("*.pt.complete")
-                     if (m := re.match(r"ep0-ba(\d+)-rank0\.pt\.complete$", p.name)))
+        # ... and, had the kill come during a save, a half-written newer sharded checkpoint without its marker
+        newest = max(int(m.group(1)) for p in ck.glob("*/ep0-ba*.complete")
+                     if (m := re.match(r"ep0-ba(\d+)\.complete$", p.name)))
         assert SAVE_EVERY <= newest < STEPS, newest
-        half = ck / f"ep0-ba{newest + SAVE_EVERY}-rank0.pt"
-        half.write_bytes(b"half-written")
+        half = next(ck.glob("*/identity.json")).parent / f"ep0-ba{newest + SAVE_EVERY}"
+        half.mkdir(exist_ok=True)
+        (half / "__0_0.distcp").write_bytes(b"half-written")
         snakemake(wd, TRAIN_JSON, *site.args, timeout=400)
     finally:
         cancel_jobs_of(slurm_cluster, wd)
     train = read_json(wd, TRAIN_JSON)
     assert train["steps"] == STEPS, train
-    assert train["resumed_from"].endswith(f"ep0-ba{newest}-rank0.pt"), train   # the newest complete one
+    assert train["resumed_from"].endswith(f"ep0-ba{newest}"), train   # the newest complete one
     assert train["batches_this_job"] == STEPS - newest
-    assert half.stat().st_size > 1000  # removed, then written again for real by the resumed training
+    assert (half / ".metadata").exists()  # removed, then written again for real by the resumed training
     rows = settled_jobs_since(slurm_cluster, t0, "train_mpt-tiny", expect=2)
     assert [r["State"] for r in rows][-1] == "COMPLETED" and len({r["JobID"] for r in rows}) == 2, rows

@@ -21,7 +21,7 @@ from llmpipe.steps import RULES, Rule, context, run_rule, run_step
 from llmpipe.steps.data import mds_identity
 from llmpipe.steps.provenance import provenance_path
 from llmpipe.steps.train import train_identity
-from llmpipe.train import finished_result, newest_checkpoint, prepare_save_folder
+from llmpipe import checkpoints as ckpt
 from tests.conftest import REPO, project_config
 
 
@@ -153,10 +153,13 @@ def test_whole_number_floats_do_not_change_the_identity():
 
 
 def finished_save_folder(path: str, identity: str) -> str:
-    """A save folder as a finished tiny training leaves it: final checkpoint, marker, record, identity."""
+    """A checkpoint folder of the earlier flat layout as a finished tiny training left it: final checkpoint,
+    marker, record, identity, all directly in ``path``."""
+    import torch
     os.makedirs(path)
-    for name, text in [("ep0-ba80-rank0.pt", "older"), ("ep0-ba80-rank0.pt.complete", "80"),
-                       ("ep0-ba100-rank0.pt", "final"), ("ep0-ba100-rank0.pt.complete", "100"),
+    for batch in (80, 100):
+        torch.save({"state": {"model": {}}}, os.path.join(path, f"ep0-ba{batch}-rank0.pt"))
+    for name, text in [("ep0-ba80-rank0.pt.complete", "80"), ("ep0-ba100-rank0.pt.complete", "100"),
                        ("identity.json", identity)]:
         with open(os.path.join(path, name), "w") as fh:
             fh.write(text)
@@ -170,14 +173,15 @@ def test_finished_training_with_legacy_identity_is_kept_and_recognized(tmp_path)
     identity.json holds the legacy form keeps every checkpoint and is recognized as finished (no retraining),
     and identity.json is rewritten in the new form."""
     ident = train_identity(load_config(), "mpt-tiny")
-    folder = finished_save_folder(str(tmp_path / "checkpoints"), legacy_text(ident))
-    before = sorted(os.listdir(folder))
-    prepare_save_folder(folder, identity_text(ident))
-    assert sorted(os.listdir(folder)) == before
+    root = finished_save_folder(str(tmp_path / "checkpoints"), legacy_text(ident))
+    before = sorted(os.listdir(root))
+    folder = ckpt.prepare_identity_folder(root, identity_text(ident))
+    assert os.path.dirname(folder) == root and os.listdir(root) == [os.path.basename(folder)]  # the flat files moved
+    assert sorted(os.listdir(folder)) == sorted(before + ["last_used"])
     assert Path(os.path.join(folder, "identity.json")).read_text() == identity_text(ident)
-    newest = newest_checkpoint(folder)
+    newest = ckpt.newest_checkpoint(folder)
     assert newest.endswith("ep0-ba100-rank0.pt")
-    assert finished_result(folder, newest, 100)["steps"] == 100
+    assert ckpt.finished_result(folder, newest, 100)["steps"] == 100
 
 
 def test_train_step_returns_a_finished_legacy_training_without_a_job(tmp_path):
@@ -189,8 +193,8 @@ def test_train_step_returns_a_finished_legacy_training_without_a_job(tmp_path):
     config["models"]["mpt-tiny"].setdefault("train", {})["max_duration_batches"] = 100  # the folder's final step
     ident = train_identity(config, "mpt-tiny")
     run_dir = tmp_path / "results" / "mpt-tiny"
-    folder = finished_save_folder(str(run_dir / "checkpoints"), legacy_text(ident))
-    before = sorted(os.listdir(folder))
+    root = finished_save_folder(str(run_dir / "checkpoints"), legacy_text(ident))
+    before = sorted(os.listdir(root))
     tok = tmp_path / "results" / "tokenizers" / "t" / "manifest.json"
     tok.parent.mkdir(parents=True)
     tok.write_text(json.dumps({"vocab_size": 64}))
@@ -200,18 +204,21 @@ def test_train_step_returns_a_finished_legacy_training_without_a_job(tmp_path):
                                 log=[str(tmp_path / "logs" / "train.log")])
     run_rule(smk)
     assert json.loads((run_dir / "train.json").read_text())["steps"] == 100
-    assert sorted(os.listdir(folder)) == before
-    assert (run_dir / "checkpoints" / "identity.json").read_text() == identity_text(ident)
+    folder = ckpt.identity_folder(root, identity_text(ident))
+    assert sorted(os.listdir(folder)) == sorted(before + ["last_used"])
+    assert Path(folder, "identity.json").read_text() == identity_text(ident)
     assert "training already complete" in Path(smk.log[0]).read_text()
     assert json.loads(Path(provenance_path(smk.output[0])).read_text())["identity"] == ident
 
 
-def test_changed_identity_still_clears_a_legacy_folder(tmp_path):
+def test_changed_identity_gets_its_own_folder_and_keeps_the_finished_one(tmp_path):
     config = load_config()
-    folder = finished_save_folder(str(tmp_path / "checkpoints"), legacy_text(train_identity(config, "mpt-tiny")))
+    old = train_identity(config, "mpt-tiny")
+    root = finished_save_folder(str(tmp_path / "checkpoints"), legacy_text(old))
     config["models"]["mpt-tiny"].setdefault("train", {})["seed"] = 12345
-    prepare_save_folder(folder, identity_text(train_identity(config, "mpt-tiny")))
-    assert os.listdir(folder) == ["identity.json"]
+    new = ckpt.prepare_identity_folder(root, identity_text(train_identity(config, "mpt-tiny")))
+    assert sorted(os.listdir(new)) == ["identity.json", "last_used"]
+    assert ckpt.recorded_result(root, identity_text(old), 100)["steps"] == 100
 
 
 # ------------------------------------------------------------------------------------------- provenance
@@ -282,13 +289,23 @@ def test_upgraded_finished_training_returns_its_result_at_once(tiny_run, tmp_pat
 
     wd = copy_run(tiny_run, tmp_path / "wd")
     ck = wd / "results/mpt-tiny/checkpoints"
+    (key,) = os.listdir(ck)
+    for name in os.listdir(ck / key):  # back to the flat layout of earlier versions
+        os.replace(ck / key / name, ck / name)
+    os.rmdir(ck / key)
     new_text = (ck / "identity.json").read_text()
     (ck / "identity.json").write_text(legacy_text(json.loads(new_text)))
-    before = sorted(os.listdir(ck))
+    os.replace(ck / "train_log.jsonl", ck.parent / "train_log.jsonl")  # where earlier versions kept the loss log
     train0 = json.loads((wd / "results/mpt-tiny/train.json").read_text())
+    flat = {**train0, "final_checkpoint": train0["final_checkpoint"].replace(f"/{key}/", "/"),
+            "train_log": "results/mpt-tiny/train_log.jsonl"}
+    (ck / "result.json").write_text(json.dumps(flat))
+    (wd / "results/mpt-tiny/train.json").write_text(json.dumps(flat))
+    before = sorted(os.listdir(ck))
     snakemake(wd, "--cores", "2", "--forcerun", "train", "--", "results/mpt-tiny/train.json")
-    assert json.loads((wd / "results/mpt-tiny/train.json").read_text()) == train0
-    assert sorted(os.listdir(ck)) == before and (ck / "identity.json").read_text() == new_text
+    assert json.loads((wd / "results/mpt-tiny/train.json").read_text()) == train0  # paths now in the key folder
+    assert os.listdir(ck) == [key] and sorted(os.listdir(ck / key)) == sorted(before + ["train_log.jsonl"])
+    assert (ck / key / "identity.json").read_text() == new_text
     log = (wd / "results/logs/train/mpt-tiny.log").read_text()
     assert "training already complete" in log and "submitted job" not in log, log
     prov = json.loads((wd / "results/mpt-tiny/train.json.provenance.json").read_text())

@@ -15,3 +15,22 @@ if _ROOT:
         return _symlink(src, dst, *args, **kwargs)
 
     os.symlink = _refuse
+
+# LLMPIPE_TEST_KILL_AT=<glob> SIGKILLs every training rank (a process started by submitit) as soon as a file
+# matching <glob> exists, e.g. a checkpoint's .complete marker: a node dying mid-run, after that checkpoint.
+_KILL_AT = os.environ.get("LLMPIPE_TEST_KILL_AT")
+if _KILL_AT:
+    import sys
+
+    if any("submitit" in a for a in sys.argv):
+        import glob
+        import signal
+        import threading
+        import time
+
+        def _watch():
+            while not glob.glob(_KILL_AT):
+                time.sleep(0.05)
+            os.kill(os.getpid(), signal.SIGKILL)
+
+        threading.Thread(target=_watch, daemon=True).start()
