@@ -367,7 +367,33 @@ def model_weight_names(path: str, prefix: str = "state.model.") -> dict[str, tup
     return {k: (tuple(t.shape), str(t.dtype).replace("torch.", "")) for k, t in _full_model_state(path).items()}
 
 
-def load_model_weights(path: str, dtype, prefix: str = "state.model.", names: list[str] | None = None) -> dict:
+def load_objects(path: str, prefix: str) -> dict:
+    """The non-tensor entries under ``prefix`` (e.g. ``state.integrations``) of a sharded checkpoint, as the nested
+    dict composer saved (the distributed checkpoint stores each as pickled bytes under a flattened key; its
+    metadata's ``planner_data`` maps each key back to its path). No process group is needed."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata
+    reader = dcp.FileSystemReader(path)
+    meta = reader.read_metadata()
+    flat = {k: None for k, v in meta.state_dict_metadata.items()
+            if k.startswith(prefix) and isinstance(v, BytesStorageMetadata)}
+    if flat:
+        # unflattened, so the loaded objects land in ``flat`` itself
+        planner = DefaultLoadPlanner(flatten_state_dict=False, flatten_sharded_tensors=False)
+        dcp.load(flat, storage_reader=reader, planner=planner, no_dist=True)
+    nested: dict = {}
+    for key, value in flat.items():
+        node = nested
+        obj_path = (meta.planner_data or {}).get(key) or tuple(key.split("."))
+        for part in obj_path[:-1]:
+            node = node.setdefault(part, {})
+        node[obj_path[-1]] = value
+    return nested
+
+
+def load_model_weights(path: str, dtype, prefix: str = "state.model.", names: list[str] | None = None,
+                       strip_wrapper: bool = True) -> dict:
     """Load the model weights of a composer checkpoint (full or sharded) as ``{name: tensor}`` in ``dtype``.
 
     No optimizer state is read and no process group is needed. A sharded checkpoint is read one tensor at a time
@@ -379,6 +405,7 @@ def load_model_weights(path: str, dtype, prefix: str = "state.model.", names: li
         path: a full checkpoint file or a sharded checkpoint folder.
         dtype: a torch dtype (e.g. ``torch.bfloat16``).
         names: load only these (names as returned); None loads every model tensor.
+        strip_wrapper: drop composer's ``model.`` prefix (False keeps the names as the checkpoint has them).
 
     Raises:
         FileNotFoundError: ``path`` does not exist.
@@ -390,7 +417,7 @@ def load_model_weights(path: str, dtype, prefix: str = "state.model.", names: li
     if not is_sharded(path):
         for k, t in _full_model_state(path).items():
             if names is None or k in names:
-                out[_strip_wrapper(k)] = t.to(dtype).clone()
+                out[_strip_wrapper(k) if strip_wrapper else k] = t.to(dtype).clone()
         return out
     import torch.distributed.checkpoint as dcp
     reader_path = path
@@ -400,7 +427,7 @@ def load_model_weights(path: str, dtype, prefix: str = "state.model.", names: li
         buf = torch.empty(shape, dtype=getattr(torch, stored))
         sd = {prefix + name: buf}
         dcp.load(sd, storage_reader=dcp.FileSystemReader(reader_path), no_dist=True)
-        out[_strip_wrapper(name)] = buf.to(dtype)
+        out[_strip_wrapper(name) if strip_wrapper else name] = buf.to(dtype)
         del buf, sd
     return out
 
@@ -443,5 +470,5 @@ def read_json(path: str) -> dict | None:
 __all__ = ["identity_key", "identity_folder", "adopt_flat_layout", "prepare_identity_folder", "touch_last_used",
            "checkpoint_batch", "is_sharded", "complete_checkpoints", "newest_checkpoint", "checkpoint_bytes",
            "mark_complete", "checkpoint_problem", "move_aside", "loadable_checkpoint", "prune_checkpoints",
-           "prune_earlier_identities", "model_weight_names", "load_model_weights", "read_json", "MARKER", "cut_loss_log",
+           "prune_earlier_identities", "model_weight_names", "load_model_weights", "load_objects", "read_json", "MARKER", "cut_loss_log",
            "write_result", "finished_result", "recorded_result"]

@@ -94,7 +94,7 @@ def foundry_finetune_config(rc: dict, *, instructions_dir: str | None, base_path
     cfg = foundry_train_config(rc, data_dir=None, save_folder=save_folder, world_size=world_size,
                                tokenizer_dir=tokenizer_dir, tokenizer_name=tokenizer_name, fsdp=fsdp)
     packing = data.get("packing_ratio")
-    fsdp_on = "fsdp_config" in cfg
+    fsdp_on = "fsdp_config" in cfg  # more than one device (one device: FSDP through llmpipe.fsdp's callback)
     attn_impl = train.get("attn_impl", "torch")
     overrides: dict[str, Any] = {
         "attn_config": {"attn_impl": attn_impl if attn_impl in HF_ATTN_IMPLS else "torch",
@@ -312,7 +312,8 @@ def hf_weights(model_sd: dict, peft_config: dict | None = None) -> dict:
 
 
 def build_finetuned_mpt(ckpt_path: str):
-    """Instantiate llm-foundry's ``MPTForCausalLM`` from a finetune's composer checkpoint (fp32, eval mode).
+    """Instantiate llm-foundry's ``MPTForCausalLM`` from a finetune's composer checkpoint (a full file or an FSDP
+    sharded folder; fp32, eval mode).
 
     The architecture is the model config stored in the checkpoint (the base's own config.json, with the
     finetune's overrides), so hub and own bases convert alike; LoRA adapters are merged (:func:`hf_weights`).
@@ -328,7 +329,12 @@ def build_finetuned_mpt(ckpt_path: str):
     if not os.path.exists(ckpt_path):
         raise FileNotFoundError(f"composer checkpoint {ckpt_path} does not exist; rerun the finetune "
                                 f"(snakemake --forcerun finetune ...)")
-    state = torch.load(ckpt_path, map_location="cpu", weights_only=False)
+    from llmpipe.checkpoints import is_sharded, load_model_weights, load_objects
+    if is_sharded(ckpt_path):  # FSDP: weights and the HF metadata from the distributed checkpoint, no optimizer state
+        state = {"state": {**load_objects(ckpt_path, "state.integrations").get("state", {}),
+                           "model": load_model_weights(ckpt_path, torch.float32, strip_wrapper=False)}}
+    else:
+        state = torch.load(ckpt_path, map_location="cpu", weights_only=False)
     meta = composer_hf_metadata(state)
     hf_cfg = dict(meta["config"])
     if hf_cfg.get("model_type") != "mpt":

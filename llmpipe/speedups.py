@@ -122,19 +122,3 @@ def register_compile_blocks() -> None:
             compile_blocks(state.model, **self.options)
 
     callbacks.register('llmpipe_compile_blocks', func=CompileBlocks)
-
-
-def fsdp_on_cpu() -> bool:
-    """Let composer's FSDP run on a host without a GPU (gloo; the CPU tests of sharded checkpoints); return True
-    when the host has none (and the patch is in place), False on a GPU host, which is left untouched.
-
-    composer 0.32 passes ``device_id=torch.cuda.current_device()`` to FSDP whatever the device
-    (``composer.distributed.dist_strategy.prepare_fsdp_module``); torch's FSDP itself runs on the CPU with
-    ``device_id=torch.device("cpu")``. Without CUDA, ``torch.cuda.current_device`` is made to return that device
-    in this process; nothing else changes.
-    """
-    import torch
-    if torch.cuda.is_available():
-        return False
-    torch.cuda.current_device = lambda: torch.device("cpu")
-    return True

@@ -161,10 +161,15 @@ def foundry_train_config(rc: dict, *, data_dir: str | None, save_folder: str | N
         cfg["train_loader"] = loader("train", True, True)
         cfg["eval_loader"] = loader("val", False, False)
     if fsdp:
-        cfg["fsdp_config"] = {"sharding_strategy": "FULL_SHARD", "mixed_precision": "PURE",
-                              "activation_checkpointing": False, "activation_checkpointing_reentrant": False,
-                              "activation_cpu_offload": False, "limit_all_gathers": True,
-                              "state_dict_type": "sharded", **(train.get("fsdp") or {})}
+        fsdp_cfg = {"sharding_strategy": "FULL_SHARD", "mixed_precision": "PURE",
+                    "activation_checkpointing": False, "activation_checkpointing_reentrant": False,
+                    "activation_cpu_offload": False, "limit_all_gathers": True,
+                    "state_dict_type": "sharded", **(train.get("fsdp") or {})}
+        if world_size > 1:
+            cfg["fsdp_config"] = fsdp_cfg
+        else:  # llm-foundry drops fsdp_config at world size 1; llmpipe.fsdp's callback hands it to composer
+            from llmpipe.fsdp import CALLBACK_NAME
+            cfg["callbacks"][CALLBACK_NAME] = {"fsdp_config": fsdp_cfg}
     apply_compile(cfg, train, f"{'finetunes' if rc.get('kind') == 'finetune' else 'models'}.{run}.train")
     if save_folder is not None:
         cfg["save_folder"] = save_folder
@@ -218,12 +223,14 @@ def register_extensions(compile_enabled: bool = False) -> None:
     ``mpt_causal_lm_fused_loss`` model) and, when torch.compile is on, apply
     :func:`llmpipe.speedups.dynamo_catalogue_fix`. Idempotent."""
     import llmpipe.attention as attention
+    import llmpipe.fsdp as fsdp
     import llmpipe.fused_loss as fused_loss
     from llmpipe import speedups
     attention.register()
     fused_loss.register()
     speedups.register_fused_adamw()
     speedups.register_compile_blocks()
+    fsdp.register()
     register()
     if compile_enabled:
         speedups.dynamo_catalogue_fix()
@@ -260,6 +267,9 @@ def _build_monitor_class():
             self.start_tokens = 0
             self.batches_this_job = 0
             self.log_path = None
+            self.save_seconds: list[float] = []  # wall time of each save composer made in this job (not the last)
+            self._saved = 0
+            self._t_batch_end = None
 
         def _savers(self, state: State):
             from composer.callbacks import CheckpointSaver
@@ -301,8 +311,17 @@ def _build_monitor_class():
             except ValueError:  # not in the main thread (tests)
                 pass
 
+        def batch_start(self, state: State, logger: Logger) -> None:
+            # the gap since the last batch ended holds composer's save of that batch (saves and evaluations are
+            # configured on different batches), so a new entry in saved_checkpoints times its save
+            saved = sum(len(s.saved_checkpoints) for s in self._savers(state))
+            if self._t_batch_end is not None and saved > self._saved:
+                self.save_seconds.append(round(time.time() - self._t_batch_end, 3))
+            self._saved = saved
+
         def batch_end(self, state: State, logger: Logger) -> None:
             from composer.utils import dist
+            self._t_batch_end = time.time()
             self.batches_this_job += 1
             batch = int(state.timestamp.batch)
             loss = state.loss
@@ -511,7 +530,7 @@ class TrainTask:
             raise RuntimeError(resume_mismatch(resume, self.describe()))
         cfg = self.build_config(save_folder, ws, fsdp)
         if fsdp:
-            from llmpipe.speedups import fsdp_on_cpu
+            from llmpipe.fsdp import fsdp_on_cpu
             if fsdp_on_cpu():  # no GPU (the CPU test of sharded checkpoints): every rank builds its model on the CPU
                 cfg["model"]["init_device"] = "cpu"
         if resume:
@@ -640,6 +659,7 @@ def summarize(rc: dict, trainer, monitor, wall_s: float, ws: int, save_folder: s
         "final_checkpoint": final,
         "checkpoint_size_bytes": ckpt.checkpoint_bytes(final) if final else None,
         "train_log": monitor.log_path,
+        "checkpoint_save_s": monitor.save_seconds,
     }
 
 

@@ -164,3 +164,15 @@ def test_a_finished_training_is_found_by_identity_after_other_settings_ran(tmp_p
     assert ckpt.recorded_result(root, '{"lr": 2}', 120) is None
     touch(final, "damaged")  # a damaged final checkpoint is not a finished training
     assert ckpt.recorded_result(root, '{"lr": 1}', 120) is None
+
+
+def test_non_tensor_entries_of_a_sharded_checkpoint_come_back_nested(tmp_path):
+    """A finetune's sharded checkpoint keeps the Hugging Face config among its non-tensor entries; conversion
+    reads them back without a process group."""
+    import torch.distributed.checkpoint as dcp
+    hf = {"model": {"config": {"content": {"model_type": "mpt", "d_model": 8, "attn_config": {"alibi": True}}},
+                    "peft_config": None}}
+    dcp.save({"state": {"model": {"model.w": torch.ones(2)}, "integrations": {"huggingface": hf}}},
+             storage_writer=dcp.FileSystemWriter(str(tmp_path / "ep0-ba1")), no_dist=True)
+    got = ckpt.load_objects(str(tmp_path / "ep0-ba1"), "state.integrations")
+    assert got == {"state": {"integrations": {"huggingface": hf}}}

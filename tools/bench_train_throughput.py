@@ -69,6 +69,8 @@ from tools.bench_profile import make_profiler  # noqa: E402
 _BEST = {'attn_impl': 'sdpa', 'drop_mask': True, 'optimizer': 'fused_adamw', 'train_metrics': False}
 VARIANTS: dict[str, dict[str, Any]] = {
     'default': {},
+    # the default without FSDP at world size 1 (train.fsdp_min_params: null; MPT-1B and up default to FSDP there)
+    'no_fsdp': {'fsdp_min_params': None},
     'torch_attn': {'attn_impl': 'torch', 'drop_mask': False, 'fused_loss': False},
     'sdpa_keep_mask': {'attn_impl': 'sdpa', 'drop_mask': False, 'fused_loss': False},
     'sdpa': {'attn_impl': 'sdpa', 'drop_mask': True, 'fused_loss': False},
@@ -260,7 +262,7 @@ def build_train_config(config: dict, run: str, variant: dict, *, steps: int, mb_
     from llmpipe.train import foundry_train_config  # the project's own training step
 
     # train settings the project's own config selection depends on (the fused-loss model needs train metrics off)
-    train_over = {k: variant[k] for k in ('train_metrics', 'fused_loss') if k in variant}
+    train_over = {k: variant[k] for k in ('train_metrics', 'fused_loss', 'fsdp_min_params') if k in variant}
     if train_over:
         config = deep_merge(config, {'models': {run: {'train': train_over}}})
     rc = run_config(config, run)
