@@ -87,10 +87,13 @@ def main() -> None:
     base = ["--configfile", "config/config.yaml", cfg_path]
     run_dir = os.path.join(res, args.run)
     phases = {}
+    snakemake([*base, "--unlock", "--", f"{run_dir}/train.json"], log)  # a lock left by an earlier killed run
     phases["data"] = snakemake([*base, "--until", "verify_mds", "--", f"{run_dir}/train.json"], log)
     first = f"{run_dir}/checkpoints/*/ep*-ba{args.save_every}.complete"
     phases["train_killed"] = snakemake([*base, "--", f"{run_dir}/train.json"], log, kill_when=first)
     ckpts = sorted(glob.glob(f"{run_dir}/checkpoints/*/ep*-ba*.complete"))
+    # the killed driver left Snakemake's lock behind, as after a node failure: a user's first step is --unlock
+    phases["unlock"] = snakemake([*base, "--unlock", "--", f"{run_dir}/train.json"], log)
     phases["train_resumed"] = snakemake([*base, "--", f"{run_dir}/train.json"], log)
     phases["convert"] = snakemake([*base, "--", f"{run_dir}/hf/manifest.json"], log)
     phases["generate"] = snakemake([*base, "--", f"{run_dir}/generate.json"], log)
@@ -121,7 +124,8 @@ def main() -> None:
     with open(args.out, "w") as fh:
         json.dump(record, fh, indent=1)
     print(json.dumps({k: record[k] for k in ("phases", "complete_checkpoints_when_killed")}, indent=1))
-    ok = record["train"] and record["train"]["steps"] == args.batches and record["eval"] is not None
+    ok = (phases["train_killed"]["killed"] and record["train"] and record["train"]["steps"] == args.batches
+          and record["train"]["resumed_from"] and record["eval"] is not None)
     sys.exit(0 if ok else 1)
 
 
