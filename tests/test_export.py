@@ -149,3 +149,6 @@ def test_strict_mode_fails_naming_the_prompt_and_keeps_the_other_completions(tin
     assert not out.exists()
     partial = json.loads((out.parent / "generate.partial.json").read_text())
     assert [o["prompt"] for o in partial["outputs"] if "completion" in o] == SHORT
+    ctx.config["generate"] = settings(prompts=SHORT, long_prompts="fail")
+    step.generate(ctx)  # every prompt fits: generate.json, and the stale partial answers are gone
+    assert out.exists() and not (out.parent / "generate.partial.json").exists()

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 
+from llmpipe.atomic import remove_if_exists
 from llmpipe.config import ConfigError, step_resources
 from llmpipe.steps.context import StepContext
 
@@ -47,9 +48,10 @@ def generate(ctx: StepContext) -> dict:
                     f"{result['context_tokens']} with the new tokens: its first "
                     f"{out['prompt_tokens'] - out['prompt_tokens_kept']} tokens were dropped.")
     errors = [out["error"] for out in result["outputs"] if "error" in out]
+    partial = os.path.join(os.path.dirname(ctx.output[0]), "generate.partial.json")
     if errors:
-        partial = os.path.join(os.path.dirname(ctx.output[0]), "generate.partial.json")
         ctx.write_json(result, partial)
         raise ConfigError("\n".join(errors) + f"\nThe other prompts' completions are in {partial}.")
+    remove_if_exists(partial)  # a failed run's partial answers are stale now
     ctx.write_json(result)
     return {"generate": ctx.config["generate"], "resources": ctx.resources}
