@@ -14,6 +14,11 @@ def _umask() -> int:
     return mask
 
 
+def umask_mode(mode: int = 0o666) -> int:
+    """``mode`` less the process's umask: what ``open()`` (0666) or ``mkdir`` (0777) give a new file or folder."""
+    return mode & ~_umask()
+
+
 def atomic_write_json(path: str, obj: Any) -> None:
     """Write ``obj`` as indented JSON to ``path`` atomically (temporary file in the same folder + os.replace).
 
@@ -33,7 +38,7 @@ def atomic_write_bytes(path: str, data: bytes) -> None:
             fh.write(data)
             fh.flush()
             os.fsync(fh.fileno())
-        os.chmod(tmp, 0o666 & ~_umask())
+        os.chmod(tmp, umask_mode(0o666))
         os.replace(tmp, path)
     except BaseException:
         try:

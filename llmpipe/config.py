@@ -267,6 +267,16 @@ def validate_corpus(config: dict, corpus: str) -> dict:
         if not os.path.isdir(os.path.join(d, c.get("subset", "en"))):
             raise ConfigError(f"{where}.local_dir: {os.path.join(d, c.get('subset', 'en'))} does not exist. "
                               f"Fix: point local_dir at a C4 mirror, or use source: hub.")
+        from llmpipe.data.corpus import c4_filename
+
+        for split, key in (("train", "train_files"), ("validation", "val_files")):
+            want = [os.path.join(os.path.expanduser(d), c4_filename(c.get("subset", "en"), split, i))
+                    for i in range(int(c.get(key) or 0))]
+            missing = [p for p in want if not os.path.isfile(p)]
+            if missing:
+                raise ConfigError(f"{where}.local_dir lacks {len(missing)} of the {len(want)} {split} files "
+                                  f"{where}.{key} asks for, e.g. {missing[0]}. Fix: copy them into the mirror, or "
+                                  f"lower {where}.{key} to what it has.")
     for key in ("train_files", "val_files"):
         if int(c.get(key, 0)) < 1:
             raise ConfigError(f"{where}.{key} must be at least 1, got {c.get(key)!r}.")
@@ -287,6 +297,10 @@ def validate_tokenizer(config: dict, tok: str) -> dict:
             raise ConfigError(f"{where}.vocab_size must be at least 256 for a trained BPE tokenizer.")
     elif not t.get("name"):
         raise ConfigError(f"{where}.name is not set. Fix: a hub repo id (source: hub) or a folder (source: local).")
+    elif src == "local" and not os.path.isdir(os.path.expanduser(t["name"])):
+        raise ConfigError(f"{where}.name: {os.path.abspath(os.path.expanduser(t['name']))} is not a folder but "
+                          f"source is local. Fix: point it at a folder with tokenizer.json / tokenizer_config.json "
+                          f"(written by save_pretrained), or use source: hub with a repo id.")
     eos = t.get("eos_text")
     if eos is not None and not isinstance(eos, str):
         raise ConfigError(f"{where}.eos_text is {eos!r}; it must be the tokenizer's end-of-text text, e.g. "
@@ -515,6 +529,11 @@ def _validated_finetune(config: dict, run: str, node_counts: Iterable[int], coun
                           f"results/{run}/ can hold only one. Fix: rename the finetune.")
     rc = finetune_run_config(config, run)
     data, train = rc["data"], rc["train"]
+    hub = (rc.get("base") or {}).get("hub")
+    if isinstance(hub, str) and hub.startswith(("/", "./", "../", "~")) and not os.path.isdir(os.path.expanduser(hub)):
+        raise ConfigError(f"{written_at(config, run, 'base.hub')} is the folder {hub}, which does not exist. Fix: "
+                          f"point it at a folder holding a Hugging Face model (config.json, weights), or give a hub "
+                          f"repo id (e.g. mosaicml/mpt-7b).")
     validate_instruction_set(config, data.get("instructions"), written_at(config, run, "data.instructions"))
     tok = data.get("tokenizer")
     tokenizers = config.get("tokenizers", {})

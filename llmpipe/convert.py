@@ -14,7 +14,7 @@ import os
 import shutil
 import time
 
-from llmpipe.atomic import atomic_write_json
+from llmpipe.atomic import atomic_write_json, umask_mode
 
 #: attention implementations that the exported code knows; anything else is mapped to ``torch``.
 STOCK_ATTN_IMPLS = ("torch", "flash")
@@ -145,6 +145,8 @@ def convert_checkpoint(rc: dict, ckpt_path: str, tokenizer_dir: str, out_dir: st
     export.save_pretrained(tmp, safe_serialization=True, max_shard_size=max_shard_size)
     AutoTokenizer.from_pretrained(tokenizer_dir).save_pretrained(tmp)
     edit_files_for_hf_compatibility(tmp)
+    state_tied_embeddings(tmp, bool(getattr(export.config, "tie_word_embeddings", True)))
+    give_umask_modes(tmp)
     if os.path.isdir(out_dir):
         shutil.rmtree(out_dir)
     os.replace(tmp, out_dir)
@@ -180,6 +182,34 @@ def _peak_rss_gib() -> float:
     """This process's peak resident set size in GiB (``getrusage``'s ``ru_maxrss``, KiB on Linux)."""
     import resource
     return round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 3)
+
+
+def state_tied_embeddings(folder: str, tied: bool) -> None:
+    """Write ``tie_word_embeddings`` into the export's ``config.json`` explicitly.
+
+    transformers' ``save_pretrained`` leaves out values equal to ``PretrainedConfig``'s defaults, and
+    ``tie_word_embeddings: true`` is one, so a loader that does not run MPT's own code (which ties the output layer to
+    ``transformer.wte`` and saves no ``lm_head`` tensor) could not know the embeddings are tied.
+    """
+    import json
+
+    path = os.path.join(folder, "config.json")
+    with open(path) as fh:
+        cfg = json.load(fh)
+    cfg["tie_word_embeddings"] = bool(tied)
+    atomic_write_json(path, cfg)
+
+
+def give_umask_modes(folder: str) -> None:
+    """Give every file under ``folder`` the mode a normally created file gets (0666 less the umask; folders 0777 less
+    the umask). safetensors' ``save_file`` creates the weights with mode 0600 whatever the umask, so on a shared
+    cluster nobody else could load the model while its tokenizer files were readable."""
+    for root, dirs, files in os.walk(folder):
+        os.chmod(root, umask_mode(0o777))
+        for name in files:
+            path = os.path.join(root, name)
+            if not os.path.islink(path):
+                os.chmod(path, umask_mode(0o666))
 
 
 def verify_export(folder: str, reference, dtype: str, seq_len: int = 16, seed: int = 0) -> float:

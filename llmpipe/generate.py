@@ -1,8 +1,42 @@
-"""Generation with the exported Hugging Face model (transformers only: no llm-foundry import needed)."""
+"""Generation with the exported Hugging Face model (transformers only: no llm-foundry import needed).
+
+Each prompt is handled on its own. A prompt and its new tokens must fit the model's context (``max_seq_len``):
+the new tokens get ``reserve = min(max_new_tokens, context // 2)`` positions, and a prompt longer than
+``context - reserve`` tokens is too long. Too-long prompts are truncated from the left (their last
+``context - reserve`` tokens are kept, as transformers' text-generation pipeline does with
+``handle_long_generation="hole"``) and recorded as such, or, with ``long_prompts: fail``, not answered and recorded
+with an error; the other prompts are answered either way. A prompt that fits keeps every token and gets the new
+tokens that fit behind it, at most ``max_new_tokens``.
+"""
 
 from __future__ import annotations
 
 import time
+
+#: ``generate.long_prompts``: what happens to a prompt too long for the context.
+LONG_PROMPT_MODES = ("truncate", "fail")
+
+
+def prompt_budget(prompt_tokens: int, context: int, max_new_tokens: int) -> tuple[int, int]:
+    """How many of a prompt's tokens are kept (its last ones) and how many new tokens may follow.
+
+    Args:
+        prompt_tokens: the prompt's length in tokens.
+        context: the model's context length in tokens (``max_seq_len``).
+        max_new_tokens: ``generate.max_new_tokens``.
+
+    Returns:
+        ``(kept, new)``: ``kept < prompt_tokens`` means the prompt is too long and loses its first
+        ``prompt_tokens - kept`` tokens; ``kept + new <= context`` always, ``new >= 1`` when ``context >= 2``.
+
+    Raises:
+        ValueError: a context shorter than 2 tokens or ``max_new_tokens`` < 1.
+    """
+    if context < 2 or max_new_tokens < 1:
+        raise ValueError(f"context ({context}) must be >= 2 and max_new_tokens ({max_new_tokens}) >= 1")
+    reserve = min(max_new_tokens, context // 2)
+    kept = min(prompt_tokens, context - reserve)
+    return kept, min(max_new_tokens, context - kept)
 
 
 def generate(model_dir: str, gen_cfg: dict) -> dict:
@@ -10,14 +44,18 @@ def generate(model_dir: str, gen_cfg: dict) -> dict:
 
     Args:
         model_dir: a folder written by :func:`llmpipe.convert.convert_checkpoint`.
-        gen_cfg: ``prompts`` (list of str), ``max_new_tokens``, ``do_sample``, ``temperature``, ``top_p``, ``seed``.
+        gen_cfg: ``prompts`` (list of str), ``max_new_tokens``, ``do_sample``, ``temperature``, ``top_p``, ``seed``,
+            ``long_prompts`` (``truncate`` | ``fail``, see the module docstring).
 
     Returns:
-        ``{"model", "device", "settings", "outputs": [{"prompt", "completion", "new_tokens", "seconds"}],
-        "tokens_per_s"}``; tokens/s counts generated tokens over generation time.
+        ``{"model", "device", "context_tokens", "settings", "outputs", "tokens_per_s"}``; each output is
+        ``{"prompt", "prompt_tokens", "prompt_tokens_kept", "prompt_truncated", "completion", "new_tokens",
+        "seconds", "truncated_to_context"}`` (``truncated_to_context``: fewer than ``max_new_tokens`` new tokens fit),
+        or, for a too-long prompt under ``long_prompts: fail``, ``{"prompt", "prompt_tokens", "error"}``.
+        tokens/s counts generated tokens over generation time.
 
     Raises:
-        ValueError: no prompts configured.
+        ValueError: no prompts configured, or an unknown ``long_prompts``.
     """
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -25,32 +63,47 @@ def generate(model_dir: str, gen_cfg: dict) -> dict:
     prompts = list(gen_cfg.get("prompts") or [])
     if not prompts:
         raise ValueError("generate.prompts is empty. Fix: list at least one prompt under generate.prompts.")
+    mode = gen_cfg.get("long_prompts") or "truncate"
+    if mode not in LONG_PROMPT_MODES:
+        raise ValueError(f"generate.long_prompts is {mode!r}; it must be one of {', '.join(LONG_PROMPT_MODES)}.")
     device = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     tok = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir, trust_remote_code=True, torch_dtype=dtype).to(device)
     model.eval()
     torch.manual_seed(int(gen_cfg.get("seed", 17)))
-    kwargs = {"max_new_tokens": int(gen_cfg.get("max_new_tokens", 256)), "do_sample": bool(gen_cfg.get("do_sample")),
+    max_new = int(gen_cfg.get("max_new_tokens", 256))
+    kwargs = {"do_sample": bool(gen_cfg.get("do_sample")),
               "pad_token_id": tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id,
               "eos_token_id": tok.eos_token_id}
     if kwargs["do_sample"]:
         kwargs.update(temperature=float(gen_cfg.get("temperature", 1.0)), top_p=float(gen_cfg.get("top_p", 1.0)))
-    max_len = int(getattr(model.config, "max_seq_len", 2048))
+    context = int(getattr(model.config, "max_seq_len", 2048))
     outputs, total_new, total_s = [], 0, 0.0
-    for prompt in prompts:
+    for i, prompt in enumerate(prompts):
         ids = tok(prompt, return_tensors="pt").input_ids.to(device)
-        budget = min(kwargs["max_new_tokens"], max(0, max_len - ids.shape[1]))
+        n = int(ids.shape[1])
+        kept, budget = prompt_budget(n, context, max_new)
+        if kept < n and mode == "fail":
+            outputs.append({"prompt": prompt, "prompt_tokens": n, "error": (
+                f"generate.prompts[{i}] ({prompt[:40]!r}{'...' if len(prompt) > 40 else ''}) has {n} tokens; the "
+                f"model's context is {context} tokens and {context - kept} of them are kept for new tokens, so a "
+                f"prompt may have at most {kept}. Fix: shorten the prompt, or set generate.long_prompts: truncate "
+                f"(its first {n - kept} tokens are dropped).")})
+            continue
+        ids = ids[:, n - kept:]
         t0 = time.time()
         with torch.no_grad():
-            out = model.generate(ids, attention_mask=torch.ones_like(ids), **{**kwargs, "max_new_tokens": budget})
+            out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=budget, **kwargs)
         dt = time.time() - t0
         new = out[0, ids.shape[1]:]
-        outputs.append({"prompt": prompt, "completion": tok.decode(new, skip_special_tokens=True),
-                        "new_tokens": int(new.numel()), "seconds": round(dt, 3),
-                        "truncated_to_context": budget < kwargs["max_new_tokens"]})
+        outputs.append({"prompt": prompt, "prompt_tokens": n, "prompt_tokens_kept": kept, "prompt_truncated": kept < n,
+                        "completion": tok.decode(new, skip_special_tokens=True), "new_tokens": int(new.numel()),
+                        "seconds": round(dt, 3), "truncated_to_context": budget < max_new})
         total_new += int(new.numel())
         total_s += dt
     return {"model": model_dir, "device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
-            "settings": {k: gen_cfg.get(k) for k in ("max_new_tokens", "do_sample", "temperature", "top_p", "seed")},
+            "context_tokens": context,
+            "settings": {k: gen_cfg.get(k) for k in ("max_new_tokens", "do_sample", "temperature", "top_p", "seed",
+                                                     "long_prompts")},
             "outputs": outputs, "tokens_per_s": round(total_new / total_s, 2) if total_s else None}

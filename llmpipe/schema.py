@@ -442,8 +442,13 @@ def message(error: Any, prefix: list[str] | tuple = ()) -> str:
                     f"apply) "
                     f"or give its keys, e.g. {where}: {{key: value}} (schemas/config.schema.yaml lists them).")
         text_fix = node.get("x-text-fix") or {}
+        batches = re.fullmatch(r"\s*(\d+)\s*ba\s*", value) if isinstance(value, str) else None
         if isinstance(value, str) and value in text_fix.get("values", ()):
             fix = text_fix["fix"].format(where=where, value=value)
+        elif batches and "integer" in (_types(node) or ()):  # composer's '100ba' where a count of batches is asked
+            low = node.get("minimum")
+            fix = (f"write the number alone, {where}: {batches.group(1)} (the setting counts batches"
+                   f"{f'; it must be >= {low}' if low is not None and int(batches.group(1)) < low else ''})")
         elif "object" in (_types(node) or ()):
             fix = f"give its keys, e.g. {parts[-1] if parts else 'section'}: {{key: value}}"
         else:

@@ -16,6 +16,7 @@ and the fix. The checks run while the DAG is built (the dry run, on the login no
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass, field
 from typing import Any, Literal
 from collections.abc import Callable, Iterable, Mapping
@@ -239,6 +240,8 @@ class ArchSettings:
     vocab_size: int
     #: Longest sequence the model takes, in tokens.
     max_seq_len: int
+    #: Key/value heads of grouped-query attention (``n_kv_heads``, else ``attn_config.kv_n_heads``); None: n_heads.
+    n_kv_heads: int | None = None
 
     def __post_init__(self) -> None:
         for key in ARCH_REQUIRED:
@@ -248,6 +251,11 @@ class ArchSettings:
             heads = "" if self.at("n_heads") == f"{self.where}.n_heads" else f", {self.at('n_heads')}"
             raise ConfigError(f"{self.at('d_model')} ({self.d_model}) does not divide by n_heads ({self.n_heads}"
                               f"{heads}). Fix: choose n_heads that divides d_model.")
+        kv = self.n_kv_heads
+        if kv is not None and (kv < 1 or kv > self.n_heads or self.n_heads % kv):
+            raise ConfigError(f"{self.at('n_kv_heads')} is {kv}; MPT shares each key/value head among a whole number "
+                              f"of the {self.n_heads} query heads ({self.at('n_heads')}). Fix: pick a divisor of "
+                              f"{self.n_heads}.")
 
     def at(self, key: str) -> str:
         """The config path where the value of ``key`` (a field name) is written."""
@@ -267,11 +275,28 @@ class TrainSettings:
     microbatch_size: int
     #: Optimizer steps of the training.
     max_duration_batches: int
+    #: The schedule's length (``scheduler.t_max``, composer's time string); None: the training's (``1dur``).
+    t_max: str | None = None
 
     def __post_init__(self) -> None:
         for key in ("max_duration_batches", "microbatch_size", "global_batch_size"):
             if getattr(self, key) <= 0:
                 raise ConfigError(f"{self.at(key)} must be positive, got {getattr(self, key)}.")
+        self.check_schedule_length()
+
+    def check_schedule_length(self) -> None:
+        """Raise ConfigError when ``t_max`` (in ``ba`` or ``dur``) ends before the training: composer's warmup
+        schedulers refuse it at their first step (``_raise_if_max_duration_exceeds_t_max``). Epochs are not
+        compared (their length in batches is known only to the job)."""
+        m = re.fullmatch(r"\s*(\d+\.?\d*|\.\d+)\s*(ba|dur)\s*", str(self.t_max or ""), re.I)
+        if not m:
+            return
+        value, unit = float(m.group(1)), m.group(2).lower()
+        if value < (self.max_duration_batches if unit == "ba" else 1):
+            raise ConfigError(f"{self.at('t_max')} is {self.t_max!r}, so the learning-rate schedule would end before "
+                              f"the training's {self.max_duration_batches} batches ({self.at('max_duration_batches')})"
+                              f", which composer refuses. Fix: set it to at least {self.max_duration_batches}ba or "
+                              f"1dur, or remove it (1dur).")
 
     def at(self, key: str) -> str:
         """The config path where the value of ``key`` (a field name) is written."""
@@ -419,9 +444,11 @@ class RunSettings:
             vocab = whole(tokenizer.get("vocab_size"), f"tokenizers.{data.get('tokenizer')}.vocab_size")
         data_at = origins("data", ("corpus", "tokenizer", concat_key, "instructions", "packing_ratio"),
                           {concat_key: "concat_tokens"})
-        arch_at = origins("arch", ARCH_REQUIRED)
+        kv_key = "n_kv_heads" if arch.get("n_kv_heads") is not None else "attn_config.kv_n_heads"
+        kv = arch.get("n_kv_heads", (arch.get("attn_config") or {}).get("kv_n_heads"))
+        arch_at = {**origins("arch", ARCH_REQUIRED), "n_kv_heads": at("arch", kv_key)}
         train_keys = ("global_batch_size", "microbatch_size", "max_duration_batches")
-        train_at = origins("train", train_keys)
+        train_at = {**origins("train", train_keys), "t_max": at("train", "scheduler.t_max")}
         return cls(
             name=name, kind=kind, base=base, tokenizer_vocab_size=vocab,
             data=DataSettings(where=sections["data"], origins=data_at, corpus=data.get("corpus"),
@@ -429,9 +456,10 @@ class RunSettings:
                               concat_tokens=whole(data.get("concat_tokens"), data_at["concat_tokens"]),
                               concat_key=concat_key, instructions=data.get("instructions"),
                               packing_ratio=data.get("packing_ratio")),
-            arch=ArchSettings(where=arch_where, origins=arch_at,
-                              **{k: whole(arch[k], arch_at[k]) for k in ARCH_REQUIRED}),
+            arch=ArchSettings(where=arch_where, origins=arch_at, n_kv_heads=None if kv is None else whole(
+                kv, arch_at["n_kv_heads"]), **{k: whole(arch[k], arch_at[k]) for k in ARCH_REQUIRED}),
             train=TrainSettings(where=sections["train"], origins=train_at,
+                                t_max=(train.get("scheduler") or {}).get("t_max"),
                                 **{k: whole(train.get(k), train_at[k]) for k in train_keys}),
             resources=Resources.from_dict(rc.get("resources") or {}, sections["resources"],
                                           origins("resources", ("nodes", "gpus_per_node", "tasks_per_node"))),

@@ -6,6 +6,11 @@ import re
 import sys
 
 sys.path.insert(0, workflow.basedir)
+import llmpipe
+
+# Scripts and the jobs they start import llmpipe by name; this workflow's copy comes first for them too (an editable
+# install of another checkout would win otherwise), and a process that imports another copy stops, naming both.
+llmpipe.use_only_this_copy(workflow.basedir)
 
 from snakemake.utils import validate
 

@@ -255,6 +255,34 @@ SCHEMA_ERRORS = [
     ({"finetunes": {"mpt-7b-dolly-lora": {"lora": {"rank": 8}}}},
      r"^finetunes\.mpt-7b-dolly-lora\.lora\.rank is not a LoRA setting; did you mean r\?"),
     ({"eval": {"icl_tasks": [{"label": 3}]}}, r"^eval\.icl_tasks\[0\]\.label is 3; it must be letters, digits"),
+    # values with a valid range (issue 18): optimizer values, durations, intervals, batches, seeds, sampling
+    ({"models": {"mpt-125m": {"train": {"optimizer": {"lr": -1e-4}}}}},
+     r"^models\.mpt-125m\.train\.optimizer\.lr is -0\.0001; it must be >= 0"),
+    ({"model_defaults": {"train": {"optimizer": {"betas": [0.9, 1.0]}}}},
+     r"^model_defaults\.train\.optimizer\.betas\[1\] is 1\.0; it must be < 1 \(each beta is in \[0, 1\)\)"),
+    ({"models": {"mpt-tiny": {"train": {"max_duration_batches": "0ba"}}}},
+     r"^models\.mpt-tiny\.train\.max_duration_batches is '0ba'; it must be an integer .*Fix: write the number "
+     r"alone, models\.mpt-tiny\.train\.max_duration_batches: 0 \(the setting counts batches; it must be >= 1\)"),
+    ({"model_defaults": {"train": {"scheduler": {"t_warmup_batches": "100ba"}}}},
+     r"^model_defaults\.train\.scheduler\.t_warmup_batches is '100ba'.*Fix: write the number alone, "
+     r"model_defaults\.train\.scheduler\.t_warmup_batches: 100 \(the setting counts batches\)"),
+    ({"models": {"mpt-125m": {"train": {"scheduler": {"t_max": "1000tok"}}}}},
+     r"^models\.mpt-125m\.train\.scheduler\.t_max is '1000tok'; it must be a composer duration in batches, "
+     r"epochs or a fraction of the training, e\.g\. 1000ba, 1ep, 1dur"),
+    ({"models": {"mpt-tiny": {"train": {"seed": -1}}}}, r"^models\.mpt-tiny\.train\.seed is -1; it must be >= 0"),
+    ({"models": {"mpt-tiny": {"train": {"checkpoints_to_keep": 0}}}},
+     r"^models\.mpt-tiny\.train\.checkpoints_to_keep is 0; it must be -1 \(keep all\) or >= 1"),
+    ({"models": {"mpt-tiny": {"train": {"eval_subset_batches": 0}}}},
+     r"^models\.mpt-tiny\.train\.eval_subset_batches is 0; it must be -1 \(every batch\) or a number of batches"),
+    ({"eval": {"val_batches": 0}}, r"^eval\.val_batches is 0; it must be -1 \(every batch\) or a number of batches"),
+    ({"generate": {"temperature": 0}}, r"^generate\.temperature is 0; it must be > 0"),
+    ({"generate": {"top_p": 1.5}}, r"^generate\.top_p is 1\.5; it must be <= 1"),
+    ({"generate": {"long_prompts": "cut"}}, r"^generate\.long_prompts is 'cut'; it must be one of truncate, fail"),
+    ({"corpora": {"c4": {"val_files": 9}}}, r"^corpora\.c4\.val_files is 9; it must be <= 8"),
+    ({"models": {"mpt-125m": {"arch": {"attn_config": {"sliding_window_size": 0}}}}},
+     r"^models\.mpt-125m\.arch\.attn_config\.sliding_window_size is 0; it must be -1 \(no sliding window\)"),
+    ({"models": {"mpt-125m": {"arch": {"attn_config": {"rope_theta": 0}}}}},
+     r"^models\.mpt-125m\.arch\.attn_config\.rope_theta is 0; it must be > 0"),
     # sections that are not mappings (a YAML null in a settings section means its defaults: see below)
     ({"eval": "x"}, r"^`eval:` is 'x'; it must be a mapping of settings\. Fix: remove it \(the defaults apply\)"),
     ({"report": "x"}, r"^`report:` is 'x'; it must be a mapping of settings\. Fix: remove it"),
@@ -301,6 +329,52 @@ def test_optimizer_keys_are_checked_against_the_named_class():
                                           r"the scheduler linear_decay_with_warmup \(finetune_defaults\.train\."
                                           r"scheduler\.name\); did you mean alpha_[if]\?"):
         validate_run(config, "mpt-tiny-sft")
+
+
+RUN_ERRORS = [
+    # cross-field ranges and local sources that must exist (issue 18), named where they are written
+    ("mpt-tiny", {"models": {"mpt-tiny": {"train": {"scheduler": {"t_max": "100ba"}}}}},
+     r"^models\.mpt-tiny\.train\.scheduler\.t_max is '100ba', so the learning-rate schedule would end before the "
+     r"training's 120 batches \(models\.mpt-tiny\.train\.max_duration_batches\).*Fix: set it to at least 120ba"),
+    ("mpt-tiny", {"model_defaults": {"train": {"scheduler": {"t_max": "0.5dur"}}}},
+     r"^model_defaults\.train\.scheduler\.t_max is '0\.5dur', so the learning-rate schedule would end"),
+    ("mpt-tiny", {"models": {"mpt-tiny": {"arch": {"n_kv_heads": 3}}}},
+     r"^models\.mpt-tiny\.arch\.n_kv_heads is 3; MPT shares each key/value head among a whole number of the 4 "
+     r"query heads \(models\.mpt-tiny\.arch\.n_heads\)\. Fix: pick a divisor of 4\."),
+    ("mpt-125m", {"tokenizers": {"gpt-neox-20b": {"source": "local", "name": "/nowhere/neox"}}},
+     r"^tokenizers\.gpt-neox-20b\.name: /nowhere/neox is not a folder but source is local\. Fix: point it at a "
+     r"folder with tokenizer\.json"),
+    ("mpt-7b-dolly", {"finetunes": {"mpt-7b-dolly": {"base": {"hub": "/nowhere/mpt-7b"}}}},
+     r"^finetunes\.mpt-7b-dolly\.base\.hub is the folder /nowhere/mpt-7b, which does not exist\. Fix:"),
+]
+
+
+@pytest.mark.parametrize("run, override, expected", RUN_ERRORS, ids=[m[2][1:40] for m in RUN_ERRORS])
+def test_run_checks_name_the_setting_and_the_fix(run, override, expected):
+    """Values the schema cannot check alone (they depend on another setting or on the file system) fail the run's
+    check (the dry run: rules/common.smk validates every planned run), naming where they are written."""
+    from llmpipe.config import validate_run
+
+    with pytest.raises(ConfigError, match=expected) as err:
+        validate_run(cfg_with(override), run)
+    assert "Fix:" in str(err.value)
+
+
+def test_local_corpus_missing_files_fail_the_dry_run(workdir, tmp_path):
+    """A local mirror that lacks files the corpus asks for fails the dry run, not the corpus step."""
+    (tmp_path / "mirror/en").mkdir(parents=True)
+    (tmp_path / "mirror/en/c4-train.00000-of-01024.json.gz").write_bytes(b"")
+    out = dry_fail(workdir, "results/mpt-125m/train.json", "--config",
+                   f"corpora={{'c4': {{'source': 'local', 'local_dir': '{tmp_path}/mirror'}}}}")
+    assert (f"corpora.c4.local_dir lacks 7 of the 8 train files corpora.c4.train_files asks for, e.g. "
+            f"{tmp_path}/mirror/en/c4-train.00001-of-01024.json.gz. Fix:") in out, out[-3000:]
+
+
+def test_a_duration_written_as_text_fails_the_dry_run(workdir):
+    out = dry_fail(workdir, "results/mpt-tiny/train.json", "--config",
+                   "models={'mpt-tiny': {'train': {'scheduler': {'t_warmup_batches': '10ba'}}}}")
+    assert ("models.mpt-tiny.train.scheduler.t_warmup_batches is '10ba'; it must be an integer (Warmup batches). "
+            "Fix: write the number alone, models.mpt-tiny.train.scheduler.t_warmup_batches: 10") in out, out[-3000:]
 
 
 def test_two_icl_tasks_with_one_label_are_refused():

@@ -257,7 +257,7 @@ def prepare_corpus(corpus_cfg: dict, out_dir: str) -> dict:
             download failed after all retries. Messages name the file / setting and the fix.
         llmpipe.config.ConfigError: an unknown source or a missing required setting.
     """
-    from llmpipe.config import ConfigError
+    from llmpipe.settings import ConfigError  # the class llmpipe.config re-exports (no import cycle)
 
     os.makedirs(out_dir, exist_ok=True)
     remove_if_exists(os.path.join(out_dir, "manifest.json"))
@@ -277,7 +277,7 @@ def prepare_corpus(corpus_cfg: dict, out_dir: str) -> dict:
 
 def _wanted(corpus_cfg: dict) -> dict[str, list[str]]:
     """Relative C4 file names wanted per split (the first K of each)."""
-    from llmpipe.config import ConfigError
+    from llmpipe.settings import ConfigError  # the class llmpipe.config re-exports (no import cycle)
 
     subset = corpus_cfg.get("subset", "en")
     out = {}
@@ -293,7 +293,7 @@ def _wanted(corpus_cfg: dict) -> dict[str, list[str]]:
 # ------------------------------------------------------------------------------------------------- local
 
 def _prepare_local(corpus_cfg: dict, out_dir: str) -> dict:
-    from llmpipe.config import ConfigError
+    from llmpipe.settings import ConfigError  # the class llmpipe.config re-exports (no import cycle)
 
     where = _where(corpus_cfg)
     root = corpus_cfg.get("local_dir")
@@ -325,7 +325,7 @@ def _prepare_local(corpus_cfg: dict, out_dir: str) -> dict:
 # ------------------------------------------------------------------------------------------------- hub
 
 def _prepare_hub(corpus_cfg: dict, out_dir: str) -> dict:
-    from llmpipe.config import ConfigError
+    from llmpipe.settings import ConfigError  # the class llmpipe.config re-exports (no import cycle)
 
     where = _where(corpus_cfg)
     repo_id = corpus_cfg.get("repo_id")
