@@ -38,6 +38,10 @@ class StepFailed(RuntimeError):
     """A dispatched job ended without a result: the message has its job id, state and the tail of its log."""
 
 
+class StepNeverRuns(StepFailed):
+    """A dispatched Slurm job was PENDING for a reason Slurm never resolves; it was cancelled."""
+
+
 def say(msg: str, log_file: str | None = None) -> None:
     """Print ``[llmpipe HH:MM:SS] msg`` to stderr and append the same line to ``log_file`` when given."""
     line = f"[llmpipe {time.strftime('%H:%M:%S')}] {msg}"
@@ -290,34 +294,45 @@ def _local_jobs_die_with_us(jobs: Sequence[Any], what: str, log_file: str | None
             signal.signal(signal.SIGTERM, previous)
 
 
-def _wait(job, log_file: str | None, poll_s: float, what: str, slurm_poll_s: float = 30.0) -> list:
+def _wait(job, log_file: str | None, poll_s: float, what: str, slurm_poll_s: float = 30.0,
+          progress: Callable[[], str | None] | None = None) -> list:
     """Block until ``job`` ends; return the results of all its tasks. Raise StepFailed with state and log.
 
     Slurm jobs: sacct is asked at least every ``slurm_poll_s`` seconds (submitit's own watcher backs off to 10
-    minutes on long jobs), and each state change is logged with the job's nodes.
+    minutes on long jobs), and each state change is logged with its reason and nodes
+    (:class:`llmpipe.slurm_watch.StateLog`; ``progress`` is asked on a requeue). A job PENDING for a reason Slurm
+    never resolves is cancelled and raises :class:`StepFailed` at once.
     """
     last_state = last_shown = None
     last_force = time.time()
     slurm = _is_slurm(job)
-    told_nodes = False
+    watch = None
+    if slurm:
+        from llmpipe.slurm_watch import NeverRuns, StateLog
+
+        watch = StateLog(job.job_id, what, lambda line: say(line, log_file), progress)
     while True:
         force = slurm and time.time() - last_force >= slurm_poll_s
         if force:
             last_force = time.time()
+        if watch is not None:
+            try:
+                watch.poll()
+            except NeverRuns as exc:
+                with contextlib.suppress(Exception):
+                    job.cancel(check=False)
+                say(str(exc), log_file)
+                raise StepNeverRuns(str(exc)) from None
         if job.done(force_check=force) and (not slurm or _slurm_really_ended(job)):
             break
         state = job.state
-        if state != last_state and not (slurm and state == "UNKNOWN"):  # UNKNOWN: sacct has not seen it yet
+        if not slurm and state != last_state:
             last_state = state
-            nodes = ""
-            if slurm:
-                live, nodes = _slurm_where(job)
-                state = live or state
             if state != last_shown:
-                say(f"{what}: job {job.job_id} is {state}{f' on {nodes}' if nodes else ''}", log_file)
-                told_nodes = told_nodes or (state == "RUNNING" and bool(nodes))
+                say(f"{what}: job {job.job_id} is {state}", log_file)
                 last_shown = state
-        time.sleep(poll_s)
+        time.sleep(max(poll_s, 1.0) if slurm else poll_s)
+    told_nodes = bool(watch and watch.told_nodes)
     nodes = ""
     if slurm:
         live, nodes = _slurm_where(job)
@@ -361,7 +376,8 @@ def _cause(job, exc: Exception) -> str:
 
 
 def run_step(fn: Callable, *args: Any, step: str, resources: dict, config: dict, log_dir: str,
-             key: str, log_file: str | None = None, **kwargs: Any) -> Any:
+             key: str, log_file: str | None = None, progress: Callable[[], str | None] | None = None,
+             **kwargs: Any) -> Any:
     """Run ``fn(*args, **kwargs)`` as one job on ``resources`` and return rank 0's result.
 
     The job has ``nodes x tasks_per_node`` tasks; every task calls ``fn`` (training sets up torch.distributed
@@ -373,9 +389,12 @@ def run_step(fn: Callable, *args: Any, step: str, resources: dict, config: dict,
         log_dir: folder for submitit's pickles and per-task logs.
         key: identity of this submission (see :func:`job_key`); a live job with the same key is re-attached.
         log_file: the Snakemake rule's log; every line printed here is appended to it too.
+        progress: returns a short text on the step's progress (e.g. its newest checkpoint's batch), logged when
+            Slurm requeues the job; not passed to ``fn``.
 
     Raises:
-        StepFailed: the job failed, was cancelled or timed out (message: job id, state, log tail).
+        StepFailed: the job failed, was cancelled or timed out (message: job id, state, log tail), or it was
+            PENDING for a reason Slurm never resolves (:class:`StepNeverRuns`; the job is cancelled).
     """
     poll_s = float((config.get("dispatch") or {}).get("poll_s", 5))
     rec_path = _record_path(config, key)
@@ -413,7 +432,11 @@ def run_step(fn: Callable, *args: Any, step: str, resources: dict, config: dict,
              f"log: {getattr(job.paths, 'stderr', log_dir)}", log_file)
     try:
         with _local_jobs_die_with_us([job], step, log_file):
-            results = _wait(job, log_file, poll_s, step, _slurm_poll_s(config))
+            results = _wait(job, log_file, poll_s, step, _slurm_poll_s(config), progress)
+    except StepNeverRuns:
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(rec_path)  # cancelled: nothing to re-attach to
+        raise
     finally:
         if job.done():
             try:

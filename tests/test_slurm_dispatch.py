@@ -217,11 +217,16 @@ def test_checkpointable_step_is_requeued_and_resumes(slurm_cluster, tmp_path):
     name = step_name(tmp_path, "requeue")
     out: list = []
 
+    def progress():  # what the step's own files say, as training reads its newest checkpoint
+        logs = "".join(p.read_text() for p in (tmp_path / "logs").glob("*/*_0_log.out"))
+        steps = re.findall(r"checkpoint at step (\d+)", logs)
+        return f"resumes after step {steps[-1]}" if steps else None
+
     def rule():
         try:
             out.append(run_step(jobs.Counter(), 12, step=name, config=config(tmp_path), resources=resources(),
                                 log_dir=str(tmp_path / "logs"), key=job_key(name),
-                                log_file=str(tmp_path / "rule.log")))
+                                log_file=str(tmp_path / "rule.log"), progress=progress))
         except Exception as exc:  # noqa: BLE001 - reported by the assertion below
             out.append(exc)
 
@@ -240,7 +245,36 @@ def test_checkpointable_step_is_requeued_and_resumes(slurm_cluster, tmp_path):
     runs = slurm_cluster.jobs_named(name.replace(" ", "_"), expect=2)
     assert [(r["JobID"], r["State"]) for r in runs] == [(job_id, "REQUEUED"), (job_id, "COMPLETED")], runs
     assert slurm_cluster.job_fields(job_id)["Restarts"] == "1"
-    assert "checkpoint at step" in (tmp_path / "logs" / job_id / f"{job_id}_0_log.out").read_text()
+    ckpt = re.search(r"checkpoint at step (\d+)", (tmp_path / "logs" / job_id / f"{job_id}_0_log.out").read_text())
+    assert ckpt
+    # the rule log tells what Slurm did: running where, requeued (restart count, how the run ended, progress),
+    # pending and why, running again
+    rule_log = (tmp_path / "rule.log").read_text()
+    assert re.search(rf"job {job_id} is RUNNING on n[12]\n", rule_log), rule_log
+    assert (f"job {job_id} was REQUEUED (restart 1; its earlier run ended REQUEUED); resumes after step "
+            f"{ckpt.group(1)}") in rule_log, rule_log
+    assert f"job {job_id} is PENDING (BeginTime)" in rule_log, rule_log
+    assert rule_log.count(f"job {job_id} is RUNNING on") == 2, rule_log
+
+
+def test_pending_for_a_reason_that_never_resolves_fails_at_once(slurm_cluster, tmp_path):
+    """A time limit over the partition's MaxTime (preflight skipped): Slurm keeps the job PENDING forever."""
+    name = step_name(tmp_path, "never")
+    log = tmp_path / "rule.log"
+    t0 = time.time()
+    with pytest.raises(StepFailed) as e:
+        run_step(jobs.sleep_then, 0, "never", step=name, config=config(tmp_path, partition="small"),
+                 resources=resources(time_min=10), log_dir=str(tmp_path / "logs"), key=job_key(name),
+                 log_file=str(log))
+    assert time.time() - t0 < 30
+    msg = str(e.value)
+    # Slurm names it PartitionConfig or PartitionTimeLimit (tests/test_slurm_preflight.py)
+    m = re.search(r"is PENDING \((Partition(?:TimeLimit|Config))\), which Slurm never resolves by itself: (.*)", msg)
+    assert m and "time_min" in m.group(2) and "The job was cancelled" in msg, msg
+    assert f"is PENDING ({m.group(1)})" in log.read_text()
+    (job,) = slurm_cluster.jobs_named(name.replace(" ", "_"))
+    assert job["State"].startswith("CANCELLED"), job  # not left in the queue
+    assert not list((tmp_path / "state").glob("*.json"))  # nothing to re-attach to
 
 
 def test_map_steps_runs_a_slurm_array(slurm_cluster, tmp_path):

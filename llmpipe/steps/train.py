@@ -8,13 +8,14 @@ what determines a trained model; speed-only settings (:data:`llmpipe.config.SPEE
 
 from __future__ import annotations
 
+import functools
 import os
 
 from llmpipe.config import SPEED_ONLY_FINETUNE_DATA_KEYS, SPEED_ONLY_TRAIN_KEYS, is_finetune, run_config, step_resources
 from llmpipe.steps.context import StepContext, read_json
 from llmpipe.steps.convert import convert_identity
 from llmpipe.steps.data import instructions_identity, mds_identity, tokenizer_identity
-from llmpipe.train import prepare_save_folder, recorded_result
+from llmpipe.train import complete_checkpoints, prepare_save_folder, recorded_result
 
 #: Bump when a change in our code changes the trained model (reruns training and everything after it).
 VERSIONS = {"train": 1, "finetune": 1}
@@ -134,11 +135,20 @@ def finished_training(ctx: StepContext, rc: dict, label: str) -> dict | None:
     return result
 
 
+def checkpoint_progress(save_folder: str) -> str:
+    """The training's progress for the rule log when Slurm requeues it: its newest complete checkpoint's batch
+    (where the next allocation resumes), or that it has none yet."""
+    ckpts = complete_checkpoints(save_folder)
+    return f"resumes from the checkpoint at batch {ckpts[-1][0]}" if ckpts else "no checkpoint yet: starts over"
+
+
 def _train_run(ctx: StepContext, label: str) -> dict:
     run = ctx.wildcards.run
     rc = run_config(ctx.config, run)
     task = training_task(ctx, ctx.config, run, rc)  # checks peft and the vocabulary before a job waits in a queue
-    result = finished_training(ctx, rc, f"{label} {run}") or ctx.dispatch(task, step=f"{label} {run}")
+    save_folder = os.path.join(os.path.dirname(ctx.output[0]), "checkpoints")
+    result = finished_training(ctx, rc, f"{label} {run}") or ctx.dispatch(
+        task, step=f"{label} {run}", progress=functools.partial(checkpoint_progress, save_folder))
     check_all_steps(result, rc, f"{label} {run}")
     ctx.write_json(result)
     return {"run": rc, "resources": ctx.resources}
