@@ -348,31 +348,105 @@ def _wait(job, log_file: str | None, poll_s: float, what: str, slurm_poll_s: flo
         if state in _SLURM_TERMINAL and state != "COMPLETED":
             for sub in [job, *getattr(job, "_sub_jobs", [])]:
                 sub._results_timeout_s = 3
+    elif type(job).__name__ == "LocalJob":
+        # the local job's processes have exited: a result pickle that is missing now never comes (submitit would
+        # wait 15 s per task for it, e.g. when the result could not be pickled)
+        for sub in [job, *getattr(job, "_sub_jobs", [])]:
+            sub._results_timeout_s = 0
     try:
         return job.results()
     except Exception as exc:  # noqa: BLE001 - re-raised with context
+        rank, headline, task = _first_failure(job, exc)
         if slurm:
             live, nodes = _slurm_where(job)
             state = live if live in _SLURM_TERMINAL else _final_slurm_state(job)
         else:
-            state = getattr(job, "state", "UNKNOWN")
+            state = _local_state(job)
+        who = f"rank {rank} " if len(getattr(job, "_sub_jobs", []) or []) > 1 else ""
         raise StepFailed(f"{what}: job {job.job_id} ended in state {state}{f' on {nodes}' if nodes else ''}: "
-                         f"{_cause(job, exc)}\n"
-                         f"log: {job.paths.stderr}\n{_log_tail(job)}") from exc
+                         f"{who}{headline}\n"
+                         f"log: {task.paths.stderr}\n{_log_tail(task)}") from exc
 
 
-def _cause(job, exc: Exception) -> str:
-    """The last ``SomethingError: message`` line of the job's stderr, else the exception's last line."""
-    try:
-        text = job.stderr() or ""
-    except Exception:  # noqa: BLE001
-        text = ""
-    for line in reversed(text.splitlines()):
-        m = re.match(r"^(?:\[rank\d+\]:\s*)?([A-Za-z_.]*(?:Error|Exception|Interrupt)\b.*)", line.strip())
+def _local_state(job) -> str:
+    """A local job's state for a failure message: submitit says FINISHED for any ended job, also one whose
+    function raised (its controller process exits 0 either way); FAILED, or INTERRUPTED when a signal ended it."""
+    proc = getattr(job, "_process", None)
+    code = proc.poll() if proc is not None else None
+    return f"INTERRUPTED (signal {-code})" if code is not None and code < 0 else "FAILED"
+
+
+#: An exception line: ``ValueError: ...``, ``torch.distributed.DistBackendError: ...``, ``KeyboardInterrupt``,
+#: with an optional ``[rank1]:`` prefix (torch's per-rank log prefix).
+_ERROR_LINE = re.compile(r"^(?:\[rank\d+\]:\s*)?([A-Za-z_][\w.]*(?:Error|Exception|Interrupt|Exit)\b(?::.*)?)$")
+
+
+def _headline(text: str) -> str | None:
+    """The first real exception line of a task's stderr, or None.
+
+    Skips the noise of interpreter shutdown: an error inside an ``Exception ignored in ...`` block (e.g. a
+    shared-memory ``__del__`` raising ``KeyError``/``FileNotFoundError``) and resource-tracker warnings about leaked
+    shared memory. The first one is the cause; later ones are its consequences.
+    """
+    ignored = False
+    for line in text.splitlines():
+        stripped = line.strip()
+        if stripped.startswith("Exception ignored"):
+            ignored = True
+            continue
+        m = _ERROR_LINE.match(stripped)
         if m:
+            if ignored or "resource_tracker" in line or "leaked shared_memory" in line:
+                ignored = False
+                continue
             return m.group(1)
-    lines = str(exc).strip().splitlines()
-    return f"{type(exc).__name__}: {lines[-1] if lines else ''}"
+    return None
+
+
+def _task_failure(task) -> tuple[float, str] | None:
+    """(when, headline) of a task that failed, None for one that returned a result.
+
+    The headline is the last line of the exception its function raised (submitit keeps the traceback in the
+    task's result pickle; ``when`` is that pickle's time); for a task that wrote no result (killed, exited hard),
+    the first real exception line of its stderr (:func:`_headline`; ``when`` is the stderr's time).
+    """
+    import submitit
+
+    pickle_path = task.paths.result_pickle
+    if pickle_path.exists():
+        try:
+            outcome, trace = submitit.core.utils.pickle_load(pickle_path)
+        except Exception:  # noqa: BLE001 - unreadable result: judge from the log
+            outcome, trace = "error", ""
+        if outcome != "error":
+            return None
+        lines = [ln for ln in str(trace).strip().splitlines() if ln.strip()]
+        exc_lines = [ln.strip() for ln in lines if _ERROR_LINE.match(ln.strip())]
+        text = exc_lines[-1] if exc_lines else (lines[-1].strip() if lines else "")
+        return pickle_path.stat().st_mtime, text or "(no exception text)"
+    try:
+        err = task.paths.stderr
+        text = err.read_text(errors="replace") if err.exists() else ""
+        when = err.stat().st_mtime if err.exists() else float("inf")
+    except OSError:
+        text, when = "", float("inf")
+    return when, _headline(text) or "wrote no result (killed, or exited without raising)"
+
+
+def _first_failure(job, exc: Exception) -> tuple[int, str, Any]:
+    """(rank, headline, task job) of the first task of ``job`` that failed: the one whose failure was recorded
+    first (other ranks often fail later because of it: a broken connection, a timeout), lowest rank on a tie."""
+    tasks = list(getattr(job, "_sub_jobs", None) or [job])
+    failed = []
+    for rank, task in enumerate(tasks):
+        got = _task_failure(task)
+        if got is not None:
+            failed.append((got[0], rank, got[1], task))
+    if not failed:
+        lines = str(exc).strip().splitlines()
+        return 0, f"{type(exc).__name__}: {lines[-1] if lines else ''}", tasks[0]
+    _, rank, headline, task = min(failed, key=lambda f: (f[0], f[1]))
+    return rank, headline, task
 
 
 def run_step(fn: Callable, *args: Any, step: str, resources: dict, config: dict, log_dir: str,
