@@ -193,11 +193,13 @@ def _fused_loss_model_name() -> str:
 def register_extensions(compile_enabled: bool = False) -> None:
     """Register everything our train config names in llm-foundry's registries (SDPA attention classes, the
     ``drop_full_attention_mask`` and ``llmpipe_run_monitor`` callbacks, the ``fused_adamw`` optimizer, the
-    ``mpt_causal_lm_fused_loss`` model) and, when torch.compile is on, apply
+    ``mpt_causal_lm_fused_loss`` model), per-job streaming shared-memory names (:mod:`llmpipe.shm_names`) and,
+    when torch.compile is on, apply
     :func:`llmpipe.speedups.dynamo_catalogue_fix`. Idempotent."""
     import llmpipe.attention as attention
     import llmpipe.fused_loss as fused_loss
-    from llmpipe import speedups
+    from llmpipe import shm_names, speedups
+    shm_names.per_job_prefixes()  # concurrent jobs on one node never pick the same streaming shared-memory names
     attention.register()
     fused_loss.register()
     speedups.register_fused_adamw()
