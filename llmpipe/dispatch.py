@@ -532,30 +532,64 @@ def _drop_pattern_folder(log_dir: str) -> None:
         pass
 
 
-def map_steps(fn: Callable, items: Sequence[Any], *, step: str, resources: dict, config: dict, log_dir: str,
-              log_file: str | None = None, max_parallel: int = 0, on_result: Callable | None = None) -> list:
-    """Run ``fn(item)`` for each item as independent single-task jobs (a Slurm array, or local processes).
+def _reattach_array(config: dict, record: dict) -> list | None:
+    """The submitit jobs of a recorded Slurm array, or None when they cannot be the same jobs any more (another
+    executor, an array Slurm no longer knows or that now has another name)."""
+    import submitit
 
-    Results come back in the order of ``items``. ``on_result(i, result)`` is called as each job finishes so a
-    caller can print a line per finished unit.
+    ids = record.get("job_ids") or []
+    if not ids or record.get("executor") != executor_kind(config) or record["executor"] != "slurm":
+        return None
+    from llmpipe import slurm
 
-    Raises:
-        StepFailed: one or more jobs failed (message: each failed job's id, state and log tail).
+    try:
+        info = slurm.job_info(ids[0])
+    except RuntimeError:
+        info = {}  # Slurm did not answer: assume the array is still there rather than submit a duplicate
+    if info is None or (info and record.get("name") and info.get("JobName") != record["name"]):
+        return None
+    return [submitit.SlurmJob(folder=folder, job_id=jid) for jid, folder in zip(ids, record["folders"])]
+
+
+def finish_recorded_array(config: dict, key: str, step: str, log_file: str | None = None) -> bool:
+    """Wait for the Slurm array that an earlier call of :func:`map_steps` with this ``key`` submitted, when Slurm
+    still knows it (the Snakemake process that submitted it may have been killed during data prep).
+
+    Call before deciding which units still need a job: the earlier array's tasks finish their units instead of a
+    second array running them again. Its results are not returned (each task's output is on disk); failed tasks
+    are logged, and the caller's next :func:`map_steps` submits what is still missing.
+
+    Returns:
+        True when an earlier array was re-attached and waited for.
     """
-    if not items:
-        return []
-    os.makedirs(log_dir, exist_ok=True)
-    one = dict(resources, nodes=1, tasks_per_node=1)
-    ex = make_executor(config, one, os.path.join(log_dir, "%j"), name=step.replace(" ", "_"))
-    if max_parallel and hasattr(ex, "update_parameters") and executor_kind(config) == "slurm":
-        ex.update_parameters(array_parallelism=max_parallel)
-    jobs = ex.map_array(fn, list(items))
-    say(f"{step}: submitted {len(jobs)} job(s) ({executor_kind(config)}); first id {jobs[0].job_id}; "
-         f"logs in {log_dir}", log_file)
+    rec_path = _record_path(config, key)
+    if executor_kind(config) != "slurm" or not os.path.exists(rec_path):
+        return False
+    with open(rec_path) as fh:
+        record = json.load(fh)
+    jobs = _reattach_array(config, record)
+    if jobs is None:
+        say(f"{step}: earlier array {str(record.get('job_ids', ['?'])[0]).split('_')[0]} is gone", log_file)
+        os.remove(rec_path)
+        return False
+    say(f"{step}: re-attaching to array {jobs[0].job_id.split('_')[0]} ({len(jobs)} task(s)) submitted earlier; "
+        f"waiting for it before submitting what is still missing", log_file)
+    _, failures = _wait_array(jobs, step, config, log_file, None)
+    for failure in failures:
+        say(f"{step}: earlier {failure.splitlines()[0]}", log_file)
+    with contextlib.suppress(FileNotFoundError):
+        os.remove(rec_path)
+    return True
+
+
+def _wait_array(jobs: list, step: str, config: dict, log_file: str | None,
+                on_result: Callable | None) -> tuple[list, list[str]]:
+    """Wait for every job of an array; (results in order, None for failed ones; failure texts). On Slurm each
+    task's end is logged with its state, node and log."""
     poll_s = float((config.get("dispatch") or {}).get("poll_s", 5))
     results: list = [None] * len(jobs)
     pending = set(range(len(jobs)))
-    failures = []
+    failures: list[str] = []
     slurm_poll_s = _slurm_poll_s(config)
     last_force = time.time()
     with _local_jobs_die_with_us(jobs, step, log_file):
@@ -566,16 +600,68 @@ def map_steps(fn: Callable, items: Sequence[Any], *, step: str, resources: dict,
             for i in sorted(pending):
                 if jobs[i].done():
                     pending.discard(i)
+                    where = ""
+                    if _is_slurm(jobs[i]):
+                        node = jobs[i].watcher.get_info(jobs[i].job_id, mode="cache").get("NodeList", "")
+                        if not node or node == "None assigned":
+                            node = _slurm_where(jobs[i])[1]  # sacct's cache had not seen it run
+                        where = f"{f' on {node}' if node and node != 'None assigned' else ''}; log: " \
+                                f"{jobs[i].paths.stderr}"
                     try:
                         results[i] = jobs[i].result()
+                        if where:
+                            say(f"{step}: job {jobs[i].job_id} done{where}", log_file)
                         if on_result:
                             on_result(i, results[i])
-                    except Exception as exc:  # noqa: BLE001 - collected and re-raised below
+                    except Exception as exc:  # noqa: BLE001 - collected and re-raised by the caller
+                        if where:
+                            say(f"{step}: job {jobs[i].job_id} failed ({jobs[i].state}){where}", log_file)
                         failures.append(f"job {jobs[i].job_id} ({jobs[i].state}): {exc}\n{_log_tail(jobs[i], 15)}")
             if pending:
                 # local jobs: done() only polls a child process, so look often (a short run's last unit is
                 # noticed within 0.1 s, not up to 1 s later); Slurm: the watcher's cached sacct state, every 1 s
                 time.sleep(min(poll_s, 1.0 if _is_slurm(jobs[0]) else 0.1))
+    return results, failures
+
+
+def map_steps(fn: Callable, items: Sequence[Any], *, step: str, resources: dict, config: dict, log_dir: str,
+              log_file: str | None = None, max_parallel: int = 0, on_result: Callable | None = None,
+              key: str | None = None) -> list:
+    """Run ``fn(item)`` for each item as independent single-task jobs (a Slurm array, or local processes).
+
+    Results come back in the order of ``items``. ``on_result(i, result)`` is called as each job finishes so a
+    caller can print a line per finished unit. On Slurm each task's end is logged with its state, node and log.
+
+    Args:
+        key: identity of this submission (see :func:`job_key`): a Slurm array is recorded under it in
+            ``dispatch.state_dir`` until all its tasks ended, for :func:`finish_recorded_array`. None: not recorded.
+
+    Raises:
+        StepFailed: one or more jobs failed (message: each failed job's id, state and log tail).
+    """
+    if not items:
+        return []
+    os.makedirs(log_dir, exist_ok=True)
+    name = step.replace(" ", "_")
+    slurm_kind = executor_kind(config) == "slurm"
+    one = dict(resources, nodes=1, tasks_per_node=1)
+    ex = make_executor(config, one, os.path.join(log_dir, "%j"), name=name)
+    if max_parallel and hasattr(ex, "update_parameters") and slurm_kind:
+        ex.update_parameters(array_parallelism=max_parallel)
+    jobs = ex.map_array(fn, list(items))
+    rec_path = _record_path(config, key) if key and slurm_kind else None
+    if rec_path:
+        _write_record(rec_path, {"executor": "slurm", "job_ids": [str(j.job_id) for j in jobs],
+                                 "folders": [str(j.paths.folder) for j in jobs], "step": step, "name": name,
+                                 "submitted": time.time()})
+    first = str(jobs[0].job_id)
+    what = (f"array {first.split('_')[0]} of {len(jobs)} task(s) ({first} .. {jobs[-1].job_id})" if slurm_kind
+            else f"{len(jobs)} job(s) ({executor_kind(config)}; first id {first})")
+    say(f"{step}: submitted {what}; logs: {log_dir}/<job id>/<job id>_0_log.err", log_file)
+    results, failures = _wait_array(jobs, step, config, log_file, on_result)
+    if rec_path:
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(rec_path)  # every task ended
     _drop_pattern_folder(log_dir)
     if failures:
         raise StepFailed(f"{step}: {len(failures)} of {len(jobs)} job(s) failed:\n" + "\n".join(failures))

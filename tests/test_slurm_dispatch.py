@@ -288,6 +288,45 @@ def test_map_steps_runs_a_slurm_array(slurm_cluster, tmp_path):
     assert len(runs) == 3 and len({r["JobID"].split("_")[0] for r in runs}) == 1, runs  # one array job
 
 
+def test_array_of_a_killed_driver_is_reattached_not_resubmitted(slurm_cluster, tmp_path):
+    """Data prep's array is recorded: after the driver is SIGKILLed, the next call waits for that array."""
+    name = step_name(tmp_path, "array-reattach")
+    cfg = config(tmp_path)
+    key = job_key("unit-array", name)
+    args = dict(step=name, config=cfg, resources=resources(), log_dir=str(tmp_path / "logs"), key=key)
+    script = (
+        "import sys, json, cloudpickle\n"
+        f"sys.path.insert(0, {str(REPO)!r})\n"
+        "from tests.slurm_cluster import jobs\n"
+        "cloudpickle.register_pickle_by_value(jobs)\n"
+        "from llmpipe.dispatch import map_steps\n"
+        f"map_steps(jobs.square_slowly, [2, 3], **json.loads({json.dumps(args)!r}))\n")
+    first = subprocess.Popen([sys.executable, "-c", script], env=os.environ.copy(),
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.time() + 60
+        while "RUNNING" not in slurm_cluster.run("squeue", "--noheader", "--name", name.replace(" ", "_"),
+                                                 "--format", "%T") and time.time() < deadline:
+            time.sleep(0.3)
+    finally:
+        first.send_signal(signal.SIGKILL)
+        out = first.communicate()[0]
+    m = re.search(r"submitted array (\d+) of 2 task\(s\) \(\1_0 \.\. \1_1\)", out)
+    assert m, out
+    array_id = m.group(1)
+    assert list((tmp_path / "state").glob("*.json")), "the array was not recorded"
+    log = tmp_path / "second.log"
+    assert dispatch.finish_recorded_array(cfg, key, name, str(log))
+    text = log.read_text()
+    assert f"re-attaching to array {array_id} (2 task(s)) submitted earlier" in text, text
+    for i in (0, 1):
+        assert re.search(rf"job {array_id}_{i} done on n[12]; log: \S+/{array_id}_{i}_0_log\.err", text), text
+    runs = slurm_cluster.jobs_named(name.replace(" ", "_"), expect=2)
+    assert sorted(r["JobID"] for r in runs) == [f"{array_id}_0", f"{array_id}_1"], runs  # nothing resubmitted
+    assert not list((tmp_path / "state").glob("*.json"))
+    assert not dispatch.finish_recorded_array(cfg, key, name, str(log))  # nothing left to wait for
+
+
 def test_site_settings_reach_the_slurm_job(slurm_cluster, tmp_path):
     """What make_executor asks for is what Slurm records for the job."""
     site = {"partition": "debug", "exclusive": True, "sbatch_args": {"comment": "llmpipe-test", "requeue": True}}
