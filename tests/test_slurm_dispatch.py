@@ -16,7 +16,7 @@ from pathlib import Path
 import cloudpickle
 import pytest
 
-from llmpipe import dispatch
+from llmpipe import dispatch, live_jobs
 from llmpipe.dispatch import StepFailed, job_key, run_step
 from tests.slurm_cluster import jobs
 
@@ -190,6 +190,10 @@ def test_reattaches_to_the_job_a_killed_snakemake_left_running(slurm_cluster, tm
         first.send_signal(signal.SIGKILL)
         first.wait()
     assert list((tmp_path / "state").glob("*.json")), "no record of the submitted job"
+    # what a dry run prints meanwhile (rules/common.smk)
+    notes = "\n".join(live_jobs.notes(str(tmp_path / "state"), lock_dir=str(tmp_path / "locks")))
+    assert re.search(rf"{re.escape(name)}: slurm job {job_id} is RUNNING on n\[1-2\]; the next run re-attaches", notes), \
+        notes
     log = tmp_path / "second.log"
     got = run_step(jobs.sleep_then, 10, "second", log_file=str(log), **args)
     assert got == {"token": "first", "job_id": job_id}  # the first call's job, not a new one
