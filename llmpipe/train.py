@@ -386,9 +386,9 @@ def _build_monitor_class():
                 signum, frame, previous = _PENDING_SIGNAL[-1]
                 if callable(previous):
                     previous(signum, frame)  # submitit: pickle checkpoint(), scontrol requeue, exit
-            # ranks that did not get the signal wait here to be requeued by Slurm with the job
-            while True:
-                time.sleep(5)
+            # ranks that did not get the signal wait here to be requeued by Slurm with the job, or end
+            from llmpipe.requeue import wait_to_be_requeued
+            wait_to_be_requeued(rank=dist.get_global_rank())
 
         def batch_checkpoint(self, state: State, logger: Logger) -> None:
             from composer.utils import dist
@@ -472,8 +472,8 @@ class TrainTask:
         self.peak_flops_table = peak_flops_table
 
     def checkpoint(self, *args: Any, **kwargs: Any):
-        import submitit
-        return submitit.helpers.DelayedSubmission(self)
+        from llmpipe.requeue import resubmission  # counts allocations without progress (requeue_cap)
+        return resubmission(self, os.path.join(self.run_dir, "checkpoints"))
 
     def before_start(self) -> None:
         """Checks and environment set-up before anything is built (a subclass hook)."""

@@ -15,6 +15,7 @@ from llmpipe.config import SPEED_ONLY_FINETUNE_DATA_KEYS, SPEED_ONLY_TRAIN_KEYS,
 from llmpipe.steps.context import StepContext, read_json
 from llmpipe.steps.convert import convert_identity
 from llmpipe.steps.data import instructions_identity, mds_identity, tokenizer_identity
+from llmpipe.slurm import site_config
 from llmpipe.train import complete_checkpoints, prepare_save_folder, recorded_result
 
 #: Bump when a change in our code changes the trained model (reruns training and everything after it).
@@ -110,12 +111,16 @@ def training_task(ctx: StepContext, config: dict, run: str, rc: dict):
     if is_finetune(config, run):
         from llmpipe.finetune import FinetuneTask, base_model_path, require_peft
         require_peft(rc)
-        return FinetuneTask(rc, os.path.dirname(ctx.input.instructions), tok_dir, run_dir, ctx.params.identity,
+        task = FinetuneTask(rc, os.path.dirname(ctx.input.instructions), tok_dir, run_dir, ctx.params.identity,
                             base_model_path(rc, results_dir=config["results_dir"]), **job)
-    from llmpipe.train import TrainTask
-    check_vocab_fits(read_json(ctx.input.tokenizer), rc, run)
-    return TrainTask(rc, os.path.join(os.path.dirname(ctx.input.data), "mds"), tok_dir, run_dir,
-                     ctx.params.identity, **job)
+    else:
+        from llmpipe.train import TrainTask
+        check_vocab_fits(read_json(ctx.input.tokenizer), rc, run)
+        task = TrainTask(rc, os.path.join(os.path.dirname(ctx.input.data), "mds"), tok_dir, run_dir,
+                         ctx.params.identity, **job)
+    # allocations without progress a training may have before it fails (llmpipe.requeue)
+    task.requeue_cap = int(site_config(config, job["resources"])["max_requeue_timeouts"])
+    return task
 
 
 def finished_training(ctx: StepContext, rc: dict, label: str) -> dict | None:
