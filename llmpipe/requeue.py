@@ -34,19 +34,11 @@ class DelayedSubmission(submitit.helpers.DelayedSubmission):
         super().set_timeout(timeout_min, self.allowed)
 
 
-def newest_batch(save_folder: str) -> int:
-    """The batch of the newest complete checkpoint in ``save_folder`` (:func:`llmpipe.train.complete_checkpoints`),
-    0 when there is none."""
-    from llmpipe.train import complete_checkpoints
-
-    ckpts = complete_checkpoints(save_folder)
-    return ckpts[-1][0] if ckpts else 0
-
-
-def resubmission(task: Any, save_folder: str) -> DelayedSubmission:
+def resubmission(task: Any, batch: int) -> DelayedSubmission:
     """What a checkpointable training's ``checkpoint()`` returns when Slurm ends its allocation.
 
-    Compares the newest complete checkpoint with the one at the end of the previous allocation
+    Compares ``batch``, the newest complete checkpoint's batch (0: none), with the one at the end of the previous
+    allocation
     (``task.requeue_start_batch``; the first allocation counts as progress when any checkpoint exists) and counts an
     allocation without progress in ``task.requeue_no_progress``.
 
@@ -55,7 +47,6 @@ def resubmission(task: Any, save_folder: str) -> DelayedSubmission:
             the newest checkpoint's batch, the setting and the fix. The job then ends as failed.
     """
     cap = int(getattr(task, "requeue_cap", 3))
-    batch = newest_batch(save_folder)
     start = getattr(task, "requeue_start_batch", None)
     progressed = batch > (start if start is not None else 0)
     task.requeue_no_progress = int(getattr(task, "requeue_no_progress", 0)) + (0 if progressed else 1)

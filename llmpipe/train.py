@@ -473,7 +473,8 @@ class TrainTask:
 
     def checkpoint(self, *args: Any, **kwargs: Any):
         from llmpipe.requeue import resubmission  # counts allocations without progress (requeue_cap)
-        return resubmission(self, os.path.join(self.run_dir, "checkpoints"))
+        ckpts = complete_checkpoints(os.path.join(self.run_dir, "checkpoints"))
+        return resubmission(self, ckpts[-1][0] if ckpts else 0)
 
     def before_start(self) -> None:
         """Checks and environment set-up before anything is built (a subclass hook)."""
