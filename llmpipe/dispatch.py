@@ -403,12 +403,12 @@ def _headline(text: str) -> str | None:
     return None
 
 
-def _task_failure(task) -> tuple[float, str] | None:
-    """(when, headline) of a task that failed, None for one that returned a result.
+def _task_failure(task) -> tuple[int, float, str] | None:
+    """(kind, when, headline) of a task that failed, None for one that returned a result.
 
-    The headline is the last line of the exception its function raised (submitit keeps the traceback in the
-    task's result pickle; ``when`` is that pickle's time); for a task that wrote no result (killed, exited hard),
-    the first real exception line of its stderr (:func:`_headline`; ``when`` is the stderr's time).
+    kind 0: its function raised; the headline is the exception's line from the traceback submitit keeps in the
+    task's result pickle, ``when`` that pickle's time. kind 1: no result (killed, exited hard) but its stderr has an
+    exception line (:func:`_headline`); kind 2: neither. For kinds 1 and 2 ``when`` is the stderr's time.
     """
     import submitit
 
@@ -423,29 +423,32 @@ def _task_failure(task) -> tuple[float, str] | None:
         lines = [ln for ln in str(trace).strip().splitlines() if ln.strip()]
         exc_lines = [ln.strip() for ln in lines if _ERROR_LINE.match(ln.strip())]
         text = exc_lines[-1] if exc_lines else (lines[-1].strip() if lines else "")
-        return pickle_path.stat().st_mtime, text or "(no exception text)"
+        return 0, pickle_path.stat().st_mtime, text or "(no exception text)"
     try:
         err = task.paths.stderr
         text = err.read_text(errors="replace") if err.exists() else ""
         when = err.stat().st_mtime if err.exists() else float("inf")
     except OSError:
         text, when = "", float("inf")
-    return when, _headline(text) or "wrote no result (killed, or exited without raising)"
+    headline = _headline(text)
+    return (1, when, headline) if headline else (2, when, "wrote no result (killed, or exited without raising)")
 
 
 def _first_failure(job, exc: Exception) -> tuple[int, str, Any]:
-    """(rank, headline, task job) of the first task of ``job`` that failed: the one whose failure was recorded
-    first (other ranks often fail later because of it: a broken connection, a timeout), lowest rank on a tie."""
+    """(rank, headline, task job) of the first task of ``job`` that failed: a task whose function raised before one
+    that only has an error in its log, before one killed without either (ranks killed because another failed);
+    among those the one whose failure was recorded first (other ranks often fail later because of it: a broken
+    connection, a timeout), lowest rank on a tie."""
     tasks = list(getattr(job, "_sub_jobs", None) or [job])
     failed = []
     for rank, task in enumerate(tasks):
         got = _task_failure(task)
         if got is not None:
-            failed.append((got[0], rank, got[1], task))
+            failed.append((got[0], got[1], rank, got[2], task))
     if not failed:
         lines = str(exc).strip().splitlines()
         return 0, f"{type(exc).__name__}: {lines[-1] if lines else ''}", tasks[0]
-    _, rank, headline, task = min(failed, key=lambda f: (f[0], f[1]))
+    _, _, rank, headline, task = min(failed, key=lambda f: (f[0], f[1], f[2]))
     return rank, headline, task
 
 

@@ -5,6 +5,7 @@ Runs on the local executor (submitit's LocalExecutor, this machine); the Slurm s
 
 from __future__ import annotations
 
+import os
 import re
 import sys
 import threading
@@ -46,6 +47,17 @@ def _rank1_fails_first() -> str:
     raise RuntimeError("Connection reset by peer (a consequence)")
 
 
+def _rank0_killed_quietly_rank1_raises() -> None:
+    import submitit
+
+    if submitit.JobEnvironment().global_rank == 1:
+        time.sleep(1.0)
+        raise ValueError("the real cause, on rank 1")
+    print("rank 0 waiting in a collective", file=sys.stderr, flush=True)  # its log's last write comes first
+    time.sleep(2.5)
+    os._exit(1)  # killed as a consequence: no result, no exception
+
+
 def _run(tmp_path, fn, tasks: int = 1):
     cfg = {"dispatch": {"executor": "local", "state_dir": str(tmp_path / "state"), "poll_s": 0.1}}
     res = {"nodes": 1, "tasks_per_node": tasks, "gpus_per_node": 0, "cpus_per_task": 1, "time_min": 5}
@@ -76,6 +88,11 @@ def test_headline_is_the_first_real_error_of_the_first_failing_rank(tmp_path):
     first = msg.splitlines()[0]
     assert first.endswith("ended in state FAILED: rank 1 ValueError: the real cause, on rank 1"), first
     assert re.search(r"^log: .*/logs/\d+/\d+_1_log\.err$", msg, re.M), msg  # rank 1's log, not rank 0's
+
+
+def test_a_rank_that_raised_goes_before_one_killed_without_a_word(tmp_path):
+    msg, _ = _run(tmp_path, _rank0_killed_quietly_rank1_raises, tasks=2)
+    assert msg.splitlines()[0].endswith("ended in state FAILED: rank 1 ValueError: the real cause, on rank 1"), msg
 
 
 def test_headline_skips_shutdown_noise():
