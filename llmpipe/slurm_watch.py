@@ -102,6 +102,7 @@ class StateLog:
         self.restarts = None
         self.told_nodes = False
         self.stuck_since: float | None = None
+        self.unsaid: tuple[str, float] | None = None  # (restart count, until when) of a requeue whose cause is unknown
         self.confirm_s = confirm_s
 
     def poll(self, view: dict[str, str] | None = None) -> dict[str, str] | None:
@@ -129,6 +130,16 @@ class StateLog:
             done = self.progress() if self.progress else None
             self.say(f"{self.what}: job {self.job_id} was REQUEUED (restart {restarts}{how})"
                      f"{f'; {done}' if done else ''}")
+            # accounting may record the earlier run later still: say how it ended once it does (up to 2 minutes)
+            self.unsaid = None if ended else (restarts, time.monotonic() + 120)
+        elif self.unsaid is not None:
+            n, until = self.unsaid
+            runs = earlier_run_states(self.job_id)
+            if str(n).isdigit() and len(runs) > int(n) and runs[int(n) - 1]:
+                self.say(f"{self.what}: job {self.job_id}'s run before restart {n} ended {runs[int(n) - 1]}")
+                self.unsaid = None
+            elif time.monotonic() > until:
+                self.unsaid = None
         self.restarts = restarts
         now = (state, "" if reason == "None" else reason, nodes)
         if now != self.last:

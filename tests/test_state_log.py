@@ -51,3 +51,16 @@ def test_a_never_resolving_reason_seen_once_is_not_enough():
     log.poll(view("PENDING", "PartitionConfig"))
     log.poll(view("PENDING", "PartitionConfig"))  # not yet held 60 s
     log.poll(view("RUNNING", nodes="n1"))
+
+
+def test_how_the_earlier_run_ended_follows_when_accounting_records_it_late(monkeypatch):
+    answers = iter([["RUNNING"]] * 7 + [["NODE_FAIL", "PENDING"]])  # 7 answers while requeueing, then the record
+    monkeypatch.setattr(slurm_watch, "earlier_run_states", lambda job_id: next(answers))
+    monkeypatch.setattr(slurm_watch.time, "sleep", lambda s: None)
+    lines: list[str] = []
+    log = StateLog("9", "train r", lines.append)
+    log.poll(view("RUNNING", nodes="n1"))
+    log.poll(view("PENDING", "BeginTime", restarts="1"))
+    log.poll(view("PENDING", "BeginTime", restarts="1"))
+    assert lines[1:] == ["train r: job 9 was REQUEUED (restart 1)", "train r: job 9 is PENDING (BeginTime)",
+                         "train r: job 9's run before restart 1 ended NODE_FAIL"], lines
