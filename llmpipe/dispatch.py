@@ -38,6 +38,10 @@ class StepFailed(RuntimeError):
     """A dispatched job ended without a result: the message has its job id, state and the tail of its log."""
 
 
+class StepNeverRuns(StepFailed):
+    """A dispatched Slurm job was PENDING for a reason Slurm never resolves; it was cancelled."""
+
+
 def say(msg: str, log_file: str | None = None) -> None:
     """Print ``[llmpipe HH:MM:SS] msg`` to stderr and append the same line to ``log_file`` when given."""
     line = f"[llmpipe {time.strftime('%H:%M:%S')}] {msg}"
@@ -290,34 +294,45 @@ def _local_jobs_die_with_us(jobs: Sequence[Any], what: str, log_file: str | None
             signal.signal(signal.SIGTERM, previous)
 
 
-def _wait(job, log_file: str | None, poll_s: float, what: str, slurm_poll_s: float = 30.0) -> list:
+def _wait(job, log_file: str | None, poll_s: float, what: str, slurm_poll_s: float = 30.0,
+          progress: Callable[[], str | None] | None = None) -> list:
     """Block until ``job`` ends; return the results of all its tasks. Raise StepFailed with state and log.
 
     Slurm jobs: sacct is asked at least every ``slurm_poll_s`` seconds (submitit's own watcher backs off to 10
-    minutes on long jobs), and each state change is logged with the job's nodes.
+    minutes on long jobs), and each state change is logged with its reason and nodes
+    (:class:`llmpipe.slurm_watch.StateLog`; ``progress`` is asked on a requeue). A job PENDING for a reason Slurm
+    never resolves is cancelled and raises :class:`StepFailed` at once.
     """
     last_state = last_shown = None
     last_force = time.time()
     slurm = _is_slurm(job)
-    told_nodes = False
+    watch = None
+    if slurm:
+        from llmpipe.slurm_watch import NeverRuns, StateLog
+
+        watch = StateLog(job.job_id, what, lambda line: say(line, log_file), progress)
     while True:
         force = slurm and time.time() - last_force >= slurm_poll_s
         if force:
             last_force = time.time()
+        if watch is not None:
+            try:
+                watch.poll()
+            except NeverRuns as exc:
+                with contextlib.suppress(Exception):
+                    job.cancel(check=False)
+                say(str(exc), log_file)
+                raise StepNeverRuns(str(exc)) from None
         if job.done(force_check=force) and (not slurm or _slurm_really_ended(job)):
             break
         state = job.state
-        if state != last_state and not (slurm and state == "UNKNOWN"):  # UNKNOWN: sacct has not seen it yet
+        if not slurm and state != last_state:
             last_state = state
-            nodes = ""
-            if slurm:
-                live, nodes = _slurm_where(job)
-                state = live or state
             if state != last_shown:
-                say(f"{what}: job {job.job_id} is {state}{f' on {nodes}' if nodes else ''}", log_file)
-                told_nodes = told_nodes or (state == "RUNNING" and bool(nodes))
+                say(f"{what}: job {job.job_id} is {state}", log_file)
                 last_shown = state
-        time.sleep(poll_s)
+        time.sleep(max(poll_s, 1.0) if slurm else poll_s)
+    told_nodes = bool(watch and watch.told_nodes)
     nodes = ""
     if slurm:
         live, nodes = _slurm_where(job)
@@ -333,35 +348,113 @@ def _wait(job, log_file: str | None, poll_s: float, what: str, slurm_poll_s: flo
         if state in _SLURM_TERMINAL and state != "COMPLETED":
             for sub in [job, *getattr(job, "_sub_jobs", [])]:
                 sub._results_timeout_s = 3
+    elif type(job).__name__ == "LocalJob":
+        # the local job's processes have exited: a result pickle that is missing now never comes (submitit would
+        # wait 15 s per task for it, e.g. when the result could not be pickled)
+        for sub in [job, *getattr(job, "_sub_jobs", [])]:
+            sub._results_timeout_s = 0
     try:
         return job.results()
     except Exception as exc:  # noqa: BLE001 - re-raised with context
+        rank, headline, task = _first_failure(job, exc)
         if slurm:
             live, nodes = _slurm_where(job)
             state = live if live in _SLURM_TERMINAL else _final_slurm_state(job)
         else:
-            state = getattr(job, "state", "UNKNOWN")
+            state = _local_state(job)
+        who = f"rank {rank} " if len(getattr(job, "_sub_jobs", []) or []) > 1 else ""
         raise StepFailed(f"{what}: job {job.job_id} ended in state {state}{f' on {nodes}' if nodes else ''}: "
-                         f"{_cause(job, exc)}\n"
-                         f"log: {job.paths.stderr}\n{_log_tail(job)}") from exc
+                         f"{who}{headline}\n"
+                         f"log: {task.paths.stderr}\n{_log_tail(task)}") from exc
 
 
-def _cause(job, exc: Exception) -> str:
-    """The last ``SomethingError: message`` line of the job's stderr, else the exception's last line."""
-    try:
-        text = job.stderr() or ""
-    except Exception:  # noqa: BLE001
-        text = ""
-    for line in reversed(text.splitlines()):
-        m = re.match(r"^(?:\[rank\d+\]:\s*)?([A-Za-z_.]*(?:Error|Exception|Interrupt)\b.*)", line.strip())
+def _local_state(job) -> str:
+    """A local job's state for a failure message: submitit says FINISHED for any ended job, also one whose
+    function raised (its controller process exits 0 either way); FAILED, or INTERRUPTED when a signal ended it."""
+    proc = getattr(job, "_process", None)
+    code = proc.poll() if proc is not None else None
+    return f"INTERRUPTED (signal {-code})" if code is not None and code < 0 else "FAILED"
+
+
+#: An exception line: ``ValueError: ...``, ``torch.distributed.DistBackendError: ...``, ``KeyboardInterrupt``,
+#: with an optional ``[rank1]:`` prefix (torch's per-rank log prefix).
+_ERROR_LINE = re.compile(r"^(?:\[rank\d+\]:\s*)?([A-Za-z_][\w.]*(?:Error|Exception|Interrupt|Exit)\b(?::.*)?)$")
+
+
+def _headline(text: str) -> str | None:
+    """The first real exception line of a task's stderr, or None.
+
+    Skips the noise of interpreter shutdown: an error inside an ``Exception ignored in ...`` block (e.g. a
+    shared-memory ``__del__`` raising ``KeyError``/``FileNotFoundError``) and resource-tracker warnings about leaked
+    shared memory. The first one is the cause; later ones are its consequences.
+    """
+    ignored = False
+    for line in text.splitlines():
+        stripped = line.strip()
+        if stripped.startswith("Exception ignored"):
+            ignored = True
+            continue
+        m = _ERROR_LINE.match(stripped)
         if m:
+            if ignored or "resource_tracker" in line or "leaked shared_memory" in line:
+                ignored = False
+                continue
             return m.group(1)
-    lines = str(exc).strip().splitlines()
-    return f"{type(exc).__name__}: {lines[-1] if lines else ''}"
+    return None
+
+
+def _task_failure(task) -> tuple[int, float, str] | None:
+    """(kind, when, headline) of a task that failed, None for one that returned a result.
+
+    kind 0: its function raised; the headline is the exception's line from the traceback submitit keeps in the
+    task's result pickle, ``when`` that pickle's time. kind 1: no result (killed, exited hard) but its stderr has an
+    exception line (:func:`_headline`); kind 2: neither. For kinds 1 and 2 ``when`` is the stderr's time.
+    """
+    import submitit
+
+    pickle_path = task.paths.result_pickle
+    if pickle_path.exists():
+        try:
+            outcome, trace = submitit.core.utils.pickle_load(pickle_path)
+        except Exception:  # noqa: BLE001 - unreadable result: judge from the log
+            outcome, trace = "error", ""
+        if outcome != "error":
+            return None
+        lines = [ln for ln in str(trace).strip().splitlines() if ln.strip()]
+        exc_lines = [ln.strip() for ln in lines if _ERROR_LINE.match(ln.strip())]
+        text = exc_lines[-1] if exc_lines else (lines[-1].strip() if lines else "")
+        return 0, pickle_path.stat().st_mtime, text or "(no exception text)"
+    try:
+        err = task.paths.stderr
+        text = err.read_text(errors="replace") if err.exists() else ""
+        when = err.stat().st_mtime if err.exists() else float("inf")
+    except OSError:
+        text, when = "", float("inf")
+    headline = _headline(text)
+    return (1, when, headline) if headline else (2, when, "wrote no result (killed, or exited without raising)")
+
+
+def _first_failure(job, exc: Exception) -> tuple[int, str, Any]:
+    """(rank, headline, task job) of the first task of ``job`` that failed: a task whose function raised before one
+    that only has an error in its log, before one killed without either (ranks killed because another failed);
+    among those the one whose failure was recorded first (other ranks often fail later because of it: a broken
+    connection, a timeout), lowest rank on a tie."""
+    tasks = list(getattr(job, "_sub_jobs", None) or [job])
+    failed = []
+    for rank, task in enumerate(tasks):
+        got = _task_failure(task)
+        if got is not None:
+            failed.append((got[0], got[1], rank, got[2], task))
+    if not failed:
+        lines = str(exc).strip().splitlines()
+        return 0, f"{type(exc).__name__}: {lines[-1] if lines else ''}", tasks[0]
+    _, _, rank, headline, task = min(failed, key=lambda f: (f[0], f[1], f[2]))
+    return rank, headline, task
 
 
 def run_step(fn: Callable, *args: Any, step: str, resources: dict, config: dict, log_dir: str,
-             key: str, log_file: str | None = None, **kwargs: Any) -> Any:
+             key: str, log_file: str | None = None, progress: Callable[[], str | None] | None = None,
+             **kwargs: Any) -> Any:
     """Run ``fn(*args, **kwargs)`` as one job on ``resources`` and return rank 0's result.
 
     The job has ``nodes x tasks_per_node`` tasks; every task calls ``fn`` (training sets up torch.distributed
@@ -373,9 +466,12 @@ def run_step(fn: Callable, *args: Any, step: str, resources: dict, config: dict,
         log_dir: folder for submitit's pickles and per-task logs.
         key: identity of this submission (see :func:`job_key`); a live job with the same key is re-attached.
         log_file: the Snakemake rule's log; every line printed here is appended to it too.
+        progress: returns a short text on the step's progress (e.g. its newest checkpoint's batch), logged when
+            Slurm requeues the job; not passed to ``fn``.
 
     Raises:
-        StepFailed: the job failed, was cancelled or timed out (message: job id, state, log tail).
+        StepFailed: the job failed, was cancelled or timed out (message: job id, state, log tail), or it was
+            PENDING for a reason Slurm never resolves (:class:`StepNeverRuns`; the job is cancelled).
     """
     poll_s = float((config.get("dispatch") or {}).get("poll_s", 5))
     rec_path = _record_path(config, key)
@@ -413,7 +509,11 @@ def run_step(fn: Callable, *args: Any, step: str, resources: dict, config: dict,
              f"log: {getattr(job.paths, 'stderr', log_dir)}", log_file)
     try:
         with _local_jobs_die_with_us([job], step, log_file):
-            results = _wait(job, log_file, poll_s, step, _slurm_poll_s(config))
+            results = _wait(job, log_file, poll_s, step, _slurm_poll_s(config), progress)
+    except StepNeverRuns:
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(rec_path)  # cancelled: nothing to re-attach to
+        raise
     finally:
         if job.done():
             try:
@@ -435,30 +535,64 @@ def _drop_pattern_folder(log_dir: str) -> None:
         pass
 
 
-def map_steps(fn: Callable, items: Sequence[Any], *, step: str, resources: dict, config: dict, log_dir: str,
-              log_file: str | None = None, max_parallel: int = 0, on_result: Callable | None = None) -> list:
-    """Run ``fn(item)`` for each item as independent single-task jobs (a Slurm array, or local processes).
+def _reattach_array(config: dict, record: dict) -> list | None:
+    """The submitit jobs of a recorded Slurm array, or None when they cannot be the same jobs any more (another
+    executor, an array Slurm no longer knows or that now has another name)."""
+    import submitit
 
-    Results come back in the order of ``items``. ``on_result(i, result)`` is called as each job finishes so a
-    caller can print a line per finished unit.
+    ids = record.get("job_ids") or []
+    if not ids or record.get("executor") != executor_kind(config) or record["executor"] != "slurm":
+        return None
+    from llmpipe import slurm
 
-    Raises:
-        StepFailed: one or more jobs failed (message: each failed job's id, state and log tail).
+    try:
+        info = slurm.job_info(ids[0])
+    except RuntimeError:
+        info = {}  # Slurm did not answer: assume the array is still there rather than submit a duplicate
+    if info is None or (info and record.get("name") and info.get("JobName") != record["name"]):
+        return None
+    return [submitit.SlurmJob(folder=folder, job_id=jid) for jid, folder in zip(ids, record["folders"])]
+
+
+def finish_recorded_array(config: dict, key: str, step: str, log_file: str | None = None) -> bool:
+    """Wait for the Slurm array that an earlier call of :func:`map_steps` with this ``key`` submitted, when Slurm
+    still knows it (the Snakemake process that submitted it may have been killed during data prep).
+
+    Call before deciding which units still need a job: the earlier array's tasks finish their units instead of a
+    second array running them again. Its results are not returned (each task's output is on disk); failed tasks
+    are logged, and the caller's next :func:`map_steps` submits what is still missing.
+
+    Returns:
+        True when an earlier array was re-attached and waited for.
     """
-    if not items:
-        return []
-    os.makedirs(log_dir, exist_ok=True)
-    one = dict(resources, nodes=1, tasks_per_node=1)
-    ex = make_executor(config, one, os.path.join(log_dir, "%j"), name=step.replace(" ", "_"))
-    if max_parallel and hasattr(ex, "update_parameters") and executor_kind(config) == "slurm":
-        ex.update_parameters(array_parallelism=max_parallel)
-    jobs = ex.map_array(fn, list(items))
-    say(f"{step}: submitted {len(jobs)} job(s) ({executor_kind(config)}); first id {jobs[0].job_id}; "
-         f"logs in {log_dir}", log_file)
+    rec_path = _record_path(config, key)
+    if executor_kind(config) != "slurm" or not os.path.exists(rec_path):
+        return False
+    with open(rec_path) as fh:
+        record = json.load(fh)
+    jobs = _reattach_array(config, record)
+    if jobs is None:
+        say(f"{step}: earlier array {str(record.get('job_ids', ['?'])[0]).split('_')[0]} is gone", log_file)
+        os.remove(rec_path)
+        return False
+    say(f"{step}: re-attaching to array {jobs[0].job_id.split('_')[0]} ({len(jobs)} task(s)) submitted earlier; "
+        f"waiting for it before submitting what is still missing", log_file)
+    _, failures = _wait_array(jobs, step, config, log_file, None)
+    for failure in failures:
+        say(f"{step}: earlier {failure.splitlines()[0]}", log_file)
+    with contextlib.suppress(FileNotFoundError):
+        os.remove(rec_path)
+    return True
+
+
+def _wait_array(jobs: list, step: str, config: dict, log_file: str | None,
+                on_result: Callable | None) -> tuple[list, list[str]]:
+    """Wait for every job of an array; (results in order, None for failed ones; failure texts). On Slurm each
+    task's end is logged with its state, node and log."""
     poll_s = float((config.get("dispatch") or {}).get("poll_s", 5))
     results: list = [None] * len(jobs)
     pending = set(range(len(jobs)))
-    failures = []
+    failures: list[str] = []
     slurm_poll_s = _slurm_poll_s(config)
     last_force = time.time()
     with _local_jobs_die_with_us(jobs, step, log_file):
@@ -469,16 +603,68 @@ def map_steps(fn: Callable, items: Sequence[Any], *, step: str, resources: dict,
             for i in sorted(pending):
                 if jobs[i].done():
                     pending.discard(i)
+                    where = ""
+                    if _is_slurm(jobs[i]):
+                        node = jobs[i].watcher.get_info(jobs[i].job_id, mode="cache").get("NodeList", "")
+                        if not node or node == "None assigned":
+                            node = _slurm_where(jobs[i])[1]  # sacct's cache had not seen it run
+                        where = f"{f' on {node}' if node and node != 'None assigned' else ''}; log: " \
+                                f"{jobs[i].paths.stderr}"
                     try:
                         results[i] = jobs[i].result()
+                        if where:
+                            say(f"{step}: job {jobs[i].job_id} done{where}", log_file)
                         if on_result:
                             on_result(i, results[i])
-                    except Exception as exc:  # noqa: BLE001 - collected and re-raised below
+                    except Exception as exc:  # noqa: BLE001 - collected and re-raised by the caller
+                        if where:
+                            say(f"{step}: job {jobs[i].job_id} failed ({jobs[i].state}){where}", log_file)
                         failures.append(f"job {jobs[i].job_id} ({jobs[i].state}): {exc}\n{_log_tail(jobs[i], 15)}")
             if pending:
                 # local jobs: done() only polls a child process, so look often (a short run's last unit is
                 # noticed within 0.1 s, not up to 1 s later); Slurm: the watcher's cached sacct state, every 1 s
                 time.sleep(min(poll_s, 1.0 if _is_slurm(jobs[0]) else 0.1))
+    return results, failures
+
+
+def map_steps(fn: Callable, items: Sequence[Any], *, step: str, resources: dict, config: dict, log_dir: str,
+              log_file: str | None = None, max_parallel: int = 0, on_result: Callable | None = None,
+              key: str | None = None) -> list:
+    """Run ``fn(item)`` for each item as independent single-task jobs (a Slurm array, or local processes).
+
+    Results come back in the order of ``items``. ``on_result(i, result)`` is called as each job finishes so a
+    caller can print a line per finished unit. On Slurm each task's end is logged with its state, node and log.
+
+    Args:
+        key: identity of this submission (see :func:`job_key`): a Slurm array is recorded under it in
+            ``dispatch.state_dir`` until all its tasks ended, for :func:`finish_recorded_array`. None: not recorded.
+
+    Raises:
+        StepFailed: one or more jobs failed (message: each failed job's id, state and log tail).
+    """
+    if not items:
+        return []
+    os.makedirs(log_dir, exist_ok=True)
+    name = step.replace(" ", "_")
+    slurm_kind = executor_kind(config) == "slurm"
+    one = dict(resources, nodes=1, tasks_per_node=1)
+    ex = make_executor(config, one, os.path.join(log_dir, "%j"), name=name)
+    if max_parallel and hasattr(ex, "update_parameters") and slurm_kind:
+        ex.update_parameters(array_parallelism=max_parallel)
+    jobs = ex.map_array(fn, list(items))
+    rec_path = _record_path(config, key) if key and slurm_kind else None
+    if rec_path:
+        _write_record(rec_path, {"executor": "slurm", "job_ids": [str(j.job_id) for j in jobs],
+                                 "folders": [str(j.paths.folder) for j in jobs], "step": step, "name": name,
+                                 "submitted": time.time()})
+    first = str(jobs[0].job_id)
+    what = (f"array {first.split('_')[0]} of {len(jobs)} task(s) ({first} .. {jobs[-1].job_id})" if slurm_kind
+            else f"{len(jobs)} job(s) ({executor_kind(config)}; first id {first})")
+    say(f"{step}: submitted {what}; logs: {log_dir}/<job id>/<job id>_0_log.err", log_file)
+    results, failures = _wait_array(jobs, step, config, log_file, on_result)
+    if rec_path:
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(rec_path)  # every task ended
     _drop_pattern_folder(log_dir)
     if failures:
         raise StepFailed(f"{step}: {len(failures)} of {len(jobs)} job(s) failed:\n" + "\n".join(failures))

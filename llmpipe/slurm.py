@@ -286,6 +286,42 @@ def clear_cache() -> None:
     _nodes.cache_clear()
 
 
+#: Seconds a job needs between its start and Slurm's USR2 signal (``slurm.signal_delay_s`` before its time limit):
+#: start-up (imports, process group, first batches) plus some training, so that every allocation makes progress
+#: before it checkpoints and requeues itself.
+MIN_WORK_BEFORE_SIGNAL_S = 60
+
+
+def check_signal_delay(site: dict, resources: dict, where: str = "resources") -> None:
+    """Refuse a ``signal_delay_s`` that leaves a job less than :data:`MIN_WORK_BEFORE_SIGNAL_S` seconds of work.
+
+    Slurm sends USR2 ``signal_delay_s`` seconds before the time limit (``time_min`` minutes); a training then
+    checkpoints and requeues itself. With ``time_min x 60 - signal_delay_s`` below the minimum, the signal arrives
+    during start-up in every allocation and the job is requeued without progress until it fails.
+
+    Args:
+        site: the step's effective Slurm site settings (:func:`site_config`).
+        resources: the step's resources (``time_min`` in minutes).
+        where: the config path of ``resources`` for messages.
+
+    Raises:
+        ConfigError: naming both settings, the seconds left, and the largest delay / smallest time limit that fit.
+    """
+    time_min = int(resources.get("time_min", 60))
+    delay = int(site["signal_delay_s"])
+    left = time_min * 60 - delay
+    if left < MIN_WORK_BEFORE_SIGNAL_S:
+        delay_at = f"{where}.slurm.signal_delay_s" if "signal_delay_s" in (resources.get("slurm") or {}) \
+            else "slurm.signal_delay_s"
+        need_min = -(-(delay + MIN_WORK_BEFORE_SIGNAL_S) // 60)
+        raise ConfigError(f"{delay_at} is {delay} s but {where}.time_min is {time_min} minute(s) ({time_min * 60} s): "
+                          f"Slurm would send the checkpoint-and-requeue signal (USR2) {max(left, 0)} s after each "
+                          f"start, leaving less than the {MIN_WORK_BEFORE_SIGNAL_S} s a job needs to start and train, "
+                          f"so it would be requeued without progress until it fails. Fix: set {delay_at} to at most "
+                          f"{max(time_min * 60 - MIN_WORK_BEFORE_SIGNAL_S, 0)}, or {where}.time_min to at least "
+                          f"{need_min} (docs/slurm.md, Time limits).")
+
+
 def preflight(config: dict, resources: dict, where: str = "resources") -> dict:
     """Check that a step's request can ever run on this cluster, before anything is submitted.
 
@@ -293,7 +329,8 @@ def preflight(config: dict, resources: dict, where: str = "resources") -> dict:
     sbatch/sinfo/scontrol are on PATH, the partition (``slurm.partition``, or the cluster's default) exists and is
     up, ``nodes`` is at most the partition's node count (and its MaxNodes), enough of its nodes have
     ``gpus_per_node`` GPUs (of ``slurm.gpu_type`` when set), ``cpus_per_task x tasks`` CPUs and ``mem_gb`` memory,
-    and ``time_min`` is within the partition's MaxTime. Does nothing when ``slurm.preflight`` is false.
+    and ``time_min`` is within the partition's MaxTime. When ``slurm.preflight`` is false only the check that asks
+    no cluster runs: ``signal_delay_s`` leaves room to work within ``time_min`` (:func:`check_signal_delay`).
 
     Args:
         config: the workflow config.
@@ -307,6 +344,7 @@ def preflight(config: dict, resources: dict, where: str = "resources") -> dict:
         ConfigError: naming the setting, what the cluster has, and the fix.
     """
     site = site_config(config, resources)
+    check_signal_delay(site, resources, where)
     if not site.get("preflight", True):
         return {}
     timeout = float(site.get("command_timeout_s") or 30)

@@ -220,12 +220,14 @@ def _fused_loss_model_name() -> str:
 def register_extensions(compile_enabled: bool = False) -> None:
     """Register everything our train config names in llm-foundry's registries (SDPA attention classes, the
     ``drop_full_attention_mask`` and ``llmpipe_run_monitor`` callbacks, the ``fused_adamw`` optimizer, the
-    ``mpt_causal_lm_fused_loss`` model) and, when torch.compile is on, apply
+    ``mpt_causal_lm_fused_loss`` model), per-job streaming shared-memory names (:mod:`llmpipe.shm_names`) and,
+    when torch.compile is on, apply
     :func:`llmpipe.speedups.dynamo_catalogue_fix`. Idempotent."""
     import llmpipe.attention as attention
     import llmpipe.fsdp as fsdp
     import llmpipe.fused_loss as fused_loss
-    from llmpipe import speedups
+    from llmpipe import shm_names, speedups
+    shm_names.per_job_prefixes()  # concurrent jobs on one node never pick the same streaming shared-memory names
     attention.register()
     fused_loss.register()
     speedups.register_fused_adamw()
@@ -367,9 +369,9 @@ def _build_monitor_class():
                 signum, frame, previous = _PENDING_SIGNAL[-1]
                 if callable(previous):
                     previous(signum, frame)  # submitit: pickle checkpoint(), scontrol requeue, exit
-            # ranks that did not get the signal wait here to be requeued by Slurm with the job
-            while True:
-                time.sleep(5)
+            # ranks that did not get the signal wait here to be requeued by Slurm with the job, or end
+            from llmpipe.requeue import wait_to_be_requeued
+            wait_to_be_requeued(rank=dist.get_global_rank())
 
         def batch_checkpoint(self, state: State, logger: Logger) -> None:
             from composer.utils import dist
@@ -457,8 +459,10 @@ class TrainTask:
         self.peak_flops_table = peak_flops_table
 
     def checkpoint(self, *args: Any, **kwargs: Any):
-        import submitit
-        return submitit.helpers.DelayedSubmission(self)
+        from llmpipe.requeue import resubmission  # counts allocations without progress (requeue_cap)
+        ckpts = ckpt.complete_checkpoints(ckpt.identity_folder(os.path.join(self.run_dir, "checkpoints"),
+                                                               self.identity))
+        return resubmission(self, ckpts[-1][0] if ckpts else 0)
 
     def before_start(self) -> None:
         """Checks and environment set-up before anything is built (a subclass hook)."""

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from typing import Any
 from collections.abc import Callable, Sequence
 
-from llmpipe.dispatch import executor_kind, map_steps, say
+from llmpipe.dispatch import executor_kind, finish_recorded_array, job_key, map_steps, say
 
 
 @dataclass(frozen=True)
@@ -175,6 +175,10 @@ def run_unit_array(fn: Callable[[Any], Any], units: Sequence[Unit], *, is_comple
                    detail: str = "") -> ArrayRun:
     """Run the units that are not complete through :func:`llmpipe.dispatch.map_steps`; block until all ended.
 
+    On Slurm the array is recorded (key: ``step`` and the units' keys); a call that finds the array of an earlier,
+    killed call still known to Slurm waits for it first (:func:`llmpipe.dispatch.finish_recorded_array`) and then
+    submits only the units still missing.
+
     Args:
         fn: the unit function, ``fn(unit.arg) -> record``; a module-level function (it is pickled by reference).
             It must write its output atomically (a killed unit leaves nothing that ``is_complete`` accepts).
@@ -203,6 +207,9 @@ def run_unit_array(fn: Callable[[Any], Any], units: Sequence[Unit], *, is_comple
         llmpipe.dispatch.StepFailed: a unit's job failed (message: each failed job's error and log tail).
     """
     kind = executor_kind(config)
+    # a Slurm array an earlier call submitted (its Snakemake process killed meanwhile) finishes its units first
+    array_key = job_key("unit-array", step, sorted(u.key for u in units))
+    finish_recorded_array(config, array_key, step, log_file)
     todo = [u for u in units if not is_complete(u.arg)]
     todo_keys = {u.key for u in todo}
     reused = [u.key for u in units if u.key not in todo_keys]
@@ -240,7 +247,7 @@ def run_unit_array(fn: Callable[[Any], Any], units: Sequence[Unit], *, is_comple
 
         try:
             map_steps(run_claimed_units, jobs, step=step, resources=resources, config=config, log_dir=log_dir,
-                      log_file=log_file, max_parallel=max_parallel, on_result=on_result)
+                      log_file=log_file, max_parallel=max_parallel, on_result=on_result, key=array_key)
         finally:
             mon.stop()
     return ArrayRun(run=[u.key for u in todo], reused=reused, workers=n_workers if todo else 0, records=records)

@@ -27,6 +27,14 @@ RESULTS = config["results_dir"]
 LOGS = f"{RESULTS}/logs"
 check_results_dir(RESULTS)
 
+# Jobs another (or a killed) Snakemake submitted that are still live: say so, also in a dry run, which a locked
+# folder does not stop (a run re-attaches to them: llmpipe.dispatch).
+if workflow.is_main_process:
+    from llmpipe import live_jobs
+
+    for line in live_jobs.notes(config["dispatch"]["state_dir"]):
+        print(line, file=sys.stderr)
+
 
 # A run is never one of the folders results/ keeps for itself (the look-ahead sees the "/" after the name).
 wildcard_constraints:

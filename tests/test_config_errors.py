@@ -428,6 +428,20 @@ def test_misspelled_slurm_setting_fails_the_dry_run_of_the_slurm_profile(workdir
     assert "slurm.partiton is not a Slurm site setting (config/slurm-site.yaml); did you mean partition?" in out
 
 
+def test_signal_delay_that_leaves_no_time_to_train_fails_the_dry_run(workdir):
+    """time_min 2 with the default signal_delay_s 120: USR2 would come at every start (no cluster asked)."""
+    out = dry_fail(workdir, "results/mpt-tiny/train.json", "--profile", str(REPO / "profiles/slurm"), "--config",
+                   "slurm={'preflight': False}", "models={'mpt-tiny': {'resources': {'time_min': 2}}}")
+    assert ("slurm.signal_delay_s is 120 s but models.mpt-tiny.resources.time_min is 2 minute(s) (120 s)" in out
+            and "Fix: set slurm.signal_delay_s to at most 60, or models.mpt-tiny.resources.time_min to at least 3"
+            in out), out[-3000:]
+    # a per-step delay is named where it is set
+    out = dry_fail(workdir, "results/mpt-tiny/train.json", "--profile", str(REPO / "profiles/slurm"), "--config",
+                   "slurm={'preflight': False}",
+                   "models={'mpt-tiny': {'resources': {'time_min': 5, 'slurm': {'signal_delay_s': 280}}}}")
+    assert "models.mpt-tiny.resources.slurm.signal_delay_s is 280 s" in out and "at most 240" in out, out[-3000:]
+
+
 def test_per_step_slurm_settings_are_resources(workdir):
     """A per-step slurm mapping is a resource key (docs/slurm.md): the plan goes through."""
     snakemake(workdir, "-n", "results/mpt-tiny/eval.json", "--config",

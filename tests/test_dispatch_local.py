@@ -7,6 +7,7 @@ local worker processes running: they would keep converting units behind the back
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -136,3 +137,34 @@ def test_a_job_slurm_still_lists_as_running_is_reattached_not_resubmitted(tmp_pa
                             key="k", log_file=str(log))
     assert got == "result of 27"
     assert "re-attaching to job 27 (RUNNING)" in log.read_text()
+
+
+def test_dry_run_names_the_live_jobs_of_another_driver(tmp_path):
+    """A step's local job runs under another process (a driver); a dry run in the same folder says so."""
+    from tests.conftest import snakemake
+
+    script = textwrap.dedent(f"""
+        import sys, time
+        sys.path.insert(0, {str(REPO)!r})
+        from llmpipe.dispatch import run_step
+        cfg = {{"dispatch": {{"executor": "local", "state_dir": ".llmpipe/jobs", "poll_s": 0.2}}}}
+        run_step(time.sleep, 60, step="train mpt-tiny", resources={{"time_min": 5}}, config=cfg,
+                 log_dir="logs", key="k")
+    """)
+    driver = subprocess.Popen([sys.executable, "-c", script], cwd=tmp_path, start_new_session=True,
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.time() + 30
+        while not list((tmp_path / ".llmpipe/jobs").glob("*.json")) and time.time() < deadline:
+            time.sleep(0.2)
+        (tmp_path / ".snakemake/locks").mkdir(parents=True)
+        (tmp_path / ".snakemake/locks/0.input.lock").write_text("")  # what the running driver's Snakemake holds
+        proc = snakemake(tmp_path, "-n", "results/mpt-tiny/train.json")
+        out = proc.stdout + proc.stderr
+        assert "llmpipe: 1 job(s) submitted by the Snakemake that holds this folder (.snakemake/locks) are still " \
+               "live:" in out, out[-3000:]
+        assert re.search(r"llmpipe:   train mpt-tiny: local job \d+ is RUNNING; it runs under the Snakemake that "
+                         r"started it", out), out[-3000:]
+    finally:
+        os.killpg(driver.pid, signal.SIGTERM)
+        driver.wait(30)

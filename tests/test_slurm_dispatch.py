@@ -16,7 +16,7 @@ from pathlib import Path
 import cloudpickle
 import pytest
 
-from llmpipe import dispatch
+from llmpipe import dispatch, live_jobs
 from llmpipe.dispatch import StepFailed, job_key, run_step
 from tests.slurm_cluster import jobs
 
@@ -190,6 +190,10 @@ def test_reattaches_to_the_job_a_killed_snakemake_left_running(slurm_cluster, tm
         first.send_signal(signal.SIGKILL)
         first.wait()
     assert list((tmp_path / "state").glob("*.json")), "no record of the submitted job"
+    # what a dry run prints meanwhile (rules/common.smk)
+    notes = "\n".join(live_jobs.notes(str(tmp_path / "state"), lock_dir=str(tmp_path / "locks")))
+    assert re.search(rf"{re.escape(name)}: slurm job {job_id} is RUNNING on n\[1-2\]; the next run re-attaches", notes), \
+        notes
     log = tmp_path / "second.log"
     got = run_step(jobs.sleep_then, 10, "second", log_file=str(log), **args)
     assert got == {"token": "first", "job_id": job_id}  # the first call's job, not a new one
@@ -217,11 +221,16 @@ def test_checkpointable_step_is_requeued_and_resumes(slurm_cluster, tmp_path):
     name = step_name(tmp_path, "requeue")
     out: list = []
 
+    def progress():  # what the step's own files say, as training reads its newest checkpoint
+        logs = "".join(p.read_text() for p in (tmp_path / "logs").glob("*/*_0_log.out"))
+        steps = re.findall(r"checkpoint at step (\d+)", logs)
+        return f"resumes after step {steps[-1]}" if steps else None
+
     def rule():
         try:
             out.append(run_step(jobs.Counter(), 12, step=name, config=config(tmp_path), resources=resources(),
                                 log_dir=str(tmp_path / "logs"), key=job_key(name),
-                                log_file=str(tmp_path / "rule.log")))
+                                log_file=str(tmp_path / "rule.log"), progress=progress))
         except Exception as exc:  # noqa: BLE001 - reported by the assertion below
             out.append(exc)
 
@@ -240,7 +249,36 @@ def test_checkpointable_step_is_requeued_and_resumes(slurm_cluster, tmp_path):
     runs = slurm_cluster.jobs_named(name.replace(" ", "_"), expect=2)
     assert [(r["JobID"], r["State"]) for r in runs] == [(job_id, "REQUEUED"), (job_id, "COMPLETED")], runs
     assert slurm_cluster.job_fields(job_id)["Restarts"] == "1"
-    assert "checkpoint at step" in (tmp_path / "logs" / job_id / f"{job_id}_0_log.out").read_text()
+    ckpt = re.search(r"checkpoint at step (\d+)", (tmp_path / "logs" / job_id / f"{job_id}_0_log.out").read_text())
+    assert ckpt
+    # the rule log tells what Slurm did: running where, requeued (restart count, how the run ended, progress),
+    # pending and why, running again
+    rule_log = (tmp_path / "rule.log").read_text()
+    assert re.search(rf"job {job_id} is RUNNING on n[12]\n", rule_log), rule_log
+    assert (f"job {job_id} was REQUEUED (restart 1; its earlier run ended REQUEUED); resumes after step "
+            f"{ckpt.group(1)}") in rule_log, rule_log
+    assert f"job {job_id} is PENDING (BeginTime)" in rule_log, rule_log
+    assert rule_log.count(f"job {job_id} is RUNNING on") == 2, rule_log
+
+
+def test_pending_for_a_reason_that_never_resolves_fails_at_once(slurm_cluster, tmp_path):
+    """A time limit over the partition's MaxTime (preflight skipped): Slurm keeps the job PENDING forever."""
+    name = step_name(tmp_path, "never")
+    log = tmp_path / "rule.log"
+    t0 = time.time()
+    with pytest.raises(StepFailed) as e:
+        run_step(jobs.sleep_then, 0, "never", step=name, config=config(tmp_path, partition="small"),
+                 resources=resources(time_min=10), log_dir=str(tmp_path / "logs"), key=job_key(name),
+                 log_file=str(log))
+    assert time.time() - t0 < 30
+    msg = str(e.value)
+    # Slurm names it PartitionConfig or PartitionTimeLimit (tests/test_slurm_preflight.py)
+    m = re.search(r"is PENDING \((Partition(?:TimeLimit|Config))\), which Slurm never resolves by itself: (.*)", msg)
+    assert m and "time_min" in m.group(2) and "The job was cancelled" in msg, msg
+    assert f"is PENDING ({m.group(1)})" in log.read_text()
+    (job,) = slurm_cluster.jobs_named(name.replace(" ", "_"))
+    assert job["State"].startswith("CANCELLED"), job  # not left in the queue
+    assert not list((tmp_path / "state").glob("*.json"))  # nothing to re-attach to
 
 
 def test_map_steps_runs_a_slurm_array(slurm_cluster, tmp_path):
@@ -252,6 +290,45 @@ def test_map_steps_runs_a_slurm_array(slurm_cluster, tmp_path):
     assert sorted(seen) == [0, 1, 2]
     runs = slurm_cluster.jobs_named(name.replace(" ", "_"), expect=3)
     assert len(runs) == 3 and len({r["JobID"].split("_")[0] for r in runs}) == 1, runs  # one array job
+
+
+def test_array_of_a_killed_driver_is_reattached_not_resubmitted(slurm_cluster, tmp_path):
+    """Data prep's array is recorded: after the driver is SIGKILLed, the next call waits for that array."""
+    name = step_name(tmp_path, "array-reattach")
+    cfg = config(tmp_path)
+    key = job_key("unit-array", name)
+    args = dict(step=name, config=cfg, resources=resources(), log_dir=str(tmp_path / "logs"), key=key)
+    script = (
+        "import sys, json, cloudpickle\n"
+        f"sys.path.insert(0, {str(REPO)!r})\n"
+        "from tests.slurm_cluster import jobs\n"
+        "cloudpickle.register_pickle_by_value(jobs)\n"
+        "from llmpipe.dispatch import map_steps\n"
+        f"map_steps(jobs.square_slowly, [2, 3], **json.loads({json.dumps(args)!r}))\n")
+    first = subprocess.Popen([sys.executable, "-c", script], env=os.environ.copy(),
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.time() + 60
+        while "RUNNING" not in slurm_cluster.run("squeue", "--noheader", "--name", name.replace(" ", "_"),
+                                                 "--format", "%T") and time.time() < deadline:
+            time.sleep(0.3)
+    finally:
+        first.send_signal(signal.SIGKILL)
+        out = first.communicate()[0]
+    m = re.search(r"submitted array (\d+) of 2 task\(s\) \(\1_0 \.\. \1_1\)", out)
+    assert m, out
+    array_id = m.group(1)
+    assert list((tmp_path / "state").glob("*.json")), "the array was not recorded"
+    log = tmp_path / "second.log"
+    assert dispatch.finish_recorded_array(cfg, key, name, str(log))
+    text = log.read_text()
+    assert f"re-attaching to array {array_id} (2 task(s)) submitted earlier" in text, text
+    for i in (0, 1):
+        assert re.search(rf"job {array_id}_{i} done on n[12]; log: \S+/{array_id}_{i}_0_log\.err", text), text
+    runs = slurm_cluster.jobs_named(name.replace(" ", "_"), expect=2)
+    assert sorted(r["JobID"] for r in runs) == [f"{array_id}_0", f"{array_id}_1"], runs  # nothing resubmitted
+    assert not list((tmp_path / "state").glob("*.json"))
+    assert not dispatch.finish_recorded_array(cfg, key, name, str(log))  # nothing left to wait for
 
 
 def test_site_settings_reach_the_slurm_job(slurm_cluster, tmp_path):

@@ -290,7 +290,10 @@ def test_tiny_pipeline_on_two_nodes(two_node_run, site, slurm_cluster):
     for step in ("train", "convert", "generate", "eval"):
         assert len(submitted_ids(rule_log(wd, step))) == 1, (step, rule_log(wd, step))
     mds_log = next((wd / "results/logs/mds").glob("*.log")).read_text()
-    assert re.search(r"submitted \d+ job\(s\) \(slurm\); first id \d+_0", mds_log), mds_log
+    m = re.search(r"submitted array (\d+) of (\d+) task\(s\) \(\1_0 \.\. \1_(\d+)\)", mds_log)
+    assert m and int(m.group(3)) == int(m.group(2)) - 1, mds_log
+    for i in range(int(m.group(2))):  # each task's end with its node and log
+        assert re.search(rf"job {m.group(1)}_{i} done on n[12]; log: \S+_0_log\.err", mds_log), mds_log
     assert not list((wd / ".llmpipe/jobs").glob("*.json"))  # every record collected
 
     ev = read_json(wd, "results/mpt-tiny/eval.json")

@@ -89,8 +89,8 @@ def test_slurm_runs_one_array_task_per_unit(tmp_path, monkeypatch, workers, max_
     out.mkdir()
     seen = {}
 
-    def fake_map_steps(fn, items, *, step, resources, config, log_dir, log_file, max_parallel, on_result):
-        seen.update(fn=fn, items=items, max_parallel=max_parallel, step=step)
+    def fake_map_steps(fn, items, *, step, resources, config, log_dir, log_file, max_parallel, on_result, key):
+        seen.update(fn=fn, items=items, max_parallel=max_parallel, step=step, key=key)
         results = []
         for i, item in enumerate(items):
             fn2, item2 = cloudpickle.loads(cloudpickle.dumps((fn, item)))  # what submitit sends to a task

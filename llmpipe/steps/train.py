@@ -8,6 +8,7 @@ what determines a trained model; speed-only settings (:data:`llmpipe.config.SPEE
 
 from __future__ import annotations
 
+import functools
 import os
 
 from llmpipe.config import (SPEED_ONLY_FINETUNE_DATA_KEYS, SPEED_ONLY_TRAIN_KEYS, is_finetune, run_config, step_resources,
@@ -16,6 +17,7 @@ from llmpipe.steps.context import StepContext, read_json
 from llmpipe.steps.convert import convert_identity
 from llmpipe.steps.data import instructions_identity, mds_identity, tokenizer_identity
 from llmpipe import checkpoints as ckpt
+from llmpipe.slurm import site_config
 
 #: Bump when a change in our code changes the trained model (reruns training and everything after it).
 VERSIONS = {"train": 1, "finetune": 1}
@@ -110,12 +112,16 @@ def training_task(ctx: StepContext, config: dict, run: str, rc: dict):
     if is_finetune(config, run):
         from llmpipe.finetune import FinetuneTask, base_model_path, require_peft
         require_peft(rc)
-        return FinetuneTask(rc, os.path.dirname(ctx.input.instructions), tok_dir, run_dir, ctx.params.identity,
+        task = FinetuneTask(rc, os.path.dirname(ctx.input.instructions), tok_dir, run_dir, ctx.params.identity,
                             base_model_path(rc, results_dir=config["results_dir"]), **job)
-    from llmpipe.train import TrainTask
-    check_vocab_fits(read_json(ctx.input.tokenizer), rc, run)
-    return TrainTask(rc, os.path.join(os.path.dirname(ctx.input.data), "mds"), tok_dir, run_dir,
-                     ctx.params.identity, **job)
+    else:
+        from llmpipe.train import TrainTask
+        check_vocab_fits(read_json(ctx.input.tokenizer), rc, run)
+        task = TrainTask(rc, os.path.join(os.path.dirname(ctx.input.data), "mds"), tok_dir, run_dir,
+                         ctx.params.identity, **job)
+    # allocations without progress a training may have before it fails (llmpipe.requeue)
+    task.requeue_cap = int(site_config(config, job["resources"])["max_requeue_timeouts"])
+    return task
 
 
 def finished_training(ctx: StepContext, rc: dict, label: str) -> dict | None:
@@ -147,6 +153,13 @@ def check_resumable(ctx: StepContext, task, label: str) -> None:
         raise RuntimeError(resume_mismatch(newest, label))
 
 
+def checkpoint_progress(folder: str) -> str:
+    """The training's progress for the rule log when Slurm requeues it: its newest complete checkpoint's batch
+    (where the next allocation resumes), or that it has none yet. ``folder``: the identity's checkpoint folder."""
+    ckpts = ckpt.complete_checkpoints(folder) if os.path.isdir(folder) else []
+    return f"resumes from the checkpoint at batch {ckpts[-1][0]}" if ckpts else "no checkpoint yet: starts over"
+
+
 def _train_run(ctx: StepContext, label: str) -> dict:
     run = ctx.wildcards.run
     rc = run_config(ctx.config, run)
@@ -154,7 +167,8 @@ def _train_run(ctx: StepContext, label: str) -> dict:
     result = finished_training(ctx, rc, f"{label} {run}")
     if result is None:
         check_resumable(ctx, task, f"{label} {run}")
-        result = ctx.dispatch(task, step=f"{label} {run}")
+        folder = ckpt.identity_folder(os.path.join(os.path.dirname(ctx.output[0]), "checkpoints"), ctx.params.identity)
+        result = ctx.dispatch(task, step=f"{label} {run}", progress=functools.partial(checkpoint_progress, folder))
     check_all_steps(result, rc, f"{label} {run}")
     ctx.write_json(result)
     return {"run": rc, "resources": ctx.resources}

@@ -78,3 +78,9 @@ class Counter(submitit.helpers.Checkpointable):
 def square(x: int) -> dict:
     """One unit of a map_steps array."""
     return {"x": x, "square": x * x, "array_task": os.environ.get("SLURM_ARRAY_TASK_ID")}
+
+
+def square_slowly(x: int) -> dict:
+    """A unit of an array that runs long enough to kill its driver meanwhile."""
+    time.sleep(6)
+    return square(x)

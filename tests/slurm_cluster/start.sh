@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Start llmpipe's throw-away Slurm test cluster on this machine:
 #   munged + MariaDB + slurmdbd (sacct) + slurmctld on the host, and NODES slurmd nodes n1..nN, each in its own
-#   network namespace (10.214.0.1N on a private bridge) with its own hostname and its own /dev/shm, each declaring
+#   network namespace (10.214.K.1N on a private bridge) with its own hostname and its own /dev/shm, each declaring
 #   GPUS GPUs (stand-ins: no real devices). /tmp and every other folder are shared with this machine.
 # Partitions: debug (all nodes, default, MaxTime 24 h) and small (n1 only, MaxTime 5 min).
 #
@@ -14,13 +14,15 @@
 # Refuses to run while a test session holds $DIR.lock (the pytest fixture sets LLMPIPE_SLURM_LOCK_HELD=1 for itself).
 # Idempotent: a healthy running cluster is left alone (prints "already running"); anything else is stopped with
 # stop.sh (which kills only what this script started) and started afresh. Needs root, ip netns, nsenter, unshare.
+# Stays in its box: bridge, namespaces, veths, subnet and ports are this state folder's own (names.sh), and an
+# unreachable route for its subnet (metric ROUTE_METRIC, under the bridge's own route) keeps its Slurm traffic off
+# the default route for the cluster's whole life, also when the bridge is gone; stop.sh removes it last.
 # Prints the SLURM_CONF line last; $LLMPIPE_SLURM_DIR/env.sh holds it too.
 set -euo pipefail
 HERE="$(cd "$(dirname "$0")" && pwd)"
 DIR="${LLMPIPE_SLURM_DIR:-/tmp/llmpipe-slurm}"
 NODES="${NODES:-2}"; CPUS="${CPUS:-16}"; MEM="${MEM:-32000}"; GPUS="${GPUS:-4}"
-NET=10.214.0; BR=llmpbr0; NS=llmp-n; VETH=llmpv
-CTLD_PORT=16827; SLURMD_PORT=16828; DBD_PORT=16829; DB_PORT=13326
+source "$HERE/names.sh"   # BR, NS, VETH, NET, ports of this state folder's cluster
 CTL_IP="$NET.1"
 export LLMPIPE_SLURM_DIR="$DIR"
 C="$DIR/etc/slurm.conf"
@@ -76,6 +78,7 @@ DB_BOOT=$!
 
 # ------------------------------------------------------------------------------------------------ network namespaces
 node_ip() { echo "$NET.$((10 + $1))"; }
+ip route replace unreachable "$NET.0/24" metric "$ROUTE_METRIC"
 ip link add "$BR" type bridge
 ip addr add "$CTL_IP/24" dev "$BR"
 ip link set "$BR" up

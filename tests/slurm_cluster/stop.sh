@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # Stop the Slurm test cluster that start.sh started, killing only what it can attribute to that cluster:
 #   - the daemons in $LLMPIPE_SLURM_DIR/run/*.pid (each checked against /proc/PID/cmdline first),
-#   - processes inside its network namespaces (llmp-n*) or sharing the private mount namespace of one of its
+#   - processes inside its network namespaces (llmpK-n*) or sharing the private mount namespace of one of its
 #     slurmd (leftover slurmstepd and job tasks).
-# Then deletes its namespaces, veth pairs and bridge. Keeps $LLMPIPE_SLURM_DIR (logs) unless WIPE=1.
+# Then deletes its namespaces, veth pairs and bridge (names.sh: those of this state folder only) and, last, the
+# unreachable route of its subnet. Keeps $LLMPIPE_SLURM_DIR (logs) unless WIPE=1.
 # Safe to run when nothing is running.
 # Leaves the cluster alone (exit 0, a message on stderr) while a test session holds its lock ($LLMPIPE_SLURM_DIR.lock,
 # taken by the pytest fixture): a cleanup (.ci/slurm.sh cleanup, make test's EXIT trap) must not pull the cluster from
@@ -18,7 +19,7 @@ if [[ "${LLMPIPE_SLURM_LOCK_HELD:-0}" != 1 && "${FORCE:-0}" != 1 ]] && command -
     exit 0
   fi
 fi
-BR=llmpbr0; NS=llmp-n; VETH=llmpv
+source "$(cd "$(dirname "$0")" && pwd)/names.sh"   # this state folder's BR, NS, VETH, NET: never another cluster's
 R="$DIR/run"
 export SLURM_CONF="$DIR/etc/slurm.conf"
 
@@ -60,5 +61,6 @@ done
 for l in $(ip -o link show 2>/dev/null | awk -F': ' '{print $2}' | cut -d@ -f1 | grep -E "^$VETH[0-9]+$"); do
   ip link del "$l" 2>/dev/null; done
 ip link show "$BR" >/dev/null 2>&1 && ip link del "$BR"
+ip route del unreachable "$NET.0/24" metric "$ROUTE_METRIC" 2>/dev/null
 [[ "${WIPE:-0}" == 1 ]] && rm -rf "$DIR"
 echo "[slurm-cluster stop] stopped ($DIR)"

@@ -1,0 +1,80 @@
+"""Requeues of a training on Slurm: as many allocations as it needs while each one makes progress.
+
+submitit requeues a checkpointable job when Slurm signals the end of its allocation (``--signal=USR2@N``) and
+counts time limits against ``max_num_timeout`` (``slurm.max_requeue_timeouts``): a training on a partition whose
+time limit is shorter than the training failed after that many allocations although every one of them trained and
+checkpointed. Here the count is of allocations that made **no** progress (no newer complete checkpoint than the one
+the allocation started from), over the training's whole life; an allocation that checkpointed a later batch costs
+nothing. Once more allocations than the cap made no progress, the training fails with a message that says so.
+
+The cap is ``task.requeue_cap`` (set by the step from ``slurm.max_requeue_timeouts``); the counters live on the task,
+which submitit pickles into each requeued submission.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+import submitit
+
+
+class DelayedSubmission(submitit.helpers.DelayedSubmission):
+    """submitit's resubmission of a task whose time-limit countdown is what :func:`resubmission` allows.
+
+    (The class keeps submitit's name: ``DelayedSubmission.load`` checks the class name of what it unpickles.)
+    submitit sets the countdown of a resubmission to the running one's minus 1 per time limit; this keeps it at
+    ``allowed`` instead, so submitit's own "timed-out too many times" never ends a training that makes progress.
+    """
+
+    allowed: int = 1
+
+    def set_timeout(self, timeout_min: int, max_num_timeout: int) -> None:
+        super().set_timeout(timeout_min, self.allowed)
+
+
+def resubmission(task: Any, batch: int) -> DelayedSubmission:
+    """What a checkpointable training's ``checkpoint()`` returns when Slurm ends its allocation.
+
+    Compares ``batch``, the newest complete checkpoint's batch (0: none), with the one at the end of the previous
+    allocation
+    (``task.requeue_start_batch``; the first allocation counts as progress when any checkpoint exists) and counts an
+    allocation without progress in ``task.requeue_no_progress``.
+
+    Raises:
+        RuntimeError: more than ``task.requeue_cap`` allocations made no progress; the message names the count,
+            the newest checkpoint's batch, the setting and the fix. The job then ends as failed.
+    """
+    cap = int(getattr(task, "requeue_cap", 3))
+    start = getattr(task, "requeue_start_batch", None)
+    progressed = batch > (start if start is not None else 0)
+    task.requeue_no_progress = int(getattr(task, "requeue_no_progress", 0)) + (0 if progressed else 1)
+    task.requeue_allocations = int(getattr(task, "requeue_allocations", 0)) + 1
+    task.requeue_start_batch = batch
+    print(f"llmpipe: allocation {task.requeue_allocations} ends at checkpoint batch {batch} "
+          f"({'progress' if progressed else 'no progress'}; {task.requeue_no_progress} of at most {cap} allocations "
+          f"without progress)", flush=True)
+    if task.requeue_no_progress > cap:
+        raise RuntimeError(
+            f"training made no progress in {task.requeue_no_progress} of {task.requeue_allocations} allocations (no "
+            f"newer checkpoint than batch {batch}), more than slurm.max_requeue_timeouts={cap} allows; not "
+            f"requeued. Fix: give each allocation time to start and checkpoint (raise time_min, lower "
+            f"slurm.signal_delay_s, or save checkpoints more often), or raise slurm.max_requeue_timeouts.")
+    out = DelayedSubmission(task)
+    out.allowed = cap - task.requeue_no_progress + 1  # submitit subtracts 1 at a time limit: stays >= 0
+    return out
+
+
+def wait_to_be_requeued(timeout_s: float = 90.0, rank: int | None = None) -> None:
+    """What a rank that did not handle the signal does at the checkpoint barrier: wait for Slurm to requeue the job
+    (which ends every task), but not forever.
+
+    Raises:
+        RuntimeError: the job was not requeued within ``timeout_s`` seconds (rank 0 gave up, e.g. the requeue cap),
+            so this rank ends too instead of holding its node until the time limit.
+    """
+    time.sleep(timeout_s)
+    who = f"rank {rank}" if rank is not None else f"process {os.getpid()}"
+    raise RuntimeError(f"{who}: the job was not requeued within {timeout_s:.0f} s after the checkpoint (the rank "
+                       f"that handles Slurm's signal gave up; see its log); ending this rank too")

@@ -1,0 +1,104 @@
+"""Job failures name the real state, the first real error of the first failing rank and its log, at once.
+
+Runs on the local executor (submitit's LocalExecutor, this machine); the Slurm side is in test_slurm_dispatch.py.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import sys
+import threading
+import time
+
+import cloudpickle
+import pytest
+
+from llmpipe import dispatch
+from llmpipe.dispatch import StepFailed, run_step
+
+cloudpickle.register_pickle_by_value(sys.modules[__name__])  # the job runs these functions without importing us
+
+SHM_NOISE = """Exception ignored in: <function SharedMemory.__del__ at 0x7f00>
+Traceback (most recent call last):
+  File "/usr/lib/python3.11/multiprocessing/shared_memory.py", line 184, in __del__
+KeyError: '/000001_locals'
+/usr/lib/python3.11/multiprocessing/resource_tracker.py:254: UserWarning: resource_tracker: There appear to be 1 leaked shared_memory objects to clean up at shutdown
+"""
+
+
+def _raises() -> None:
+    print("about to fail", flush=True)
+    raise ValueError("optimizer.lr must be positive, got -1")
+
+
+def _unpicklable_result():
+    return threading.Lock()
+
+
+def _rank1_fails_first() -> str:
+    import submitit
+
+    rank = submitit.JobEnvironment().global_rank
+    if rank == 1:
+        raise ValueError("the real cause, on rank 1")
+    time.sleep(1.5)  # rank 0 notices later that its peer is gone, amid shutdown noise
+    print(SHM_NOISE, file=sys.stderr, flush=True)
+    raise RuntimeError("Connection reset by peer (a consequence)")
+
+
+def _rank0_killed_quietly_rank1_raises() -> None:
+    import submitit
+
+    if submitit.JobEnvironment().global_rank == 1:
+        time.sleep(1.0)
+        raise ValueError("the real cause, on rank 1")
+    print("rank 0 waiting in a collective", file=sys.stderr, flush=True)  # its log's last write comes first
+    time.sleep(2.5)
+    os._exit(1)  # killed as a consequence: no result, no exception
+
+
+def _run(tmp_path, fn, tasks: int = 1):
+    cfg = {"dispatch": {"executor": "local", "state_dir": str(tmp_path / "state"), "poll_s": 0.1}}
+    res = {"nodes": 1, "tasks_per_node": tasks, "gpus_per_node": 0, "cpus_per_task": 1, "time_min": 5}
+    t0 = time.time()
+    with pytest.raises(StepFailed) as e:
+        run_step(fn, step="probe", resources=res, config=cfg, log_dir=str(tmp_path / "logs"), key=fn.__name__)
+    return str(e.value), time.time() - t0
+
+
+def test_a_job_that_raised_is_reported_failed_with_its_error(tmp_path):
+    msg, _ = _run(tmp_path, _raises)
+    first = msg.splitlines()[0]
+    assert re.fullmatch(r"probe: job \d+ ended in state FAILED: ValueError: optimizer.lr must be positive, got -1",
+                        first), first
+    assert "FINISHED" not in msg
+    assert re.search(r"^log: .*/logs/\d+/\d+_0_log\.err$", msg, re.M), msg
+    assert "about to fail" in msg  # the log tail
+
+
+def test_a_result_that_cannot_be_pickled_is_reported_at_once(tmp_path):
+    msg, took = _run(tmp_path, _unpicklable_result)
+    assert "ended in state FAILED: TypeError: cannot pickle '_thread.lock' object" in msg, msg
+    assert took < 8, f"took {took:.1f} s (submitit waits 15 s for a result pickle that never comes)"
+
+
+def test_headline_is_the_first_real_error_of_the_first_failing_rank(tmp_path):
+    msg, _ = _run(tmp_path, _rank1_fails_first, tasks=2)
+    first = msg.splitlines()[0]
+    assert first.endswith("ended in state FAILED: rank 1 ValueError: the real cause, on rank 1"), first
+    assert re.search(r"^log: .*/logs/\d+/\d+_1_log\.err$", msg, re.M), msg  # rank 1's log, not rank 0's
+
+
+def test_a_rank_that_raised_goes_before_one_killed_without_a_word(tmp_path):
+    msg, _ = _run(tmp_path, _rank0_killed_quietly_rank1_raises, tasks=2)
+    assert msg.splitlines()[0].endswith("ended in state FAILED: rank 1 ValueError: the real cause, on rank 1"), msg
+
+
+def test_headline_skips_shutdown_noise():
+    text = ("starting\n" + SHM_NOISE + "Traceback (most recent call last):\n  File \"x.py\", line 1\n"
+            "[rank0]: torch.distributed.DistBackendError: NCCL error: remote process exited\n"
+            "During handling of the above exception, another exception occurred:\n"
+            "RuntimeError: secondary\n")
+    assert dispatch._headline(text) == "torch.distributed.DistBackendError: NCCL error: remote process exited"
+    assert dispatch._headline(SHM_NOISE) is None

@@ -1,0 +1,77 @@
+"""A training on a partition shorter than the training: requeued as often as it needs while each allocation makes
+progress; the cap counts allocations without progress. Runs submitit's own checkpoint-and-requeue arithmetic
+(``submitit.core.job_environment._checkpoint``) on the real TrainTask, allocation after allocation."""
+
+from __future__ import annotations
+
+import pytest
+from submitit.core import job_environment
+from submitit.helpers import DelayedSubmission
+
+from llmpipe import checkpoints as ckpt
+from llmpipe import requeue
+from llmpipe.train import TrainTask
+
+
+def task(tmp_path, cap: int) -> TrainTask:
+    t = TrainTask({"name": "tiny"}, str(tmp_path / "mds"), str(tmp_path / "tok"), str(tmp_path / "run"), "{}",
+                  resources={"nodes": 1})
+    t.requeue_cap = cap
+    ckpt.prepare_identity_folder(str(tmp_path / "run" / "checkpoints"), "{}")
+    return t
+
+
+def save_checkpoint(tmp_path, batch: int) -> None:
+    folder = ckpt.identity_folder(str(tmp_path / "run" / "checkpoints"), "{}")  # the task's identity: "{}"
+    path = f"{folder}/ep0-ba{batch}-rank0.pt"
+    with open(path, "wb") as fh:
+        fh.write(b"x")
+    ckpt.mark_complete(path, batch)
+
+
+def allocation_ends(delayed, pickle_path):
+    """What submitit does in the job when Slurm's USR2 comes at the time limit (checkpoint_and_try_requeue)."""
+    countdown = delayed._timeout_countdown - 1  # timed out
+    reason = job_environment._checkpoint(delayed, pickle_path, countdown)
+    if countdown < 0:
+        reason = "timed-out too many times"
+    return reason, (DelayedSubmission.load(pickle_path) if not reason else None)
+
+
+def test_a_training_that_progresses_is_requeued_as_often_as_it_needs(tmp_path):
+    t = task(tmp_path, cap=3)
+    delayed = DelayedSubmission(t)
+    delayed.set_timeout(2, 3)  # what the executor submits (max_num_timeout = slurm.max_requeue_timeouts)
+    pickle_path = tmp_path / "submitted.pkl"
+    for alloc in range(1, 11):  # ten allocations, each checkpointing a later batch
+        save_checkpoint(tmp_path, 10 * alloc)
+        reason, delayed = allocation_ends(delayed, pickle_path)
+        assert not reason, f"allocation {alloc}: {reason}"
+        assert delayed.function.requeue_no_progress == 0 and delayed.function.requeue_start_batch == 10 * alloc
+
+
+def test_the_cap_counts_allocations_without_progress(tmp_path, capsys):
+    t = task(tmp_path, cap=2)
+    delayed = DelayedSubmission(t)
+    delayed.set_timeout(2, 2)
+    pickle_path = tmp_path / "submitted.pkl"
+    save_checkpoint(tmp_path, 10)
+    reason, delayed = allocation_ends(delayed, pickle_path)  # progress
+    assert not reason
+    for _ in range(2):  # two allocations without a newer checkpoint: allowed
+        reason, delayed = allocation_ends(delayed, pickle_path)
+        assert not reason
+    save_checkpoint(tmp_path, 20)  # progress again: costs nothing
+    reason, delayed = allocation_ends(delayed, pickle_path)
+    assert not reason and delayed.function.requeue_no_progress == 2
+    with pytest.raises(RuntimeError) as e:  # a third without progress: over the cap
+        allocation_ends(delayed, pickle_path)
+    msg = str(e.value)
+    assert ("training made no progress in 3 of 5 allocations (no newer checkpoint than batch 20), more than "
+            "slurm.max_requeue_timeouts=2 allows") in msg and "Fix: " in msg, msg
+    assert "allocation 4 ends at checkpoint batch 20 (progress; 2 of at most 2" in capsys.readouterr().out
+
+
+def test_a_rank_waiting_for_a_requeue_that_never_comes_ends():
+    with pytest.raises(RuntimeError, match=r"rank 1: the job was not requeued within 0 s"):
+        requeue.wait_to_be_requeued(timeout_s=0.05, rank=1)

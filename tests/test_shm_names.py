@@ -1,0 +1,81 @@
+"""Trainings that start together on one node never collide in the streaming library's shared-memory names."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+from llmpipe import shm_names
+from tests.conftest import REPO
+
+streaming = pytest.importorskip("streaming")
+
+# one "job": waits for the common start time, builds a StreamingDataset (which registers its shared memory), reads a
+# sample, holds the dataset a moment (as a training does) and prints the prefix number it got
+JOB = """
+import json, os, sys, time
+sys.path.insert(0, {repo!r})
+from llmpipe import shm_names
+start = shm_names.per_job_prefixes()
+from streaming import StreamingDataset
+time.sleep(max(0.0, {go:.3f} - time.time()))
+ds = StreamingDataset(local={local!r}, batch_size=1, shuffle=False)
+first = ds[0]
+time.sleep(1.0)
+print(json.dumps({{"start": start, "prefix": ds._shm_prefix_int, "tokens": len(first["text"])}}))
+"""
+
+
+@pytest.fixture
+def mds(tmp_path):
+    from streaming import MDSWriter
+
+    out = tmp_path / "mds"
+    with MDSWriter(out=str(out), columns={"text": "str"}) as w:
+        for i in range(8):
+            w.write({"text": f"sample {i}"})
+    return out
+
+
+def test_two_jobs_choose_different_prefixes_in_the_race_window():
+    """Both jobs scan before either registers (the window in which two trainings collided): they must differ."""
+    from streaming.base.shared.prefix import LOCALS, _check_and_find
+
+    here = [f"/tmp/llmpipe-shm-test-{os.getpid()}"]
+    got = []
+    try:
+        for job_id in ("4101", "4102"):
+            shm_names.per_job_prefixes({"SLURM_JOB_ID": job_id})
+            got.append(_check_and_find(here, [None], LOCALS))
+    finally:
+        shm_names.per_job_prefixes()
+    assert got[0] != got[1], got
+    assert got == [shm_names.prefix_start({"SLURM_JOB_ID": "4101"}), shm_names.prefix_start({"SLURM_JOB_ID": "4102"})]
+
+
+def test_every_rank_of_a_job_gets_the_same_start():
+    a = shm_names.prefix_start({"SLURM_JOB_ID": "777", "SLURM_PROCID": "0"})
+    b = shm_names.prefix_start({"SLURM_JOB_ID": "777", "SLURM_PROCID": "3"})
+    local = shm_names.prefix_start({"SUBMITIT_LOCAL_JOB_ID": "777"})
+    assert a == b == local == 77700
+    assert 0 <= shm_names.prefix_start({"SLURM_JOB_ID": str(10 ** 9)}) <= 999999 - shm_names.SLOT
+
+
+def test_two_trainings_starting_at_once_on_one_node(mds, tmp_path):
+    go = time.time() + 3.0
+    procs = []
+    for job_id in ("5101", "5102"):
+        script = JOB.format(repo=str(REPO), go=go, local=str(mds))
+        procs.append(subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                      text=True, env={**os.environ, "SUBMITIT_LOCAL_JOB_ID": job_id}))
+    outs = [p.communicate(timeout=120) for p in procs]
+    for p, (out, err) in zip(procs, outs):
+        assert p.returncode == 0, err[-3000:]
+    got = [json.loads(out.strip().splitlines()[-1]) for out, _ in outs]
+    assert got[0]["prefix"] != got[1]["prefix"], got
+    assert [g["prefix"] for g in got] == [g["start"] for g in got], got
