@@ -27,6 +27,7 @@ import time
 from typing import Any
 
 from llmpipe.config import compile_settings, fused_loss_settings, world_size
+from llmpipe.fp8 import apply_fp8
 from llmpipe.identity import same_identity
 
 log = logging.getLogger("llmpipe.train")
@@ -143,7 +144,9 @@ def foundry_train_config(rc: dict, *, data_dir: str | None, save_folder: str | N
         cfg["fsdp_config"] = {"sharding_strategy": "FULL_SHARD", "mixed_precision": "PURE",
                               "activation_checkpointing": False, "activation_checkpointing_reentrant": False,
                               "activation_cpu_offload": False, "limit_all_gathers": True, **fsdp}
-    apply_compile(cfg, train, f"{'finetunes' if rc.get('kind') == 'finetune' else 'models'}.{run}.train")
+    where = f"{'finetunes' if rc.get('kind') == 'finetune' else 'models'}.{run}.train"
+    apply_compile(cfg, train, where)
+    apply_fp8(cfg, train, where)  # llmpipe.fp8: the llmpipe_fp8 callback, first of all
     if save_folder is not None:
         cfg["save_folder"] = save_folder
         cfg["save_interval"] = f"{int(train['save_interval_batches'])}ba"
@@ -192,14 +195,15 @@ def _fused_loss_model_name() -> str:
 
 def register_extensions(compile_enabled: bool = False) -> None:
     """Register everything our train config names in llm-foundry's registries (SDPA attention classes, the
-    ``drop_full_attention_mask`` and ``llmpipe_run_monitor`` callbacks, the ``fused_adamw`` optimizer, the
-    ``mpt_causal_lm_fused_loss`` model) and, when torch.compile is on, apply
+    ``drop_full_attention_mask``, ``llmpipe_run_monitor`` and ``llmpipe_fp8`` callbacks, the ``fused_adamw``
+    optimizer, the ``mpt_causal_lm_fused_loss`` model) and, when torch.compile is on, apply
     :func:`llmpipe.speedups.dynamo_catalogue_fix`. Idempotent."""
     import llmpipe.attention as attention
     import llmpipe.fused_loss as fused_loss
-    from llmpipe import speedups
+    from llmpipe import fp8, speedups
     attention.register()
     fused_loss.register()
+    fp8.register()
     speedups.register_fused_adamw()
     speedups.register_compile_blocks()
     register()
