@@ -65,8 +65,6 @@ from tools.bench_profile import make_profiler  # noqa: E402
 #:       over the logits; the loss itself is unchanged)
 #:   fp8: the project's train setting `fp8` (llmpipe.fp8: torchao float8 linears): 'tensorwise' | 'rowwise' |
 #:       a mapping {recipe, min_features}; the CSV's fp8 column says which (empty: bf16)
-#:   fsdp: True -> composer's FSDP (the model's train.fsdp settings) also at world size 1 (the project's training
-#:       uses FSDP only on several devices); the CSV's fsdp column
 #:   fused_loss: the project's train setting `fused_loss` (llmpipe.fused_loss: chunked linear + cross-entropy
 #:       without the full logits): False | True | {'chunk_size': tokens, 'kernel': torch|softmax|compile|liger};
 #:       used only with train metrics off. Variants that set it False measure the stock loss over full logits.
@@ -147,17 +145,14 @@ VARIANTS: dict[str, dict[str, Any]] = {
                                 'mb_scale': 2},
     'fused_loss_blocks_mb_x4': {**_BEST, 'compile': 'blocks', 'compile_fix': True, 'fused_loss': True,
                                 'mb_scale': 4},
-    # FP8 training (train.fp8, torchao float8 linears) on top of the project's default config; fsdp: the same
-    # through composer's FSDP at world size 1
+    # FP8 training (train.fp8, torchao float8 linears) on top of the project's default config
     'fp8': {'fp8': 'tensorwise'},
     'fp8_rowwise': {'fp8': 'rowwise'},
-    'fsdp': {'fsdp': True},
-    'fp8_fsdp': {'fp8': 'tensorwise', 'fsdp': True},
 }
 
 CSV_FIELDS = [
     'device_call', 'machine', 'timestamp', 'model', 'variant', 'status', 'config_source', 'shims', 'attn_impl', 'attn_type', 'sdpa_backend',
-    'drop_mask', 'optimizer', 'compile', 'train_metrics', 'fused_loss', 'fp8', 'fsdp', 'num_workers', 'cpu_threads', 'microbatch', 'seq_len', 'steps', 'timed_steps',
+    'drop_mask', 'optimizer', 'compile', 'train_metrics', 'fused_loss', 'fp8', 'num_workers', 'cpu_threads', 'microbatch', 'seq_len', 'steps', 'timed_steps',
     'tokens_per_s',
     'step_ms', 'mfu', 'flops_per_token', 'flops_per_token_foundry', 'peak_flops', 'peak_mem_allocated_gb',
     'peak_mem_reserved_gb', 'mem_before_gb', 'n_params', 'gpu', 'torch', 'torchao', 'cuda', 'composer', 'llmfoundry', 'python', 'error',
@@ -329,11 +324,6 @@ def build_train_config(config: dict, run: str, variant: dict, *, steps: int, mb_
         else:
             callbacks.pop('drop_full_attention_mask', None)
     cfg['callbacks'] = callbacks
-    if variant.get('fsdp'):   # as foundry_train_config sets it on several devices
-        cfg['fsdp_config'] = {'sharding_strategy': 'FULL_SHARD', 'mixed_precision': 'PURE',
-                              'activation_checkpointing': False, 'activation_checkpointing_reentrant': False,
-                              'activation_cpu_offload': False, 'limit_all_gathers': True,
-                              **(rc['train'].get('fsdp') or {})}
     if 'optimizer' in variant:
         cfg['optimizer']['name'] = variant['optimizer']
     if 'compile' in variant:
@@ -371,7 +361,6 @@ def build_train_config(config: dict, run: str, variant: dict, *, steps: int, mb_
         'fused_loss': _fused_loss_knob(model),
         'fp8': ','.join(f'{k}={v}' for k, v in callbacks['llmpipe_fp8'].items() if k != 'where')
         if 'llmpipe_fp8' in callbacks else '',
-        'fsdp': bool(cfg.get('fsdp_config')),
     }
     return cfg, knobs
 
