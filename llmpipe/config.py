@@ -25,6 +25,7 @@ import functools
 import os
 from collections.abc import Iterable
 
+from llmpipe.fp8 import check_fp8
 from llmpipe.schema import check_named_arguments, closest, deep_merge, speed_only_keys
 # ConfigError lives in llmpipe.settings (imported by this module and by llmpipe.schema, never the reverse);
 # llmpipe.config.ConfigError is the same class.
@@ -77,7 +78,7 @@ def validate_run(config: dict, run: str, node_counts: Iterable[int] = (), counts
     """Check one run's settings before anything is scheduled; return the merged run config (:func:`run_config`).
 
     Checks: the name is free, the model exists, its sections and keys, its corpus and tokenizer, the shard format
-    for its sample length, the per-value train settings (``fused_loss``, ``compile``, ``attn_impl``), and the
+    for its sample length, the per-value train settings (``fused_loss``, ``compile``, ``attn_impl``, ``fp8``: :func:`llmpipe.fp8.check_fp8`), and the
     cross-field checks of :meth:`llmpipe.settings.RunSettings.check` (the batch at every node count: the run's
     own, a finetune's ``node_counts`` and ``node_counts`` given here, e.g. a scaling study's, named by
     ``counts_where`` in the fix). A finetune goes to :func:`validate_finetune`. :func:`run_settings` gives the
@@ -131,6 +132,7 @@ def _validated(config: dict, run: str, node_counts: Iterable[int], counts_where:
     check_named_arguments(train, functools.partial(written_at, config, run))
     fused_loss_settings(train, f"{where}.train")
     compile_settings(train, f"{where}.train")
+    check_fp8(train, f"{where}.train", rs.resources.gpus_per_node, rs.resources.at("gpus_per_node"))
     return rc, rs
 
 
@@ -551,4 +553,5 @@ def _validated_finetune(config: dict, run: str, node_counts: Iterable[int], coun
                                      ).check(node_counts, counts_where)
     check_named_arguments(train, functools.partial(written_at, config, run))
     compile_settings(train, f"{where}.train")
+    check_fp8(train, f"{where}.train", rs.resources.gpus_per_node, rs.resources.at("gpus_per_node"))
     return rc, rs

@@ -27,6 +27,7 @@ from typing import Any
 
 from llmpipe import checkpoints as ckpt
 from llmpipe.config import compile_settings, fused_loss_settings, world_size
+from llmpipe.fp8 import apply_fp8
 
 log = logging.getLogger("llmpipe.train")
 
@@ -170,7 +171,9 @@ def foundry_train_config(rc: dict, *, data_dir: str | None, save_folder: str | N
         else:  # llm-foundry drops fsdp_config at world size 1; llmpipe.fsdp's callback hands it to composer
             from llmpipe.fsdp import CALLBACK_NAME
             cfg["callbacks"][CALLBACK_NAME] = {"fsdp_config": fsdp_cfg}
-    apply_compile(cfg, train, f"{'finetunes' if rc.get('kind') == 'finetune' else 'models'}.{run}.train")
+    where = f"{'finetunes' if rc.get('kind') == 'finetune' else 'models'}.{run}.train"
+    apply_compile(cfg, train, where)
+    apply_fp8(cfg, train, where)  # llmpipe.fp8: the llmpipe_fp8 callback, first of all
     if save_folder is not None:
         cfg["save_folder"] = save_folder
         cfg["save_interval"] = f"{int(train['save_interval_batches'])}ba"
@@ -219,17 +222,18 @@ def _fused_loss_model_name() -> str:
 
 def register_extensions(compile_enabled: bool = False) -> None:
     """Register everything our train config names in llm-foundry's registries (SDPA attention classes, the
-    ``drop_full_attention_mask`` and ``llmpipe_run_monitor`` callbacks, the ``fused_adamw`` optimizer, the
-    ``mpt_causal_lm_fused_loss`` model), per-job streaming shared-memory names (:mod:`llmpipe.shm_names`) and,
-    when torch.compile is on, apply
+    ``drop_full_attention_mask``, ``llmpipe_run_monitor``, ``llmpipe_fp8`` and ``llmpipe_single_device_fsdp``
+    callbacks, the ``fused_adamw`` optimizer, the ``mpt_causal_lm_fused_loss`` model), per-job streaming
+    shared-memory names (:mod:`llmpipe.shm_names`) and, when torch.compile is on, apply
     :func:`llmpipe.speedups.dynamo_catalogue_fix`. Idempotent."""
     import llmpipe.attention as attention
     import llmpipe.fsdp as fsdp
     import llmpipe.fused_loss as fused_loss
-    from llmpipe import shm_names, speedups
+    from llmpipe import fp8, shm_names, speedups
     shm_names.per_job_prefixes()  # concurrent jobs on one node never pick the same streaming shared-memory names
     attention.register()
     fused_loss.register()
+    fp8.register()
     speedups.register_fused_adamw()
     speedups.register_compile_blocks()
     fsdp.register()

@@ -63,6 +63,8 @@ from tools.bench_profile import make_profiler  # noqa: E402
 #:       models; 0 runs the synthetic loader in the training process; the CSV's num_workers column says which)
 #:   train_metrics: False -> model.use_train_metrics False (no per-step LanguageCrossEntropy/Perplexity/TokenAccuracy
 #:       over the logits; the loss itself is unchanged)
+#:   fp8: the project's train setting `fp8` (llmpipe.fp8: torchao float8 linears): 'tensorwise' | 'rowwise' |
+#:       a mapping {recipe, min_features}; the CSV's fp8 column says which (empty: bf16)
 #:   fused_loss: the project's train setting `fused_loss` (llmpipe.fused_loss: chunked linear + cross-entropy
 #:       without the full logits): False | True | {'chunk_size': tokens, 'kernel': torch|softmax|compile|liger};
 #:       used only with train metrics off. Variants that set it False measure the stock loss over full logits.
@@ -145,14 +147,17 @@ VARIANTS: dict[str, dict[str, Any]] = {
                                 'mb_scale': 2},
     'fused_loss_blocks_mb_x4': {**_BEST, 'compile': 'blocks', 'compile_fix': True, 'fused_loss': True,
                                 'mb_scale': 4},
+    # FP8 training (train.fp8, torchao float8 linears) on top of the project's default config
+    'fp8': {'fp8': 'tensorwise'},
+    'fp8_rowwise': {'fp8': 'rowwise'},
 }
 
 CSV_FIELDS = [
     'device_call', 'machine', 'timestamp', 'model', 'variant', 'status', 'config_source', 'shims', 'attn_impl', 'attn_type', 'sdpa_backend',
-    'drop_mask', 'optimizer', 'compile', 'train_metrics', 'fused_loss', 'num_workers', 'cpu_threads', 'microbatch', 'seq_len', 'steps', 'timed_steps',
+    'drop_mask', 'optimizer', 'compile', 'train_metrics', 'fused_loss', 'fp8', 'num_workers', 'cpu_threads', 'microbatch', 'seq_len', 'steps', 'timed_steps',
     'tokens_per_s',
     'step_ms', 'mfu', 'flops_per_token', 'flops_per_token_foundry', 'peak_flops', 'peak_mem_allocated_gb',
-    'peak_mem_reserved_gb', 'mem_before_gb', 'n_params', 'gpu', 'torch', 'cuda', 'composer', 'llmfoundry', 'python', 'error',
+    'peak_mem_reserved_gb', 'mem_before_gb', 'n_params', 'gpu', 'torch', 'torchao', 'cuda', 'composer', 'llmfoundry', 'python', 'error',
     'command',
 ]
 
@@ -262,7 +267,8 @@ def build_train_config(config: dict, run: str, variant: dict, *, steps: int, mb_
     from llmpipe.train import foundry_train_config  # the project's own training step
 
     # train settings the project's own config selection depends on (the fused-loss model needs train metrics off)
-    train_over = {k: variant[k] for k in ('train_metrics', 'fused_loss', 'fsdp_min_params') if k in variant}
+    train_over = {k: variant[k] for k in ('train_metrics', 'fused_loss', 'fsdp_min_params', 'fp8')
+                  if k in variant}
     if train_over:
         config = deep_merge(config, {'models': {run: {'train': train_over}}})
     rc = run_config(config, run)
@@ -308,7 +314,7 @@ def build_train_config(config: dict, run: str, variant: dict, *, steps: int, mb_
     cfg['python_log_level'] = 'warning'
     cfg['run_name'] = f'bench-{run}'
     callbacks = {k: v for k, v in (cfg.get('callbacks') or {}).items()
-                 if k in ('drop_full_attention_mask', 'llmpipe_compile_blocks')}  # keep speed-relevant callbacks only
+                 if k in ('llmpipe_fp8', 'drop_full_attention_mask', 'llmpipe_compile_blocks')}  # speed-relevant only
     # knobs
     model = cfg['model']
     attn_config = dict(model.get('attn_config') or {})
@@ -356,6 +362,8 @@ def build_train_config(config: dict, run: str, variant: dict, *, steps: int, mb_
         'seq_len': seq_len,
         'train_metrics': model.get('use_train_metrics', True),
         'fused_loss': _fused_loss_knob(model),
+        'fp8': ','.join(f'{k}={v}' for k, v in callbacks['llmpipe_fp8'].items() if k != 'where')
+        if 'llmpipe_fp8' in callbacks else '',
     }
     return cfg, knobs
 
@@ -376,10 +384,17 @@ def _fused_loss_knob(model: dict) -> str:
 # ------------------------------------------------------------------------------------- run
 
 def _versions() -> dict:
+    import importlib.metadata
+
     import composer
     import llmfoundry
     import torch
+    try:
+        torchao = importlib.metadata.version('torchao')
+    except importlib.metadata.PackageNotFoundError:
+        torchao = ''
     return {
+        'torchao': torchao,
         'gpu': torch.cuda.get_device_name() if torch.cuda.is_available() else 'cpu',
         'torch': torch.__version__,
         'cuda': torch.version.cuda or '',
@@ -525,6 +540,8 @@ def main(argv: list[str] | None = None) -> int:
     _register_synthetic_loader()
     register_fused_adamw()
     register_compile_blocks()
+    from llmpipe.fp8 import register as register_fp8
+    register_fp8()  # llmpipe_fp8 callback (the train config names it when train.fp8 is on)
     from llmpipe.fused_loss import register as register_fused_loss
     register_fused_loss()  # mpt_causal_lm_fused_loss (the train config names it when fused_loss is on)
 

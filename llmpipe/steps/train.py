@@ -13,6 +13,7 @@ import os
 
 from llmpipe.config import (SPEED_ONLY_FINETUNE_DATA_KEYS, SPEED_ONLY_TRAIN_KEYS, is_finetune, run_config, step_resources,
                             world_size)
+from llmpipe.fp8 import fp8_settings
 from llmpipe.steps.context import StepContext, read_json
 from llmpipe.steps.convert import convert_identity
 from llmpipe.steps.data import instructions_identity, mds_identity, tokenizer_identity
@@ -26,7 +27,7 @@ VERSIONS = {"train": 1, "finetune": 1}
 # ------------------------------------------------------------------------------------------- identity
 
 def train_identity(config: dict, run: str) -> dict:
-    """What determines a trained model: architecture, data, optimizer, steps, global batch, seed, precision.
+    """What determines a trained model: architecture, data, optimizer, steps, global batch, seed, precision, FP8.
 
     A finetune's is :func:`finetune_identity`. Keys in :data:`llmpipe.config.SPEED_ONLY_TRAIN_KEYS`, the
     resources and the attention implementation are left out.
@@ -34,7 +35,7 @@ def train_identity(config: dict, run: str) -> dict:
     if is_finetune(config, run):
         return finetune_identity(config, run)
     rc = run_config(config, run)
-    train = {k: v for k, v in rc["train"].items() if k not in SPEED_ONLY_TRAIN_KEYS}
+    train = _train_identity(rc["train"])
     d = rc["data"]
     return {"step": "train", "version": VERSIONS["train"], "arch": rc["arch"], "train": train,
             "data": mds_identity(config, d["corpus"], d["tokenizer"], d["concat_tokens"])}
@@ -60,9 +61,20 @@ def finetune_identity(config: dict, run: str) -> dict:
             if k not in SPEED_ONLY_FINETUNE_DATA_KEYS and k not in ("corpus", "icl_corpus", "concat_tokens")}
     data["instructions"] = instructions_identity(config, d["instructions"])
     data["tokenizer"] = tokenizer_identity(config, d["tokenizer"])
-    train = {k: v for k, v in rc["train"].items() if k not in SPEED_ONLY_TRAIN_KEYS}
+    train = _train_identity(rc["train"])
     return {"step": "finetune", "version": VERSIONS["finetune"], "base": base_id, "data": data, "train": train,
             "lora": rc["lora"]}
+
+
+def _train_identity(train: dict) -> dict:
+    """The identity part of a ``train`` section: no speed-only key; ``fp8`` only when on, and then as its settings
+    (:func:`llmpipe.fp8.fp8_settings`), so ``fp8: false``, ``null`` or left out name the same bf16 training and
+    ``true``, ``tensorwise`` and ``{recipe: tensorwise}`` the same FP8 one."""
+    out = {k: v for k, v in train.items() if k not in SPEED_ONLY_TRAIN_KEYS and k != "fp8"}
+    fp8 = fp8_settings(train)
+    if fp8 is not None:
+        out["fp8"] = fp8
+    return out
 
 
 # ------------------------------------------------------------------------------------------- shared by training rules
