@@ -544,7 +544,8 @@ def test_speed_only_settings_are_marked_in_the_schema():
     assert SPEED_ONLY_TRAIN_KEYS == {
         "microbatch_size", "eval_microbatch_size", "attn_impl", "fsdp", "compile", "num_workers",
         "save_interval_batches", "checkpoints_to_keep", "log_interval_batches", "eval_interval_batches",
-        "eval_subset_batches", "fused_optimizer", "train_metrics", "fused_loss"}
+        "eval_subset_batches", "fused_optimizer", "train_metrics", "fused_loss", "earlier_identities_to_keep",
+        "fsdp_min_params"}
     assert SPEED_ONLY_FINETUNE_DATA_KEYS == {"allow_pad_trimming"}
     train = schema.load()["$defs"]["train"]["properties"]
     assert {k for k, v in train.items() if v.get("x-speed-only")} == SPEED_ONLY_TRAIN_KEYS
