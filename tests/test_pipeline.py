@@ -31,10 +31,11 @@ def test_tiny_pipeline_trains_and_evaluates(tiny_run):
     assert train["tokens_per_s"] > 0 and train["mfu"] is None and train["devices"] == 1
     assert train["checkpoint_size_bytes"] == os.path.getsize(tiny_run / train["final_checkpoint"])
     # checkpoints were saved with symlinks refused, and only `checkpoints_to_keep` remain
-    ckpts = sorted(p for p in os.listdir(tiny_run / "results/mpt-tiny/checkpoints") if p.endswith(".pt"))
+    folder = (tiny_run / train["final_checkpoint"]).parent  # results/mpt-tiny/checkpoints/<identity key>
+    assert folder.parent == tiny_run / "results/mpt-tiny/checkpoints"
+    ckpts = sorted(p for p in os.listdir(folder) if p.endswith(".pt"))
     assert len(ckpts) == cfg["model_defaults"]["train"]["checkpoints_to_keep"], ckpts
-    assert not any(os.path.islink(tiny_run / "results/mpt-tiny/checkpoints" / p) for p in os.listdir(
-        tiny_run / "results/mpt-tiny/checkpoints"))
+    assert not any(p.is_symlink() for p in folder.parent.rglob("*"))
 
     ev = load(tiny_run, "mpt-tiny/eval.json")
     vocab = cfg["tokenizers"]["bpe-builtin-docs"]["vocab_size"]
