@@ -96,9 +96,9 @@ def test_resume_from_newest_complete_checkpoint_without_symlinks(tiny_run, tmp_p
     """Lose the final checkpoint and train.json: the rerun resumes from the newest complete one (not from a
     half-written newer file) and ends at exactly the configured step count."""
     wd = copy_run(tiny_run, tmp_path / "wd")
-    ck = wd / "results/mpt-tiny/checkpoints"
     train0 = load(wd, "mpt-tiny/train.json")
     final = str(wd / train0["final_checkpoint"])
+    ck = (wd / train0["final_checkpoint"]).parent  # the identity's folder under results/mpt-tiny/checkpoints
     os.remove(final)
     os.remove(final + ".complete")
     (wd / "results/mpt-tiny/train.json").unlink()
