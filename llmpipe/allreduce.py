@@ -84,14 +84,15 @@ def settings(config: dict) -> dict:
 
 
 def health_settings(s: dict) -> dict:
-    """``allreduce.health`` of the merged section ``s`` with its schema defaults filled, checked.
+    """``allreduce.health`` of the merged section ``s`` with its schema defaults (``x-default``) filled, checked.
 
     Raises:
         ConfigError: health on without the gate it belongs to, or an impossible threshold.
     """
-    from llmpipe.schema import fill_defaults
+    from llmpipe.schema import node_at
 
-    h = fill_defaults({"allreduce": {"health": dict(s["health"])}})["allreduce"]["health"]
+    props = node_at("#/properties/allreduce/properties/health/properties")
+    h = {**{k: p["x-default"] for k, p in props.items()}, **s["health"]}
     if not s.get("gate"):
         raise ConfigError("allreduce.health is set but allreduce.gate is null: the health check is part of the gate. "
                           "Fix: set allreduce.gate: {size_bytes: ..., min_busbw_gbps: ...} (0 for no busbw floor), "

@@ -95,9 +95,9 @@ class HealthTask:
             _, busbw = bandwidths(self.size_bytes // 4 * 4, t_s, ws)
             line = {"rank": rank, "local_rank": int(env["local_rank"]), "node_rank": int(env.get("node_rank", 0)),
                     "host": host, "device": device_name, "backend": backend,
-                    "matmul_size": self.n, "matmul_dtype": self.dtype, "tflops": round(tflops, 6),
+                    "matmul_size": self.n, "matmul_dtype": self.dtype, "tflops": tflops,
                     "size_bytes": self.size_bytes // 4 * 4, "allreduce_time_us": round(t_s * 1e6, 3),
-                    "busbw_gbps": round(busbw, 6)}
+                    "busbw_gbps": busbw}
             print(f"llmpipe: health rank {rank}/{ws} on {host} ({device_name}): {tflops:.3f} TFLOP/s "
                   f"({self.dtype} {self.n}^2), all-reduce {line['busbw_gbps']:.2f} GB/s busbw", flush=True)
             lines: list[Any] = [None] * ws
