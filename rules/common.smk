@@ -310,8 +310,10 @@ def allreduce_csvs(wildcards):
 
 
 def allreduce_gate_settings(wildcards):
-    """``allreduce.gate`` as text: a changed threshold re-checks the gate (it never re-measures)."""
-    return identity_text(allreduce_mod.settings(config)["gate"])
+    """``allreduce.gate`` (with ``allreduce.health`` when set) as text: a changed threshold re-checks the gate (it
+    never re-measures)."""
+    s = allreduce_mod.settings(config)
+    return identity_text({**s["gate"], "health": s["health"]} if s.get("health") else s["gate"])
 
 
 def allreduce_gate_input(wildcards):
