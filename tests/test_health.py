@@ -104,3 +104,7 @@ def test_gate_names_the_slow_rank_by_host_and_refuses_or_warns(tmp_path):
     log = (wd / "results/logs/allreduce/gate-mpt-tiny.log").read_text()
     assert "WARNING: allreduce gate for mpt-tiny: slow GPU rank 1" in log
     assert sum(ln.startswith('{"rank"') for ln in log.splitlines()) == 2  # one line per GPU
+    # the matmul's size is what the check measured: changing it measures again
+    resized = cfg("resized", on_slow="warn", matmul_size=64)
+    assert planned_jobs(snakemake(wd, "-n", "--configfile", base, resized, "--",
+                                  "results/bench/allreduce/gate/mpt-tiny.json")).get("allreduce_health") == 1
