@@ -78,7 +78,31 @@ def settings(config: dict) -> dict:
         if int(gate["size_bytes"]) not in sweep_sizes(lo, hi, f):
             raise ConfigError(f"allreduce.gate.size_bytes ({gate['size_bytes']}) is not one of the sweep's sizes "
                               f"({lo} x {f}^k up to {hi}). Fix: pick one of them, or widen the sweep.")
+    if s.get("health") is not None:
+        s["health"] = health_settings(s)
     return s
+
+
+def health_settings(s: dict) -> dict:
+    """``allreduce.health`` of the merged section ``s`` with its schema defaults (``x-default``) filled, checked.
+
+    Raises:
+        ConfigError: health on without the gate it belongs to, or an impossible threshold.
+    """
+    from llmpipe.schema import node_at
+
+    props = node_at("#/properties/allreduce/properties/health/properties")
+    h = {**{k: p["x-default"] for k, p in props.items()}, **s["health"]}
+    if not s.get("gate"):
+        raise ConfigError("allreduce.health is set but allreduce.gate is null: the health check is part of the gate. "
+                          "Fix: set allreduce.gate: {size_bytes: ..., min_busbw_gbps: ...} (0 for no busbw floor), "
+                          "or allreduce.health: null.")
+    if not 0 <= float(h["min_fraction_of_median"]) <= 1:
+        raise ConfigError(f"allreduce.health.min_fraction_of_median is {h['min_fraction_of_median']!r}; it must be "
+                          f"between 0 and 1 (0.8: a GPU slower than 80 % of the median fails).")
+    if h["on_slow"] not in ("fail", "warn"):
+        raise ConfigError(f"allreduce.health.on_slow is {h['on_slow']!r}; it must be fail or warn.")
+    return h
 
 
 def sweep_sizes(min_bytes: int, max_bytes: int, factor: int = 2) -> list[int]:

@@ -1,5 +1,6 @@
 # All-reduce bandwidth test (the seed's nccl-tests table) through torch.distributed on nodes x tasks, its plot, and
-# the optional gate that keeps training from starting on a slow or misconfigured interconnect.
+# the optional gate that keeps training from starting on a slow or misconfigured interconnect (with
+# allreduce.health, also on a slow GPU: results/bench/allreduce/health/nodes{N}.json, one line per GPU).
 #   snakemake results/bench/allreduce/nodes2.csv --profile profiles/slurm   # one node count
 #   snakemake allreduce_all --profile profiles/slurm                         # every count in allreduce.nodes + plot
 
@@ -39,9 +40,31 @@ rule allreduce_plot:
         "../scripts/allreduce.py"
 
 
+rule allreduce_health:
+    input:
+        allreduce_plan,
+    output:
+        f"{RESULTS}/bench/allreduce/health/nodes{{nodes}}.json",
+    log:
+        f"{LOGS}/allreduce/health-nodes{{nodes}}.log",
+    wildcard_constraints:
+        nodes=r"\d+",
+    threads: allreduce_threads
+    resources:
+        nodes=allreduce_node_count,
+        gpus_per_node=allreduce_res("gpus_per_node"),
+        tasks_per_node=allreduce_res("tasks_per_node"),
+        cpus_per_task=allreduce_res("cpus_per_task"),
+        runtime=allreduce_res("time_min"),
+    params:
+        identity=allreduce_health_identity,
+    script:
+        "../scripts/allreduce.py"
+
+
 rule allreduce_gate:
     input:
-        csv=allreduce_gate_csv,
+        unpack(allreduce_gate_inputs),
     output:
         f"{RESULTS}/bench/allreduce/gate/{{run}}.json",
     log:
@@ -55,7 +78,7 @@ rule allreduce_gate:
 
 rule scaling_allreduce_gate:
     input:
-        csv=allreduce_gate_csv,
+        unpack(allreduce_gate_inputs),
     output:
         f"{RESULTS}/bench/allreduce/gate/{{run}}/nodes{{nodes}}.json",
     log:

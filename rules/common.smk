@@ -310,8 +310,10 @@ def allreduce_csvs(wildcards):
 
 
 def allreduce_gate_settings(wildcards):
-    """``allreduce.gate`` as text: a changed threshold re-checks the gate (it never re-measures)."""
-    return identity_text(allreduce_mod.settings(config)["gate"])
+    """``allreduce.gate`` (with ``allreduce.health`` when set) as text: a changed threshold re-checks the gate (it
+    never re-measures)."""
+    s = allreduce_mod.settings(config)
+    return identity_text({**s["gate"], "health": s["health"]} if s.get("health") else s["gate"])
 
 
 def allreduce_gate_input(wildcards):
@@ -324,14 +326,23 @@ def allreduce_gate_input(wildcards):
     return ancient(f"{RESULTS}/bench/allreduce/gate/{wildcards.run}.json")
 
 
-def allreduce_gate_csv(wildcards):
+def allreduce_gate_inputs(wildcards):
+    """The gate's inputs: the bench's CSV at the training's node count and, with allreduce.health on, the health
+    check's per-GPU lines there."""
     nodes = allreduce_mod.gate_nodes(config, wildcards.run, getattr(wildcards, "nodes", None))
     if nodes is None:
         raise cfg.ConfigError(
             f"no all-reduce gate for {wildcards.run}: allreduce.gate is off or the training has a "
             f"single rank. Fix: set allreduce.gate: {{size_bytes: ..., min_busbw_gbps: ...}}."
         )
-    return f"{RESULTS}/bench/allreduce/nodes{nodes}.csv"
+    inputs = {"csv": f"{RESULTS}/bench/allreduce/nodes{nodes}.csv"}
+    if allreduce_mod.settings(config).get("health"):
+        inputs["health"] = f"{RESULTS}/bench/allreduce/health/nodes{nodes}.json"
+    return inputs
+
+
+def allreduce_health_identity(wildcards):
+    return identity_text(allreduce_steps.health_identity(config))
 
 
 # ------------------------------------------------------------------------------------------- node-scaling studies (rules/scaling.smk)

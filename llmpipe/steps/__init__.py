@@ -16,7 +16,7 @@ module                 rules
 :mod:`.generate`       generate
 :mod:`.evaluate`       eval, finetune_eval
 :mod:`.scaling`        scaling_train, scaling_table
-:mod:`.allreduce`      allreduce, allreduce_plot, allreduce_gate, scaling_allreduce_gate
+:mod:`.allreduce`      allreduce, allreduce_plot, allreduce_health, allreduce_gate, scaling_allreduce_gate
 :mod:`.report`         report
 =====================  =====================================================================================
 
@@ -79,6 +79,7 @@ RULES: dict[str, Rule] = {
     "scaling_table": Rule(scaling.scaling_table),
     "allreduce": Rule(allreduce.allreduce, "allreduce/nodes{nodes}", allreduce.bench_job_resources),
     "allreduce_plot": Rule(allreduce.allreduce_plot),
+    "allreduce_health": Rule(allreduce.allreduce_health, "allreduce/health-nodes{nodes}", allreduce.bench_job_resources),
     "allreduce_gate": Rule(allreduce.allreduce_gate),
     "scaling_allreduce_gate": Rule(allreduce.allreduce_gate),
     "report": Rule(report.report),

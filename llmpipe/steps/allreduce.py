@@ -1,6 +1,6 @@
-"""All-reduce steps: the bandwidth sweep (``allreduce``), its plot (``allreduce_plot``) and the training gate
-(``allreduce_gate``, ``scaling_allreduce_gate``). The bench, its files and the gate's check are in
-:mod:`llmpipe.allreduce`."""
+"""All-reduce steps: the bandwidth sweep (``allreduce``), its plot (``allreduce_plot``), the GPU health check
+(``allreduce_health``) and the training gate (``allreduce_gate``, ``scaling_allreduce_gate``). The bench, its files
+and the gate's check are in :mod:`llmpipe.allreduce`, the health check in :mod:`llmpipe.health`."""
 
 from __future__ import annotations
 
@@ -8,8 +8,10 @@ import json
 import re
 
 from llmpipe import allreduce as bench
+from llmpipe import health
+from llmpipe.config import ConfigError
 from llmpipe.dispatch import check_executor
-from llmpipe.steps.context import StepContext
+from llmpipe.steps.context import StepContext, read_json
 
 #: Part of the bench's identity: bump when a change in the bench changes what it measures.
 VERSION = 1
@@ -29,6 +31,31 @@ def allreduce_identity(config: dict) -> dict:
     r = bench.bench_resources(config, 1)
     return {"step": "allreduce", "version": VERSION, **{k: s[k] for k in IDENTITY_KEYS},
             "gpus_per_node": int(r["gpus_per_node"]), "tasks_per_node": int(r["tasks_per_node"])}
+
+
+#: Part of the health check's identity: bump when a change in the check changes what it measures.
+HEALTH_VERSION = 1
+
+#: The ``allreduce.health`` settings that determine a health check's result (not the thresholds).
+HEALTH_IDENTITY_KEYS = ("matmul_size", "matmul_dtype", "warmup", "iters")
+
+
+def health_identity(config: dict) -> dict:
+    """What determines a health-check result: matmul size and type, iterations, the all-reduce size
+    (``allreduce.gate.size_bytes``), backend and per-node layout. Not the thresholds: they re-judge, not re-measure.
+
+    Raises:
+        ConfigError: the health check is off or impossible (:func:`llmpipe.allreduce.settings`).
+    """
+    s = bench.settings(config)
+    if not s.get("health"):
+        raise ConfigError("allreduce.health is null: there is no health check to run. Fix: set "
+                                "allreduce.health: {on_slow: fail} (with allreduce.gate) or leave out this target.")
+    r = bench.bench_resources(config, 1)
+    return {"step": "allreduce_health", "version": HEALTH_VERSION,
+            **{k: s["health"][k] for k in HEALTH_IDENTITY_KEYS}, "size_bytes": int(s["gate"]["size_bytes"]),
+            "backend": s["backend"], "gpus_per_node": int(r["gpus_per_node"]),
+            "tasks_per_node": int(r["tasks_per_node"])}
 
 
 def bench_job_resources(config: dict, wildcards) -> dict:
@@ -56,6 +83,27 @@ def allreduce(ctx: StepContext) -> dict:
     return {"allreduce": s, "resources": ctx.resources}
 
 
+def allreduce_health(ctx: StepContext) -> dict:
+    """Rule ``allreduce_health``: the GPU health check on ``{nodes}`` nodes -> one line per GPU (JSON list).
+
+    Raises:
+        ConfigError: more than one node on an executor that runs on this machine; the check is off.
+        RuntimeError: rank 0 returned no lines.
+    """
+    nodes = int(ctx.wildcards.nodes)
+    s = bench.settings(ctx.config)
+    health_identity(ctx.config)
+    check_executor(ctx.config, nodes, f"the GPU health check on {nodes} nodes")
+    h = s["health"]
+    task = health.HealthTask(s["gate"]["size_bytes"], h["matmul_size"], h["matmul_dtype"], h["warmup"], h["iters"],
+                             s["backend"])
+    lines = ctx.dispatch(task, step=f"allreduce_health nodes{nodes}")
+    if not lines:
+        raise RuntimeError(f"allreduce_health nodes{nodes}: rank 0 returned no lines")
+    health.write_json(ctx.output[0], lines)
+    return {"health": h, "resources": ctx.resources}
+
+
 def allreduce_plot(ctx: StepContext) -> dict:
     """Rule ``allreduce_plot``: busbw versus size, one line per node count of ``allreduce.nodes``."""
     paths = {int(re.search(r"nodes(\d+)\.csv$", p).group(1)): p for p in ctx.input}
@@ -66,11 +114,25 @@ def allreduce_plot(ctx: StepContext) -> dict:
 def allreduce_gate(ctx: StepContext) -> dict:
     """Rules ``allreduce_gate`` and ``scaling_allreduce_gate``: pass (write the record) or refuse training.
 
+    With ``allreduce.health`` on, the record also holds ``gpus``: one line per GPU of the health check
+    (:func:`llmpipe.health.judge`; ``slow`` lists why a GPU fails), and ``on_slow: warn`` logs slow GPUs instead of
+    failing.
+
     Raises:
         RuntimeError: the measured bandwidth is below ``allreduce.gate.min_busbw_gbps`` (the message names the
-            NCCL settings to check).
+            NCCL settings to check), or a GPU failed the health check with ``on_slow: fail`` (named by host).
     """
-    rec = bench.check_gate(ctx.config, ctx.input.csv, f"allreduce gate for {ctx.wildcards.run}")
+    s = bench.settings(ctx.config)
+    where = f"allreduce gate for {ctx.wildcards.run}"
+    rec = bench.check_gate(ctx.config, ctx.input.csv, where)
+    if s.get("health"):
+        lines, warnings = health.check(read_json(ctx.input.health), s["health"], s["gate"]["min_busbw_gbps"], where)
+        rec.update({"health": ctx.input.health, "gpus": lines, "slow_gpus": len(warnings)})
+        for w in warnings:
+            ctx.log(f"WARNING: {w} (allreduce.health.on_slow: warn)")
+            print(f"llmpipe: WARNING: {w}", flush=True)
+        for d in lines:  # one line per GPU in the gate's log, as in its record
+            ctx.log(json.dumps(d))
     ctx.write_json(rec)
-    ctx.log(json.dumps(rec))
-    return {"gate": bench.settings(ctx.config)["gate"]}
+    ctx.log(json.dumps({k: v for k, v in rec.items() if k != "gpus"}))
+    return {"gate": s["gate"], "health": s.get("health")}
