@@ -36,12 +36,14 @@ This module imports without torch (the Snakefile imports it) and takes explicit 
 from __future__ import annotations
 
 import csv
+import os
 from collections.abc import Mapping
 
 from llmpipe.mfu import flops_per_token, mpt_param_count, peak_flops_for_name
 from llmpipe.settings import ConfigError
 
 __all__ = [
+    'BENCHMARK_CSV',
     'GPU_MEMORY_GB',
     'benchmark_basis',
     'check_fits',
@@ -54,6 +56,9 @@ __all__ = [
 ]
 
 GB = 2**30  # GiB: the plans' unit
+#: The committed training-throughput benchmark the time plans (and the report's projection) start from.
+BENCHMARK_CSV = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), 'benchmarks',
+                             'train-throughput.csv')
 #: Bytes per layer x token x d_model of the activations a transformer block stores for its backward (see module doc).
 ACT_BYTES = 32
 #: A step is refused when its estimate exceeds the GPU's memory by more than this share (see module doc).
@@ -188,7 +193,7 @@ def inference_memory(rc: Mapping, *, step: str, batch_size: int = 1, context: in
             'logits_gb': logits / GB, 'total_gb': total / GB}
 
 
-def benchmark_basis(csv_path: str, model: str = 'mpt-1b', variant: str = 'default') -> dict | None:
+def benchmark_basis(csv_path: str = BENCHMARK_CSV, model: str = 'mpt-1b', variant: str = 'default') -> dict | None:
     """The time plan's basis: the newest ``ok`` row of ``model``/``variant`` in the throughput benchmark CSV
     (``tools/bench_train_throughput.py``), as ``{'model', 'variant', 'gpu', 'device_call', 'timestamp',
     'tokens_per_s', 'mfu', 'flops_per_token', 'peak_flops'}``; None when the file or such a row is missing."""

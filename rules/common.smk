@@ -146,7 +146,7 @@ def memory_plan(step, run):
     proj = None
     if step == "train":
         mem = plan_mod.train_memory(rc, nodes=int(r["nodes"]), gpus_per_node=int(r["gpus_per_node"]))
-        basis = plan_mod.benchmark_basis(os.path.join(workflow.basedir, "benchmarks", "train-throughput.csv"))
+        basis = plan_mod.benchmark_basis(plan_mod.BENCHMARK_CSV)
         if basis:
             proj = plan_mod.train_time(
                 rc,

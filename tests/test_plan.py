@@ -143,3 +143,26 @@ def test_plans_of_the_large_models_fit_as_configured():
         mem = plan.train_memory(run_config(config, run), nodes=r["nodes"], gpus_per_node=r["gpus_per_node"])
         plan.check_fits("train", run, mem, plan.gpu_memory_gb("h100"), "h100", f"models.{run}")
         assert mem["total_gb"] < 80, (run, mem)
+
+
+def test_report_projection_uses_the_benchmark_without_a_gpu_run(tmp_path):
+    """A CPU reference (no MFU) no longer projects CPU years: the report takes the dry run's time plan."""
+    from llmpipe import report
+
+    config = project_config()
+    config["report"] = {"projection": {"nodes": [8, 64], "models": ["mpt-70b"]}}
+    (tmp_path / "mpt-tiny").mkdir()
+    (tmp_path / "mpt-tiny/train.json").write_text(json.dumps({
+        "tokens_per_s_per_device": 900.0, "devices": 1, "nodes": 1, "flops_per_token": 1e6, "concat_tokens": 128,
+        "mfu": None, "device": "cpu"}))
+    basis = plan.benchmark_basis()
+    df = report.projection(config, str(tmp_path), "mpt-tiny", basis)
+    rc = run_config(config, "mpt-70b")
+    want = plan.train_time(rc, nodes=8, gpus_per_node=8, gpu_type=config["gpu_type"], basis=basis,
+                           activation_checkpointing=True)
+    r = df[df["nodes"] == 8].iloc[0]
+    assert r["reference"] == "benchmark" and r["devices"] == 64
+    assert r["projected time (s)"] == pytest.approx(want["seconds"], rel=1e-6)
+    assert "benchmarks/train-throughput.csv" in r["basis"]
+    # without the basis, the CPU run stays the reference (as before)
+    assert set(report.projection(config, str(tmp_path), "mpt-tiny")["reference"]) == {"mpt-tiny"}
