@@ -21,7 +21,7 @@ Memory per GPU, in GiB (2**30 bytes), for training (``train_memory``) and infere
   context), one layer's activations of evaluation's batch and one forward's logits (bf16 and fp32).
 
 The GPU's memory is the datasheet figure of ``gpu_type`` (80 for an 80 GB part), read as GiB: what torch reports as
-``total_memory`` is within about 1% of it (H100 80 GB: 79.6 GiB; H200 141 GB: about 140 GiB). A step is refused
+``total_memory`` is within about 1.5% of it (H100 80 GB: 79.6 GiB; H200 141 GB: about 139-140 GiB). A step is refused
 when its estimate exceeds the GPU's memory by more than :data:`MARGIN`: the estimates run 0-6% above the peaks
 measured on one H200 (README, "Large models"), so only a step that clearly cannot fit is stopped.
 

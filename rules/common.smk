@@ -140,6 +140,8 @@ def memory_plan(step, run):
     if int(r["gpus_per_node"]) <= 0:
         return
     rc = cfg.run_config(config, run)
+    if "d_model" not in (rc.get("arch") or {}):  # a hub base without its architecture: nothing to plan from
+        return
     where = f"{'finetunes' if cfg.is_finetune(config, run) else 'models'}.{run}"
     gpu_type = config["gpu_type"]
     capacity = plan_mod.gpu_memory_gb(gpu_type, config.get("gpu_memory_gb"))
