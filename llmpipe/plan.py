@@ -66,7 +66,8 @@ MARGIN = 0.10
 #: Plans above this share of the GPU's memory are marked as tight (allocator fragmentation, CUDA context, NCCL).
 TIGHT = 0.9
 
-#: Memory per GPU (datasheet GB, read as GiB) by ``gpu_type`` (vendor datasheets; the config's ``gpu_memory_gb`` adds to or overrides it).
+#: Memory per GPU (datasheet GB, read as GiB) by ``gpu_type`` (vendor datasheets); the config's ``gpu_memory_gb``
+#: adds to or overrides it.
 #: The name, with '-' read as ' ', also picks the peak FLOP/s of :data:`llmpipe.mfu.PEAK_FLOPS` for the time plan.
 GPU_MEMORY_GB: dict[str, float] = {
     'h100': 80,          # H100 SXM5 80 GB HBM3 (H100 datasheet)
@@ -92,7 +93,8 @@ def gpu_memory_gb(gpu_type: str, overrides: Mapping[str, float] | None = None) -
     table = {**GPU_MEMORY_GB, **{str(k).lower(): float(v) for k, v in (overrides or {}).items()}}
     key = str(gpu_type).lower()
     if key not in table:
-        raise ConfigError(f"gpu_type is {gpu_type!r}, which is not a known GPU type (known: {', '.join(sorted(table))}). "
+        raise ConfigError(f"gpu_type is {gpu_type!r}, which is not a known GPU type "
+                          f"(known: {', '.join(sorted(table))}). "
                           f"Fix: set gpu_type to one of them, or give its memory with gpu_memory_gb: "
                           f"{{{gpu_type}: <GB>}}.")
     return float(table[key])
