@@ -299,8 +299,12 @@ def pick_reference(config: dict, results_dir: str, runs: list[str]) -> str | Non
     return best[1] if best else None
 
 
-def projection(config: dict, results_dir: str, reference: str | None):
+def projection(config: dict, results_dir: str, reference: str | None, basis: dict | None = None):
     """Projected pretraining time of each configured model on each node count of ``report.projection.nodes``.
+
+    Without a measured GPU reference (none, or a CPU run without MFU) and with ``basis`` (the committed GPU
+    benchmark, :func:`llmpipe.plan.benchmark_basis`), the time plan of the dry run is used instead
+    (:func:`llmpipe.plan.train_time`: the benchmark's MFU x the bf16 peak of ``gpu_type``, each model's GPUs per node).
 
     From the reference run's measured ``tokens_per_s_per_device`` (train.json):
 
@@ -321,9 +325,11 @@ def projection(config: dict, results_dir: str, reference: str | None):
     cols = ["model", "params", "token budget", "FLOPs per token", "nodes", "devices",
             "projected tokens/s", "projected time (s)", "projected time", "reference", "basis"]
     tr = _read(os.path.join(results_dir, reference, "train.json")) if reference else None
+    s = settings(config)["projection"]
+    if basis and (not tr or tr.get("mfu") is None):
+        return pd.DataFrame(_benchmark_projection(config, s, basis), columns=cols)
     if not tr or not tr.get("tokens_per_s_per_device"):
         return pd.DataFrame(columns=cols)
-    s = settings(config)["projection"]
     per_node = max(1, int(tr["devices"]) // max(1, int(tr.get("nodes") or 1)))
     ref_fpt = float(tr.get("flops_per_token") or flops_per_token(run_config(config, reference)["arch"],
                                                                    int(tr["concat_tokens"])))
@@ -353,13 +359,37 @@ def projection(config: dict, results_dir: str, reference: str | None):
     return pd.DataFrame(rows, columns=cols)
 
 
+def _benchmark_projection(config: dict, s: dict, basis: dict) -> list[dict]:
+    from llmpipe import plan
+    from llmpipe.config import step_resources
+
+    rows = []
+    models = s.get("models") or sorted(config.get("models") or {}, key=lambda m: _params(config, m) or 0)
+    for m in models:
+        rc = run_config(config, m)
+        per_node = int(step_resources(config, "train", m)["gpus_per_node"]) or 1
+        for n in s["nodes"]:
+            ac = plan.train_memory(rc, nodes=int(n), gpus_per_node=per_node)["activation_checkpointing"]
+            t = plan.train_time(rc, nodes=int(n), gpus_per_node=per_node, gpu_type=config["gpu_type"], basis=basis,
+                                activation_checkpointing=ac, peak_overrides=config.get("gpu_peak_flops"))
+            if t is None:
+                continue
+            rows.append({"model": m, "params": _params(config, m), "token budget": t["tokens"],
+                         "FLOPs per token": t["flops_per_token"], "nodes": int(n), "devices": int(n) * per_node,
+                         "projected tokens/s": round(t["tokens_per_s"], 1), "projected time (s)": round(t["seconds"], 1),
+                         "projected time": human_duration(t["seconds"]), "reference": "benchmark",
+                         "basis": t["basis"]})
+    return rows
+
+
 PROJECTION_NOTE = (
     "**PROJECTION, not a measurement.** Each model's configured token budget (max_duration_batches x "
     "global_batch_size x concat_tokens) divided by a projected throughput: the reference run's measured tokens/s "
     "per device, scaled by the ratio of FLOPs per token (llm-foundry's count, llmpipe.mfu.flops_per_token), times "
     "the devices of N nodes (devices per node as in the reference run). Assumes the reference's device type, the "
     "same MFU at every model size, linear scaling with nodes, and no time for evaluation, checkpoints or "
-    "restarts; real multi-node runs are slower. A CPU reference (the tiny CI run) projects CPU times.")
+    "restarts; real multi-node runs are slower. Without a measured GPU run, the committed GPU benchmark's MFU "
+    "(benchmarks/train-throughput.csv) times the bf16 peak of gpu_type is the basis, as in the dry run's plans.")
 
 
 # ------------------------------------------------------------------------------------------- plots
@@ -482,7 +512,9 @@ def build(config: dict, results_dir: str, out: dict[str, str], runs: list[str], 
     _write_table(t2, out["table2_csv"], out["table2_md"],
                  "Table 2: finetuning runs (speedup = wall clock at the fewest nodes / wall clock at N).")
     ref = pick_reference(config, results_dir, runs)
-    proj = projection(config, results_dir, ref)
+    from llmpipe import plan
+
+    proj = projection(config, results_dir, ref, plan.benchmark_basis())
     _write_table(proj, out["projection_csv"], out["projection_md"], PROJECTION_NOTE)
     plot_loss(results_dir, runs, out["loss"])
     plot_mfu(results_dir, runs, out["mfu"])

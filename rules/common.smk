@@ -26,6 +26,10 @@ validate(config, str(schema.SCHEMA_PATH))
 RESULTS = config["results_dir"]
 LOGS = f"{RESULTS}/logs"
 check_results_dir(RESULTS)
+# The GPU the plans assume: an unknown gpu_type stops here, naming the known ones (llmpipe.plan).
+from llmpipe import plan as plan_mod
+
+plan_mod.gpu_memory_gb(config["gpu_type"], config.get("gpu_memory_gb"))
 
 # Jobs another (or a killed) Snakemake submitted that are still live: say so, also in a dry run, which a locked
 # folder does not stop (a run re-attaches to them: llmpipe.dispatch).
@@ -123,12 +127,54 @@ onstart:
     refuse_local_multi_node_trainings()
 
 
+_PLANNED = set()
+
+
+def memory_plan(step, run):
+    """The per-GPU memory plan (and a training's projected time) of a GPU step, printed once while the DAG is built
+    (dry run too); a step that clearly cannot fit the GPUs of ``gpu_type`` stops here, naming what to change
+    (llmpipe.plan)."""
+    if step not in ("train", "generate", "eval") or run is None or (step, run) in _PLANNED:
+        return
+    r = cfg.step_resources(config, step, run)
+    if int(r["gpus_per_node"]) <= 0:
+        return
+    rc = cfg.run_config(config, run)
+    if "d_model" not in (rc.get("arch") or {}):  # a hub base without its architecture: nothing to plan from
+        return
+    where = f"{'finetunes' if cfg.is_finetune(config, run) else 'models'}.{run}"
+    gpu_type = config["gpu_type"]
+    capacity = plan_mod.gpu_memory_gb(gpu_type, config.get("gpu_memory_gb"))
+    proj = None
+    if step == "train":
+        mem = plan_mod.train_memory(rc, nodes=int(r["nodes"]), gpus_per_node=int(r["gpus_per_node"]))
+        basis = plan_mod.benchmark_basis(plan_mod.BENCHMARK_CSV)
+        if basis:
+            proj = plan_mod.train_time(
+                rc,
+                nodes=int(r["nodes"]),
+                gpus_per_node=int(r["gpus_per_node"]),
+                gpu_type=gpu_type,
+                basis=basis,
+                activation_checkpointing=mem["activation_checkpointing"],
+                peak_overrides=config.get("gpu_peak_flops"),
+            )
+    else:
+        batch = int(config["eval"]["batch_size"]) if step == "eval" else 1
+        mem = plan_mod.inference_memory(rc, step=step, batch_size=batch)
+    if workflow.is_main_process:
+        print(plan_mod.plan_line(step, run, mem, capacity, gpu_type, proj), file=sys.stderr)
+    plan_mod.check_fits(step, run, mem, capacity, gpu_type, where)
+    _PLANNED.add((step, run))
+
+
 def res(step, key, default=0):
     """A resource of a step for Snakemake's `resources:` (shown by the dry run; never rerun triggers)."""
 
     def get(wildcards):
         run = getattr(wildcards, "run", None)
         preflight(step, run)
+        memory_plan(step, run)
         return int(cfg.step_resources(config, step, run).get(key, default) or 0)
 
     return get

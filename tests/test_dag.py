@@ -30,7 +30,10 @@ def no_torch(tmp_path):
 
 @pytest.mark.parametrize("model", ["mpt-1b", "mpt-70b"])
 def test_dry_run_plans_whole_chain_without_torch(workdir, no_torch, model):
-    proc = snakemake(workdir, "-n", f"results/{model}/eval.json", env=no_torch)
+    # MPT-70B's evaluation holds its fp32 weights on one GPU (242 GiB): planned on a GPU that large
+    # (tests/test_plan.py checks that a real one refuses it)
+    big = ["--config", "gpu_type=big", "gpu_memory_gb={big: 320}"] if model == "mpt-70b" else []
+    proc = snakemake(workdir, "-n", f"results/{model}/eval.json", *big, env=no_torch)
     jobs = planned_jobs(proc)
     # hub tokenizer: no tokenizer training on a corpus, but every stage is there
     assert set(jobs) == ALL_RULES - {"generate"}, jobs

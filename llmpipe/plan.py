@@ -1,0 +1,301 @@
+"""Memory and time plans of a step, computed from its settings before anything is queued (the dry run shows them).
+
+Memory per GPU, in GiB (2**30 bytes), for training (``train_memory``) and inference (``inference_memory``):
+
+* **Model states** (training): fp32 master weights, fp32 gradients and the two fp32 Adam moments, 16 bytes per
+  trained parameter (ZeRO paper, Rajbhandari et al. 2020, section 3.1: 2+2+12 bytes for mixed precision; composer
+  keeps fp32 weights and fp32 gradients under ``amp_bf16``, so 4+4+8). FSDP ``FULL_SHARD`` divides them by the
+  world size, ``HYBRID_SHARD`` by the GPUs of a node, ``SHARD_GRAD_OP`` shards gradients and moments only. A
+  LoRA finetune trains almost nothing: its frozen weights count 4 bytes each. Under FSDP the gathered bf16
+  weights and bf16 gradients of two transformer blocks (the one computing and the one prefetched) are added.
+* **Activations**: 32 bytes per layer x token x ``d_model`` (Korthikanti et al. 2022, "Reducing Activation
+  Recomputation in Large Transformer Models", section 4.1: ``sbh(34 + 5as/h)`` per layer, without the ``5as/h``
+  attention-score terms, which flash/SDPA attention never stores, and without the two 1-byte dropout masks, as MPT
+  trains with dropout 0). With activation checkpointing (FSDP only, as llm-foundry applies it) each layer keeps
+  its bf16 input (2 bytes) and one layer is recomputed at a time (32 bytes).
+* **Logits**: the fused loss keeps one chunk of fp32 log-probabilities (``llmpipe.fused_loss``; Liger's kernel
+  writes the gradient in place, the others beside it); without it, bf16 logits, their fp32 copy and fp32 gradient
+  (10 bytes per token x vocabulary).
+* **Inference**: the weights in the step's dtype (generation: bf16; evaluation: fp32, as llm-foundry's
+  ``hf_causal_lm`` loads them under ``amp_bf16``), generation's KV cache (K and V, bf16, per layer, for the whole
+  context), one layer's activations of evaluation's batch and one forward's logits (bf16 and fp32).
+
+The GPU's memory is the datasheet figure of ``gpu_type`` (80 for an 80 GB part), read as GiB: what torch reports as
+``total_memory`` is within about 1.5% of it (H100 80 GB: 79.6 GiB; H200 141 GB: about 139-140 GiB). A step is refused
+when its estimate exceeds the GPU's memory by more than :data:`MARGIN`: the estimates run 0-6% above the peaks
+measured on one H200 (README, "Large models"), so only a step that clearly cannot fit is stopped.
+
+Time (``train_time``): the committed benchmark's measured bf16 MFU (``benchmarks/train-throughput.csv``) times the
+planned GPU's dense peak, divided by the run's model FLOPs per token (:func:`llmpipe.mfu.flops_per_token`), gives
+tokens/s per GPU; with activation checkpointing the forward is computed twice (x 3/4). It is a projection: it
+assumes the single-GPU MFU holds at every scale (no communication or restart costs).
+
+This module imports without torch (the Snakefile imports it) and takes explicit arguments, never the workflow config.
+"""
+
+from __future__ import annotations
+
+import csv
+import os
+from collections.abc import Mapping
+
+from llmpipe.mfu import flops_per_token, mpt_param_count, peak_flops_for_name
+from llmpipe.settings import ConfigError
+
+__all__ = [
+    'BENCHMARK_CSV',
+    'GPU_MEMORY_GB',
+    'benchmark_basis',
+    'check_fits',
+    'gpu_memory_gb',
+    'human_time',
+    'inference_memory',
+    'plan_line',
+    'train_memory',
+    'train_time',
+]
+
+GB = 2**30  # GiB: the plans' unit
+#: The committed training-throughput benchmark the time plans (and the report's projection) start from.
+BENCHMARK_CSV = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), 'benchmarks',
+                             'train-throughput.csv')
+#: Bytes per layer x token x d_model of the activations a transformer block stores for its backward (see module doc).
+ACT_BYTES = 32
+#: A step is refused when its estimate exceeds the GPU's memory by more than this share (see module doc).
+MARGIN = 0.10
+#: Plans above this share of the GPU's memory are marked as tight (allocator fragmentation, CUDA context, NCCL).
+TIGHT = 0.9
+
+#: Memory per GPU (datasheet GB, read as GiB) by ``gpu_type`` (vendor datasheets); the config's ``gpu_memory_gb``
+#: adds to or overrides it.
+#: The name, with '-' read as ' ', also picks the peak FLOP/s of :data:`llmpipe.mfu.PEAK_FLOPS` for the time plan.
+GPU_MEMORY_GB: dict[str, float] = {
+    'h100': 80,          # H100 SXM5 80 GB HBM3 (H100 datasheet)
+    'h100-pcie': 80,     # H100 PCIe 80 GB HBM2e
+    'h100-nvl': 94,      # H100 NVL 94 GB HBM3
+    'h200': 141,         # H200 SXM 141 GB HBM3e (H200 datasheet)
+    'h200-nvl': 141,     # H200 NVL 141 GB HBM3e
+    'a100-80gb': 80,     # A100 80 GB HBM2e (A100 datasheet)
+    'a100-40gb': 40,     # A100 40 GB HBM2
+    'b200': 180,         # HGX B200, 180 GB HBM3e per GPU
+    'l40s': 48,          # L40S 48 GB GDDR6
+    'mi300x': 192,       # AMD Instinct MI300X 192 GB HBM3
+}
+
+
+def gpu_memory_gb(gpu_type: str, overrides: Mapping[str, float] | None = None) -> float:
+    """Memory of one GPU of ``gpu_type`` in GiB (its datasheet GB): ``overrides`` (config ``gpu_memory_gb``) first, then
+    :data:`GPU_MEMORY_GB`.
+
+    Raises:
+        ConfigError: an unknown type, naming ``gpu_type`` and the known ones.
+    """
+    table = {**GPU_MEMORY_GB, **{str(k).lower(): float(v) for k, v in (overrides or {}).items()}}
+    key = str(gpu_type).lower()
+    if key not in table:
+        raise ConfigError(f"gpu_type is {gpu_type!r}, which is not a known GPU type "
+                          f"(known: {', '.join(sorted(table))}). "
+                          f"Fix: set gpu_type to one of them, or give its memory with gpu_memory_gb: "
+                          f"{{{gpu_type}: <GB>}}.")
+    return float(table[key])
+
+
+def _fsdp(rc: Mapping, world_size: int, gpus_per_node: int) -> dict | None:
+    """The FSDP settings a training runs under (None: plain data parallel), as llmpipe.train.uses_fsdp decides."""
+    fsdp = rc['train'].get('fsdp')
+    if not fsdp:
+        return None
+    if world_size > 1:
+        return dict(fsdp)
+    threshold = rc['train'].get('fsdp_min_params')
+    if threshold is None or 'd_model' not in (rc.get('arch') or {}):
+        return None
+    return dict(fsdp) if mpt_param_count(rc['arch'])['total'] >= float(threshold) else None
+
+
+def _logits_bytes(rc: Mapping, tokens: int, vocab: int) -> float:
+    train = rc['train']
+    fused = train.get('fused_loss', False)
+    if rc.get('kind') != 'finetune' and fused and not train.get('train_metrics', False):
+        chunk = fused.get('chunk_size') if isinstance(fused, Mapping) else None
+        rows = int(chunk) if chunk else min(8192, max(1, 2**29 // vocab))
+        kernel = fused.get('kernel', 'liger') if isinstance(fused, Mapping) else 'liger'
+        return min(rows, tokens) * vocab * 4 * (1 if kernel == 'liger' else 2)
+    return tokens * vocab * 10
+
+
+def train_memory(rc: Mapping, *, nodes: int, gpus_per_node: int, activation_checkpointing: bool | None = None,
+                 microbatch_size: int | None = None) -> dict:
+    """Per-GPU memory plan of one training (see the module doc for each term and its source).
+
+    Args:
+        rc: the run's merged settings (:func:`llmpipe.config.run_config`): ``arch``, ``data.concat_tokens``,
+            ``train`` (``microbatch_size``, ``fsdp``, ``fsdp_min_params``, ``fused_loss``), ``lora`` for finetunes.
+        nodes, gpus_per_node: the job's GPUs (world size = their product).
+        activation_checkpointing, microbatch_size: override the run's settings (to say what a change would give).
+
+    Returns:
+        ``{'params': P, 'world_size', 'fsdp': sharding strategy or None, 'activation_checkpointing': bool,
+        'microbatch_size', 'seq_len', 'states_gb', 'fsdp_buffers_gb', 'activations_gb', 'logits_gb', 'total_gb'}``.
+    """
+    arch = rc['arch']
+    world = max(1, int(nodes) * max(1, int(gpus_per_node)))
+    counts = mpt_param_count(arch)
+    params = counts['total']
+    d, n_layers, vocab = int(arch['d_model']), int(arch['n_layers']), int(arch['vocab_size'])
+    per_block = counts['non_embedding'] / n_layers
+    fsdp = _fsdp(rc, world, gpus_per_node)
+    strategy = str(fsdp.get('sharding_strategy', 'FULL_SHARD')).upper() if fsdp else None
+    ac = bool(fsdp.get('activation_checkpointing')) if fsdp else False
+    if activation_checkpointing is not None:
+        ac = bool(activation_checkpointing) and fsdp is not None
+    mb = int(microbatch_size or rc['train']['microbatch_size'])
+    seq = int(rc['data']['concat_tokens'])
+    tokens = mb * seq
+
+    trained = 0 if rc.get('lora') else params   # LoRA adapters are a rounding error next to the base
+    weights, rest = 4 * params, 12 * trained    # fp32 weights; fp32 gradients + two fp32 Adam moments
+    shard = {None: 1, 'NO_SHARD': 1, 'FULL_SHARD': world, 'SHARD_GRAD_OP': world,
+             'HYBRID_SHARD': max(1, int(gpus_per_node)), '_HYBRID_SHARD_ZERO2': max(1, int(gpus_per_node))}
+    n = shard.get(strategy, world)
+    states = (weights if strategy in ('SHARD_GRAD_OP', '_HYBRID_SHARD_ZERO2') else weights / n) + rest / n
+    buffers = 2 * (2 + 2) * per_block if fsdp else 0.0
+    if ac:
+        acts = 2 * tokens * d * n_layers + ACT_BYTES * tokens * d
+    else:
+        acts = ACT_BYTES * tokens * d * n_layers
+    logits = _logits_bytes(rc, tokens, vocab)
+    total = states + buffers + acts + logits
+    return {'params': params, 'world_size': world, 'fsdp': strategy, 'activation_checkpointing': ac,
+            'microbatch_size': mb, 'seq_len': seq, 'states_gb': states / GB, 'fsdp_buffers_gb': buffers / GB,
+            'activations_gb': acts / GB, 'logits_gb': logits / GB, 'total_gb': total / GB}
+
+
+def inference_memory(rc: Mapping, *, step: str, batch_size: int = 1, context: int | None = None) -> dict:
+    """Per-GPU memory plan of generation (``step='generate'``: bf16 weights, one prompt at a time) or evaluation
+    (``'eval'``: fp32 weights under ``amp_bf16``, ``batch_size`` sequences of the run's length, no KV cache).
+
+    ``context`` is the tokens a sequence holds at most (default: generation the model's ``max_seq_len``, as prompt
+    + new tokens stay within it; evaluation ``data.concat_tokens``). Returns ``{'params', 'weights_gb',
+    'kv_cache_gb', 'activations_gb', 'logits_gb', 'total_gb'}`` (GiB).
+    """
+    arch = rc['arch']
+    params = mpt_param_count(arch)['total']
+    d, n_layers, n_heads = int(arch['d_model']), int(arch['n_layers']), int(arch['n_heads'])
+    attn = arch.get('attn_config') or {}
+    kv_heads = int(arch.get('kv_n_heads') or attn.get('kv_n_heads') or n_heads)
+    ctx = int(context or (arch.get('max_seq_len') if step == 'generate' else rc['data']['concat_tokens']))
+    gen = step == 'generate'
+    weights = (2 if gen else 4) * params
+    kv = 2 * n_layers * ctx * (d * kv_heads // n_heads) * 2 * batch_size if gen else 0
+    acts = 0 if gen else ACT_BYTES * batch_size * ctx * d
+    logits = batch_size * ctx * int(arch['vocab_size']) * (2 + 4)
+    total = weights + kv + acts + logits
+    return {'params': params, 'weights_gb': weights / GB, 'kv_cache_gb': kv / GB, 'activations_gb': acts / GB,
+            'logits_gb': logits / GB, 'total_gb': total / GB}
+
+
+def benchmark_basis(csv_path: str = BENCHMARK_CSV, model: str = 'mpt-1b', variant: str = 'default') -> dict | None:
+    """The time plan's basis: the newest ``ok`` row of ``model``/``variant`` in the throughput benchmark CSV
+    (``tools/bench_train_throughput.py``), as ``{'model', 'variant', 'gpu', 'device_call', 'timestamp',
+    'tokens_per_s', 'mfu', 'flops_per_token', 'peak_flops'}``; None when the file or such a row is missing."""
+    try:
+        with open(csv_path, newline='') as f:
+            rows = [r for r in csv.DictReader(f) if r.get('model') == model and r.get('variant') == variant
+                    and r.get('status') == 'ok' and r.get('mfu')]
+    except FileNotFoundError:
+        return None
+    if not rows:
+        return None
+    r = max(rows, key=lambda r: r['timestamp'])
+    return {'model': model, 'variant': variant, 'gpu': r['gpu'], 'device_call': r['device_call'],
+            'timestamp': r['timestamp'], 'tokens_per_s': float(r['tokens_per_s']), 'mfu': float(r['mfu']),
+            'flops_per_token': float(r['flops_per_token']), 'peak_flops': float(r['peak_flops'])}
+
+
+def train_time(rc: Mapping, *, nodes: int, gpus_per_node: int, gpu_type: str, basis: Mapping,
+               activation_checkpointing: bool = False,
+               peak_overrides: Mapping[str, float] | None = None) -> dict | None:
+    """Projected wall time of a training's whole token budget (``max_duration_batches x global_batch_size x
+    concat_tokens``) on ``nodes x gpus_per_node`` GPUs of ``gpu_type``.
+
+    tokens/s per GPU = ``basis['mfu']`` x bf16 peak of ``gpu_type`` / the run's FLOPs per token, i.e. the
+    benchmark's throughput scaled by the ratio of FLOPs per token (and of peaks when the GPU differs); x 3/4 with
+    activation checkpointing (one more forward, 8 instead of 6 FLOPs per parameter and token).
+
+    Returns ``{'tokens', 'flops_per_token', 'tokens_per_s', 'seconds', 'days', 'basis': text}``, or None for a
+    CPU job (no GPUs) or a GPU type without a known peak.
+    """
+    gpus = int(nodes) * int(gpus_per_node)
+    peak = peak_flops_for_name(str(gpu_type).replace('-', ' '), 'bf16', peak_overrides)
+    if gpus <= 0 or not peak:
+        return None
+    seq = int(rc['data']['concat_tokens'])
+    fpt = flops_per_token(rc['arch'], seq)
+    tps_gpu = float(basis['mfu']) * peak / fpt * (0.75 if activation_checkpointing else 1.0)
+    tokens = int(rc['train']['max_duration_batches']) * int(rc['train']['global_batch_size']) * seq
+    seconds = tokens / (tps_gpu * gpus)
+    text = (f"projection: MFU {float(basis['mfu']):.3f} of {basis['model']} ({basis['variant']}, "
+            f"{basis['gpu']}, benchmarks/train-throughput.csv {basis['timestamp'][:10]}) x {gpu_type} bf16 peak"
+            + (", x 3/4 for activation recompute" if activation_checkpointing else "")
+            + "; no communication or restart costs")
+    return {'tokens': tokens, 'flops_per_token': fpt, 'tokens_per_s': tps_gpu * gpus, 'seconds': seconds,
+            'days': seconds / 86400, 'basis': text}
+
+
+def human_time(seconds: float) -> str:
+    """A projected duration in the unit that reads best: ``5.2 hours``, ``10.0 days``, ``8.1 months`` (30 days)."""
+    days = seconds / 86400
+    if days < 2:
+        return f"{seconds / 3600:.1f} hours"
+    return f"{days:.1f} days" if days < 60 else f"{days:.0f} days = {days / 30:.1f} months"
+
+
+def plan_line(step: str, run: str, plan: Mapping, capacity_gb: float, gpu_type: str,
+              time: Mapping | None = None) -> str:
+    """One line for the dry run: the step's per-GPU memory plan (and projected time) against the GPU's memory."""
+    if 'states_gb' in plan:
+        parts = (f"states {plan['states_gb']:.1f} + fsdp buffers {plan['fsdp_buffers_gb']:.1f} + activations "
+                 f"{plan['activations_gb']:.1f} + logits {plan['logits_gb']:.1f}; "
+                 f"{plan['fsdp'] or 'no FSDP'} over {plan['world_size']} GPU(s), microbatch "
+                 f"{plan['microbatch_size']} x {plan['seq_len']}, activation checkpointing "
+                 f"{'on' if plan['activation_checkpointing'] else 'off'}")
+    else:
+        parts = (f"weights {plan['weights_gb']:.1f} + KV cache {plan['kv_cache_gb']:.1f} + activations "
+                 f"{plan['activations_gb']:.1f} + logits {plan['logits_gb']:.1f}; one GPU")
+    share = plan['total_gb'] / capacity_gb
+    mark = '' if share <= TIGHT else (' (tight)' if share <= 1 else (' (may not fit)' if share <= 1 + MARGIN
+                                                                      else ' (DOES NOT FIT)'))
+    line = (f"plan {step} {run}: {plan['total_gb']:.1f} GiB per GPU of {capacity_gb:.0f} GiB ({gpu_type}){mark} = "
+            f"{parts}")
+    if time:
+        line += f"; time {human_time(time['seconds'])} ({time['basis']})"
+    return line
+
+
+def check_fits(step: str, run: str, plan: Mapping, capacity_gb: float, gpu_type: str, where: str) -> None:
+    """Refuse a step whose planned memory per GPU exceeds the GPU's by more than :data:`MARGIN`.
+
+    Raises:
+        ConfigError: naming the step, the estimate, the GPU and the settings that would make it fit (``where``:
+            the run's settings path, e.g. ``models.mpt-70b``).
+    """
+    need = plan['total_gb']
+    if need <= capacity_gb * (1 + MARGIN):
+        return
+    head = (f"{where}: the {step} step of {run} needs about {need:.0f} GiB per GPU (llmpipe.plan), more than the "
+            f"{capacity_gb:.0f} GiB of one {gpu_type} GPU (gpu_type).")
+    if 'states_gb' in plan:
+        fixes = []
+        if not plan['activation_checkpointing']:
+            fixes.append(f"turn on {where}.train.fsdp.activation_checkpointing (activations "
+                         f"{plan['activations_gb']:.0f} GiB)")
+        if plan['microbatch_size'] > 1:
+            fixes.append(f"a smaller {where}.train.microbatch_size (now {plan['microbatch_size']})")
+        fixes.append(f"more GPUs: {where}.resources.nodes or gpus_per_node (model states {plan['states_gb']:.0f} "
+                     f"GiB per GPU over {plan['world_size']})")
+        fixes.append("a GPU with more memory (gpu_type)")
+        raise ConfigError(f"{head} Fix: {'; or '.join(fixes)}.")
+    raise ConfigError(f"{head} This pipeline runs {step} on one GPU per process, so the weights "
+                      f"({plan['weights_gb']:.0f} GiB) must fit one GPU. Fix: set gpu_type to a GPU with more memory "
+                      f"(or gpu_memory_gb), or leave {step} of {run} out of the targets.")
