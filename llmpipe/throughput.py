@@ -124,7 +124,8 @@ class StepTimer:
         if self.total_batches and clean:
             eta = (self.total_batches - batch) * seconds / len(clean)
         m = self._mfu(tps)
-        self.last = {"llmpipe/tokens_per_s": tps, "llmpipe/mfu": m, "llmpipe/memory_gib": memory_gib, "llmpipe/eta_s": eta}
+        self.last = {"llmpipe/tokens_per_s": tps, "llmpipe/mfu": m, "llmpipe/memory_gib": memory_gib,
+                     "llmpipe/eta_s": eta}
         parts = [f"batch {batch}/{self.total_batches or '?'}",
                  f"loss {loss:.4f}" if loss is not None else "loss ?",
                  f"tokens/s {tps:,.0f}" if tps else "tokens/s ?",

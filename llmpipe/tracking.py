@@ -122,7 +122,8 @@ def foundry_loggers(tracking: dict | None, save_folder: str, rank: int, run: str
     if "mlflow" in tracking["loggers"]:
         out["mlflow"] = {"experiment_name": tracking["experiment"], "tracking_uri": tracking["mlflow_tracking_uri"],
                          "run_name": name, "tags": {"llmpipe.run": run, "llmpipe.identity": key},
-                         "log_system_metrics": _has_gpu(), "ignore_hyperparameters": ["*"] if resumed else JOB_SPECIFIC_PARAMS,
+                         "log_system_metrics": _has_gpu(),
+                         "ignore_hyperparameters": ["*"] if resumed else JOB_SPECIFIC_PARAMS,
                          "synchronous": True}
     if "wandb" in tracking["loggers"]:
         out["wandb"] = {"project": tracking["experiment"], "entity": tracking["wandb_entity"], "name": name,

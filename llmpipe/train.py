@@ -254,10 +254,10 @@ def _build_monitor_class():
         saves a checkpoint when Slurm signals the end of the allocation.
 
         Writes ``{save_folder}/train_log.jsonl`` (one JSON line per ``log_interval`` batches: batch, loss,
-        tokens, elapsed seconds) and prints a step-log line (:meth:`llmpipe.throughput.StepTimer.progress`) on
-        rank 0; times every batch for the steady-state figures (:mod:`llmpipe.throughput`). After each save, rank 0 writes the checkpoint's ``.complete`` marker
-        and applies retention (:func:`llmpipe.checkpoints.prune_checkpoints` with ``checkpoints_to_keep``, then
-        :func:`llmpipe.checkpoints.prune_earlier_identities` with ``earlier_identities_to_keep``).
+        tokens, elapsed seconds) and prints a step-log line (:func:`llmpipe.throughput.report`) on rank 0, and
+        times every batch for the steady-state figures (:mod:`llmpipe.throughput`). After each save, rank 0 writes
+        the checkpoint's ``.complete`` marker and applies retention (:func:`llmpipe.checkpoints.prune_checkpoints`
+        with ``checkpoints_to_keep``, then :func:`llmpipe.checkpoints.prune_earlier_identities`).
         """
 
         def __init__(self, log_interval: int = 10, signal_check_interval: int = 1, checkpoints_to_keep: int = 2,

@@ -47,7 +47,8 @@ def test_one_tracked_run_per_identity_kept_in_its_checkpoint_folder(tmp_path, mo
     first = tracking.foundry_loggers(t, str(a), 0, "mpt-tiny", key_a)
     state = json.loads((a / "tracking.json").read_text())
     assert state["mlflow_run_id"] and state["wandb_id"]
-    assert first["wandb"]["init_kwargs"]["id"] == state["wandb_id"] and first["wandb"]["init_kwargs"]["mode"] == "offline"
+    init = first["wandb"]["init_kwargs"]
+    assert init["id"] == state["wandb_id"] and init["mode"] == "offline" and init["resume"] == "allow"
     again = tracking.foundry_loggers(t, str(a), 0, "mpt-tiny", key_a)   # a resumed job of the same identity
     assert json.loads((a / "tracking.json").read_text()) == state and again["wandb"] == first["wandb"]
     # the continuing job logs no parameters: MLflow refuses changed values (a speed-only setting, the node count)
