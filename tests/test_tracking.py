@@ -18,7 +18,7 @@ from tests.conftest import copy_run, no_symlink_env, planned_jobs, snakemake
 mlflow = pytest.importorskip("mlflow")
 
 TRAIN = "results/mpt-tiny/train.json"
-MLFLOW_ON = "tracking={'loggers': ['mlflow']}"
+MLFLOW_ON = "tracking={'loggers': ['mlflow', 'wandb']}"   # W&B in its default offline mode
 
 
 def test_tracking_is_off_by_default_and_the_file_store_is_under_results(tmp_path):
@@ -38,7 +38,8 @@ def test_a_missing_logger_package_names_the_setting(monkeypatch):
 
 
 def test_one_tracked_run_per_identity_kept_in_its_checkpoint_folder(tmp_path, monkeypatch):
-    monkeypatch.delenv("MLFLOW_RUN_ID", raising=False)
+    monkeypatch.setenv("MLFLOW_RUN_ID", "")   # restored (to unset) after the test: foundry_loggers sets it
+    monkeypatch.delenv("MLFLOW_RUN_ID")
     t = tracking.settings({"results_dir": str(tmp_path), "tracking": {"loggers": ["mlflow", "wandb"]}})
     key_a, key_b = "aaaaaaaaaaaaaaaa", "bbbbbbbbbbbbbbbb"
     a, b = tmp_path / "ck" / key_a, tmp_path / "ck" / key_b
@@ -71,7 +72,7 @@ def test_one_tracked_run_per_identity_kept_in_its_checkpoint_folder(tmp_path, mo
 
 @pytest.mark.slow
 def test_tracked_training_killed_and_resumed_is_one_run_with_continuous_steps(tiny_run, tmp_path):
-    """MLflow file store: the tiny training SIGKILLed after its batch-40 checkpoint, then resumed, logs into one
+    """MLflow file store and W&B offline: the tiny training SIGKILLed after its batch-40 checkpoint, then resumed, logs into one
     MLflow run whose steps run on from the resumed batch; the resumed job's train.json has steady-state figures
     consistent with its loss log, and its step log the live lines. Turning tracking on or off reruns nothing."""
     wd = copy_run(tiny_run, tmp_path / "wd")
@@ -106,6 +107,10 @@ def test_tracked_training_killed_and_resumed_is_one_run_with_continuous_steps(ti
     assert steps == list(range(120)), steps            # composer logs at the batch count before the step: 0 .. 119
     tps_steps = [m.step for m in client.get_metric_history(run.info.run_id, "llmpipe/tokens_per_s")]
     assert min(tps_steps) == 1 and max(tps_steps) == 120 and 45 in tps_steps and 60 in tps_steps
+
+    # W&B offline: each job's run folder carries the identity's one run id (wandb sync merges them)
+    offline = sorted(p.name for p in (folder / "wandb").glob("offline-run-*"))
+    assert len(offline) == 2 and all(n.endswith("-" + state["wandb_id"]) for n in offline), offline
 
     # steady state of the resumed job (its own batches only) against its loss log
     w = train["steady_window"]
