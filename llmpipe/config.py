@@ -36,7 +36,7 @@ from llmpipe.settings import ConfigError, Resources, RunSettings, written_at  # 
 SPEED_ONLY_TRAIN_KEYS = speed_only_keys("train")
 
 #: Names that cannot be run names because they are folders of their own under results/.
-RESERVED_RUN_NAMES = frozenset({"data", "tokenizers", "report", "scaling", "bench", "logs"})
+RESERVED_RUN_NAMES = frozenset({"data", "tokenizers", "report", "scaling", "bench", "logs", "tracking"})
 
 
 def known_runs(config: dict) -> list[str]:

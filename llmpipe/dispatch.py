@@ -76,14 +76,14 @@ def check_executor(config: dict, nodes: int, what: str) -> None:
     LocalExecutor would run the job on one node (another world size than the config asks for).
 
     Raises:
-        ConfigError: naming ``what`` and the fix (``--profile profiles/slurm``, or 1 node).
+        ConfigError: naming ``what`` and the fix (``--profile slurm``, or 1 node).
     """
     from llmpipe.config import ConfigError
 
     kind = executor_kind(config)
     if int(nodes) > 1 and kind != "slurm":
         raise ConfigError(f"{what} needs {nodes} nodes but dispatch.executor is {kind!r}, which runs on this one "
-                          f"machine. Fix: run with --profile profiles/slurm (or --profile slurm), or use 1 node.")
+                          f"machine. Fix: run with --profile slurm (from the repository root), or use 1 node.")
 
 
 def make_executor(config: dict, resources: dict, folder: str, name: str):

@@ -2,7 +2,8 @@
 
 * **Table 1** (pretraining, ``table1_pretraining.csv/.md``): one row per pretraining run with a ``train.json``: model,
   data, max duration, ratios to MPT-125M (parameters from :func:`llmpipe.mfu.mpt_param_count`, batches from the
-  config), eval interval, nodes, devices, wall clock, throughput (tokens/s), MFU, peak memory per device, checkpoint
+  config), eval interval, nodes, devices, wall clock, throughput (tokens/s) and MFU each over the whole run and in
+  the steady state (:mod:`llmpipe.throughput`), peak memory per device, checkpoint
   size, whether conversion, inference and evaluation worked, and evaluation accuracy (held-out token accuracy and
   the in-context-learning task's accuracy from ``eval.json``).
 * **Table 2** (finetuning, ``table2_finetuning.csv/.md``): one row per finetune run (``finetunes:`` in the config)
@@ -207,8 +208,10 @@ def table1(config: dict, results_dir: str, runs: list[str]):
             "wall clock": hms(tr.get("wall_clock_s")),
             "wall clock (s)": tr.get("wall_clock_s"),
             "ratio runtime / 125M runtime": None,
-            "throughput (tokens/s)": tr.get("tokens_per_s"),
-            "MFU": tr.get("mfu"),
+            "throughput, whole run (tokens/s)": tr.get("tokens_per_s"),
+            "MFU, whole run": tr.get("mfu"),
+            "throughput, steady state (tokens/s)": tr.get("steady_tokens_per_s"),
+            "MFU, steady state": tr.get("steady_mfu"),
             "memory per device (GiB)": tr.get("peak_memory_per_device_gib"),
             "checkpoint size (GiB)": round(ck / 2**30, 3) if ck else None,
             "conversion, inference & eval ok": _ok(os.path.join(results_dir, run)),
@@ -269,14 +272,16 @@ def table2(config: dict, results_dir: str, runs: list[str]):
                 "wall clock": hms(wall),
                 "wall clock (s)": wall,
                 "speedup versus fewest nodes": "–" if t is base else (f"{speed:.2f}x" if speed else None),
-                "throughput (tokens/s)": t.get("tokens_per_s"),
+                "throughput, whole run (tokens/s)": t.get("tokens_per_s"),
+                "throughput, steady state (tokens/s)": t.get("steady_tokens_per_s"),
                 "memory per device (GiB)": t.get("peak_memory_per_device_gib"),
                 "inference & eval ok": _ok(run_dir) if run_dir else "–",
                 "eval accuracy (held-out tokens)": round(tok_acc, 4) if tok_acc is not None else None,
                 **icl_acc,
             })
     cols = ["model", "finetuning data", "nodes", "devices", "wall clock", "wall clock (s)",
-            "speedup versus fewest nodes", "throughput (tokens/s)", "memory per device (GiB)", "inference & eval ok",
+            "speedup versus fewest nodes", "throughput, whole run (tokens/s)", "throughput, steady state (tokens/s)",
+            "memory per device (GiB)", "inference & eval ok",
             "eval accuracy (held-out tokens)"]
     extra = [c for r in rows for c in r if c not in cols]
     return pd.DataFrame(rows, columns=cols + list(dict.fromkeys(extra)))

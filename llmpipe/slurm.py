@@ -175,7 +175,8 @@ def make_executor(config: dict, resources: dict, folder: str, name: str):
 # ---------------------------------------------------------------------------------------------- cluster queries
 
 #: Appended to the errors of a cluster query that failed: how to dry-run the Slurm plan without a cluster.
-OFFLINE_PLAN_HINT = (" To see the Slurm plan away from the cluster: snakemake -n --profile profiles/slurm <target> "
+OFFLINE_PLAN_HINT = (" To see the Slurm plan away from the cluster, turn off the site setting slurm.preflight: "
+                     "snakemake -n --profile slurm <target> "
                      "--config 'slurm={preflight: false}'.")
 
 

@@ -25,7 +25,7 @@ import tempfile
 import time
 from typing import Any
 
-from llmpipe import checkpoints as ckpt
+from llmpipe import checkpoints as ckpt, throughput, tracking
 from llmpipe.config import compile_settings, fused_loss_settings, world_size
 from llmpipe.fp8 import apply_fp8
 
@@ -254,13 +254,14 @@ def _build_monitor_class():
         saves a checkpoint when Slurm signals the end of the allocation.
 
         Writes ``{save_folder}/train_log.jsonl`` (one JSON line per ``log_interval`` batches: batch, loss,
-        tokens, elapsed seconds) on rank 0. After each save, rank 0 writes the checkpoint's ``.complete`` marker
-        and applies retention (:func:`llmpipe.checkpoints.prune_checkpoints` with ``checkpoints_to_keep``, then
-        :func:`llmpipe.checkpoints.prune_earlier_identities` with ``earlier_identities_to_keep``).
+        tokens, elapsed seconds) and prints a step-log line (:func:`llmpipe.throughput.report`) on rank 0, and
+        times every batch for the steady-state figures (:mod:`llmpipe.throughput`). After each save, rank 0 writes
+        the checkpoint's ``.complete`` marker and applies retention (:func:`llmpipe.checkpoints.prune_checkpoints`
+        with ``checkpoints_to_keep``, then :func:`llmpipe.checkpoints.prune_earlier_identities`).
         """
 
         def __init__(self, log_interval: int = 10, signal_check_interval: int = 1, checkpoints_to_keep: int = 2,
-                     earlier_identities_to_keep: int = 1):
+                     earlier_identities_to_keep: int = 1, flops_per_token=None, peak_flops=None, world_size=1):
             self.log_interval = int(log_interval)
             self.checkpoints_to_keep = int(checkpoints_to_keep)
             self.earlier_identities_to_keep = int(earlier_identities_to_keep)
@@ -276,6 +277,7 @@ def _build_monitor_class():
             self.save_seconds: list[float] = []  # wall time of each save composer made in this job (not the last)
             self._saved = 0
             self._t_batch_end = None
+            self.timer_args = {"flops_per_token": flops_per_token, "peak_flops": peak_flops, "world_size": world_size}
 
         def _savers(self, state: State):
             from composer.callbacks import CheckpointSaver
@@ -294,6 +296,8 @@ def _build_monitor_class():
             self.t_fit_start = time.time()
             self.start_batch = int(state.timestamp.batch)
             self.start_tokens = int(state.timestamp.token)
+            self.timer = throughput.StepTimer(throughput.total_batches(state), self.start_batch, **self.timer_args)
+            self.timer.set_start_tokens(self.start_tokens)
             if torch.cuda.is_available():
                 torch.cuda.reset_peak_memory_stats()
             savers = self._savers(state)
@@ -323,6 +327,7 @@ def _build_monitor_class():
             saved = sum(len(s.saved_checkpoints) for s in self._savers(state))
             if self._t_batch_end is not None and saved > self._saved:
                 self.save_seconds.append(round(time.time() - self._t_batch_end, 3))
+                self.timer.exclude()
             self._saved = saved
 
         def batch_end(self, state: State, logger: Logger) -> None:
@@ -330,6 +335,7 @@ def _build_monitor_class():
             self._t_batch_end = time.time()
             self.batches_this_job += 1
             batch = int(state.timestamp.batch)
+            self.timer.batch_end(batch, int(state.timestamp.token))
             loss = state.loss
             if isinstance(loss, dict):
                 loss = loss.get("total", next(iter(loss.values())))
@@ -348,6 +354,7 @@ def _build_monitor_class():
                 if dist.get_global_rank() == 0 and self.log_path:
                     with open(self.log_path, "a") as fh:
                         fh.write(json.dumps(rec) + "\n")
+                throughput.report(self.timer, loss_v, logger, dist.get_global_rank())
             self._maybe_checkpoint_and_requeue(state, logger)
 
         def _maybe_checkpoint_and_requeue(self, state: State, logger: Logger) -> None:
@@ -395,7 +402,11 @@ def _build_monitor_class():
                 ckpt.prune_checkpoints(folder, self.checkpoints_to_keep)
                 ckpt.prune_earlier_identities(os.path.dirname(folder), folder, self.earlier_identities_to_keep)
 
+        def eval_before_all(self, state: State, logger: Logger) -> None:
+            self.timer.exclude()
+
         def fit_end(self, state: State, logger: Logger) -> None:
+            logger.log_metrics({f"llmpipe/{k}": v for k, v in self.timer.steady().items() if isinstance(v, float)})
             self.batch_checkpoint(state, logger)
 
     return RunMonitor
@@ -450,7 +461,9 @@ class TrainTask:
         resources: the job's resources (:func:`llmpipe.config.step_resources` of step ``train``).
         peak_flops_table: the config's ``gpu_peak_flops`` (device name -> peak FLOP/s by precision) or None,
             for MFU (:func:`llmpipe.mfu.detect_peak_flops`).
+    The step sets ``tracking`` (:func:`llmpipe.tracking.settings`, None: off) after construction.
     """
+    tracking = None
 
     def __init__(self, rc: dict, data_dir: str, tokenizer_dir: str, run_dir: str, identity: str, *,
                  resources: dict, peak_flops_table: dict | None = None):
@@ -537,6 +550,8 @@ class TrainTask:
         if resume and not sharded and fsdp:
             raise RuntimeError(resume_mismatch(resume, self.describe()))
         cfg = self.build_config(save_folder, ws, fsdp)
+        cfg["callbacks"]["llmpipe_run_monitor"].update(throughput.monitor_args(self.rc, ws, self.peak_flops_table))
+        tracking.apply(cfg, self.tracking, save_folder, rank, self.run, os.path.basename(save_folder))
         if fsdp:
             from llmpipe.fsdp import fsdp_on_cpu
             if fsdp_on_cpu():  # no GPU (the CPU test of sharded checkpoints): every rank builds its model on the CPU
@@ -655,7 +670,7 @@ def summarize(rc: dict, trainer, monitor, wall_s: float, ws: int, save_folder: s
         "peak_flops_per_device": peak,
         "peak_memory_per_device_gib": round(mem, 3) if mem is not None else None,
         "peak_host_rss_gib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 3),
-        "device": device,
+        "device": device, **monitor.timer.steady(),
         "nodes": int(nodes),
         "devices": ws,
         "global_batch_size": int(rc["train"]["global_batch_size"]),

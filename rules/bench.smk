@@ -1,8 +1,8 @@
 # All-reduce bandwidth test (the seed's nccl-tests table) through torch.distributed on nodes x tasks, its plot, and
 # the optional gate that keeps training from starting on a slow or misconfigured interconnect (with
 # allreduce.health, also on a slow GPU: results/bench/allreduce/health/nodes{N}.json, one line per GPU).
-#   snakemake results/bench/allreduce/nodes2.csv --profile profiles/slurm   # one node count
-#   snakemake allreduce_all --profile profiles/slurm                         # every count in allreduce.nodes + plot
+#   snakemake results/bench/allreduce/nodes2.csv --profile slurm   # one node count
+#   snakemake allreduce_all --profile slurm                         # every count in allreduce.nodes + plot
 
 
 rule allreduce:

@@ -17,6 +17,7 @@ from snakemake.utils import validate
 from llmpipe import config as cfg
 from llmpipe import schema
 from llmpipe.preflight import check_results_dir
+from llmpipe.tracking import settings as tracking_settings
 
 # The config against schemas/config.schema.yaml: --config values typed as in a YAML file, then an unknown key or a
 # wrong value stops here naming its path and the fix (ConfigError); validate() fills the settings' defaults.
@@ -30,6 +31,8 @@ check_results_dir(RESULTS)
 from llmpipe import plan as plan_mod
 
 plan_mod.gpu_memory_gb(config["gpu_type"], config.get("gpu_memory_gb"))
+# a tracking logger whose package is missing stops the dry run (llmpipe.tracking.settings names the fix)
+tracking_settings(config)
 
 # Jobs another (or a killed) Snakemake submitted that are still live: say so, also in a dry run, which a locked
 # folder does not stop (a run re-attaches to them: llmpipe.dispatch).
@@ -42,7 +45,7 @@ if workflow.is_main_process:
 
 # A run is never one of the folders results/ keeps for itself (the look-ahead sees the "/" after the name).
 wildcard_constraints:
-    run=r"(?!(?:data|tokenizers|logs|report|scaling|bench)/)[A-Za-z0-9_.-]+",
+    run=r"(?!(?:data|tokenizers|logs|report|scaling|bench|tracking)/)[A-Za-z0-9_.-]+",
     corpus=r"[A-Za-z0-9_.-]+",
     tokenizer=r"[A-Za-z0-9_.-]+",
     concat=r"\d+",

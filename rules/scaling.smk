@@ -1,6 +1,6 @@
 # Node-scaling study: the same training at every node count of scaling.nodes, then a table and a speedup plot.
-#   snakemake -n results/scaling/mpt-7b/scaling.csv --profile profiles/slurm   # the plan; says if a count cannot run
-#   snakemake scaling --profile profiles/slurm                                 # every study in scaling.runs
+#   snakemake -n results/scaling/mpt-7b/scaling.csv --profile slurm   # the plan; says if a count cannot run
+#   snakemake scaling --profile slurm                                 # every study in scaling.runs
 
 
 rule scaling_train:

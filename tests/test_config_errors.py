@@ -697,7 +697,7 @@ def test_local_run_refuses_multi_node_training_before_anything_runs(workdir):
         out = proc.stdout + proc.stderr
         assert proc.returncode != 0, out[-2000:]
         assert f"{where} needs 2 nodes but dispatch.executor is 'local'" in out, out[-3000:]
-        assert "--profile profiles/slurm" in out
+        assert "--profile slurm" in out
         assert not (workdir / "results").exists() or not [p for p in (workdir / "results").rglob("*") if p.is_file()]
         dry = snakemake(workdir, "-n", target, "--config", over)
         assert "nodes=2" in dry.stdout + dry.stderr

@@ -46,14 +46,16 @@ def test_tables_and_plots_from_the_tiny_run(tiny_run, tmp_path):
     t1 = pd.read_csv(out / "table1_pretraining.csv")
     assert list(t1["model"]) == ["mpt-tiny", "mpt-125m"]
     row = t1.iloc[0]
-    assert row["throughput (tokens/s)"] == train["tokens_per_s"]
+    assert row["throughput, whole run (tokens/s)"] == train["tokens_per_s"]
+    assert row["throughput, steady state (tokens/s)"] == train["steady_tokens_per_s"]
     assert row["wall clock (s)"] == train["wall_clock_s"] and row["nodes"] == train["nodes"] == 1
     assert row["max duration (batches)"] == 120 and row["eval interval (batches)"] == 60
     assert row["checkpoint size (GiB)"] == round(train["checkpoint_size_bytes"] / 2**30, 3)
     assert row["conversion, inference & eval ok"] == "Y"
     assert row["eval accuracy (held-out tokens)"] == round(ev["val"]["token_accuracy"], 4)
     assert row["ICL cloze_heldout (0-shot)"] == round(ev["icl"]["cloze_heldout"]["0-shot"], 4)
-    assert math.isnan(row["MFU"]) and row["device"] == "cpu"  # CPU: no MFU
+    # CPU: no MFU
+    assert math.isnan(row["MFU, whole run"]) and math.isnan(row["MFU, steady state"]) and row["device"] == "cpu"
     assert row["ratio batches / 125M batches"] == round(120 / 4800, 2)
     r125 = t1.iloc[1]
     assert r125["ratio params / 125M params"] == 1.0 and r125["ratio runtime / 125M runtime"] == 1.0
@@ -97,7 +99,7 @@ def test_table2_speedup_from_finetune_and_its_scaling_study(tmp_path):
     t2 = report.table2(cfg, str(res), ["mpt-tiny", "mpt-7b-dolly"])
     assert list(t2["nodes"]) == [1, 2, 8]  # the seed's Table 2 rows
     assert list(t2["speedup versus fewest nodes"]) == ["–", "2.67x", "5.78x"]
-    assert list(t2["throughput (tokens/s)"]) == [7124.0, 13844.0, 50708.0]
+    assert list(t2["throughput, whole run (tokens/s)"]) == [7124.0, 13844.0, 50708.0]
     assert t2["eval accuracy (held-out tokens)"].iloc[0] == 0.85 and t2["wall clock"].iloc[0] == "1h18m28.000s"
     assert set(t2["finetuning data"]) == {"mosaicml/dolly_hhrlhf"}
 

@@ -19,6 +19,7 @@ from llmpipe.steps.convert import convert_identity
 from llmpipe.steps.data import instructions_identity, mds_identity, tokenizer_identity
 from llmpipe import checkpoints as ckpt
 from llmpipe.slurm import site_config
+from llmpipe.tracking import settings as tracking_settings
 
 #: Bump when a change in our code changes the trained model (reruns training and everything after it).
 VERSIONS = {"train": 1, "finetune": 1}
@@ -108,7 +109,8 @@ def training_task(ctx: StepContext, config: dict, run: str, rc: dict):
     of ``ctx.output[0]`` under the identity ``ctx.params.identity``.
 
     The task gets the run's merged settings ``rc``, the job's resources and ``gpu_peak_flops`` as plain values;
-    this is the one place that reads them from the workflow config.
+    this is the one place that reads them from the workflow config. ``task.tracking`` is the ``tracking`` section
+    (:func:`llmpipe.tracking.settings`; its ConfigError for a missing logger package comes before any job).
 
     Args:
         config: the config the training sees (a scaling study's differs from ``ctx.config`` in its nodes).
@@ -133,6 +135,7 @@ def training_task(ctx: StepContext, config: dict, run: str, rc: dict):
                          ctx.params.identity, **job)
     # allocations without progress a training may have before it fails (llmpipe.requeue)
     task.requeue_cap = int(site_config(config, job["resources"])["max_requeue_timeouts"])
+    task.tracking = tracking_settings(config)  # llmpipe.tracking: None when off; outside the identity
     return task
 
 

@@ -1,0 +1,175 @@
+"""Per-batch timing of a training job: the live step log and the steady-state throughput of ``train.json``.
+
+The whole-run figures of ``train.json`` (``tokens_per_s``, ``mfu``) divide the tokens this job trained by the time
+from ``fit_start`` to the end, so they include start-up (compile, the first batches), evaluation and checkpoint
+saves. The steady-state figures (``steady_tokens_per_s``, ``steady_mfu``, ``steady_window``) use only the
+*clean* intervals after warm-up:
+
+* an interval is the wall time from one batch's end to the next batch's end (composer's order per batch: data
+  loading, forward/backward/optimizer step, ``BATCH_END``, evaluation if due, checkpoint save if due), so it holds
+  the data loading and the step of one batch;
+* an interval is dropped when an evaluation ran or a checkpoint was saved in it (:meth:`StepTimer.exclude`);
+* the first :func:`warmup_batches` batches of the job are dropped (compile, allocator and data-loader warm-up).
+
+steady tokens/s = sum of the kept intervals' tokens / sum of their seconds (all ranks: tokens are global);
+steady MFU = steady tokens/s per device x FLOPs per token / peak FLOP/s per device (:func:`llmpipe.mfu.mfu`).
+
+Pure Python: the composer callback (:class:`llmpipe.train.RunMonitor`) feeds it timestamps.
+"""
+from __future__ import annotations
+
+import time
+
+WARMUP_FRACTION = 0.1
+WARMUP_MIN, WARMUP_MAX = 2, 50
+
+
+def warmup_batches(batches_planned: int) -> int:
+    """Batches at the start of a job left out of the steady window: 10 % of the batches this job plans to train,
+    at least 2 and at most 50 (never all of them: at most ``batches_planned - 1``; 0 for one batch or none)."""
+    n = min(WARMUP_MAX, max(WARMUP_MIN, int(batches_planned * WARMUP_FRACTION)))
+    return max(0, min(n, batches_planned - 1))
+
+
+def format_eta(seconds: float | None) -> str:
+    """``H:MM:SS`` (``?`` when unknown)."""
+    if seconds is None or seconds < 0:
+        return "?"
+    s = int(round(seconds))
+    return f"{s // 3600}:{s % 3600 // 60:02d}:{s % 60:02d}"
+
+
+class StepTimer:
+    """Collects one (batch, tokens, seconds, clean) entry per trained batch of this job.
+
+    Args:
+        total_batches: the training's last batch (``max_duration``), or None when not counted in batches.
+        start_batch: the batch the job starts from (a resumed job: its checkpoint's batch).
+        flops_per_token: model FLOPs per token (:func:`llmpipe.mfu.flops_per_token`), or None.
+        peak_flops: peak FLOP/s of one device, or None (CPU, unknown GPU): MFU is then None.
+        world_size: devices (ranks) training together.
+        clock: a function returning seconds (tests pass a fake clock).
+    """
+
+    def __init__(self, total_batches: int | None, start_batch: int, *, flops_per_token: float | None = None,
+                 peak_flops: float | None = None, world_size: int = 1, clock=time.time):
+        self.total_batches = total_batches
+        self.start_batch = int(start_batch)
+        self.flops_per_token = flops_per_token
+        self.peak_flops = peak_flops
+        self.world_size = max(1, int(world_size))
+        self.clock = clock
+        self.entries: list[tuple[int, int, float, bool]] = []  # (batch, tokens in interval, seconds, clean)
+        self._t_last = clock()
+        self._tokens_last: int | None = None
+        self._dirty = False
+        self._printed_at = 0  # index into entries of the last progress line
+        self.last: dict = {}  # the figures of the last progress line, for the tracking loggers
+
+    def exclude(self) -> None:
+        """Mark the current interval as not steady (an evaluation or a checkpoint save ran in it)."""
+        self._dirty = True
+
+    def batch_end(self, batch: int, tokens_total: int) -> None:
+        """Close the interval ending at this batch; ``tokens_total``: the training's token count after it."""
+        now = self.clock()
+        tokens = tokens_total - self._tokens_last if self._tokens_last is not None else None
+        if tokens is None:  # the job's first batch: its tokens are the count since the start
+            tokens = tokens_total
+        self.entries.append((int(batch), int(tokens), now - self._t_last, not self._dirty))
+        self._t_last, self._tokens_last, self._dirty = now, int(tokens_total), False
+
+    def set_start_tokens(self, tokens: int) -> None:
+        """Tokens already trained when the job started (a resumed job), so the first interval counts only its own."""
+        self._tokens_last = int(tokens)
+
+    def _mfu(self, tps: float | None) -> float | None:
+        from llmpipe.mfu import mfu
+        if not tps or not self.flops_per_token or not self.peak_flops:
+            return None
+        return mfu(tps / self.world_size, self.flops_per_token, self.peak_flops)
+
+    def steady(self) -> dict:
+        """The steady-state record for ``train.json`` (module docstring): ``steady_tokens_per_s``,
+        ``steady_tokens_per_s_per_device``, ``steady_mfu`` (None when no clean interval is left) and
+        ``steady_window`` {first_batch, last_batch, batches, seconds, tokens, warmup_batches, excluded_batches}."""
+        planned = (self.total_batches - self.start_batch) if self.total_batches else len(self.entries)
+        warm = warmup_batches(planned)
+        window = self.entries[warm:]
+        kept = [e for e in window if e[3] and e[2] > 0]
+        seconds = sum(e[2] for e in kept)
+        tokens = sum(e[1] for e in kept)
+        tps = tokens / seconds if seconds > 0 else None
+        m = self._mfu(tps)
+        return {
+            "steady_tokens_per_s": round(tps, 1) if tps else None,
+            "steady_tokens_per_s_per_device": round(tps / self.world_size, 1) if tps else None,
+            "steady_mfu": round(m, 4) if m is not None else None,
+            "steady_window": {
+                "first_batch": kept[0][0] if kept else None, "last_batch": kept[-1][0] if kept else None,
+                "batches": len(kept), "seconds": round(seconds, 3), "tokens": tokens,
+                "warmup_batches": warm, "excluded_batches": len(window) - len(kept)},
+        }
+
+    def progress(self, loss: float | None, memory_gib: float | None) -> str:
+        """One step-log line: batch/total, loss, tokens/s and MFU over the clean intervals since the previous line
+        (all intervals when none is clean), peak memory and the ETA (remaining batches x mean clean interval)."""
+        recent = self.entries[self._printed_at:]
+        self._printed_at = len(self.entries)
+        clean = [e for e in recent if e[3] and e[2] > 0] or [e for e in recent if e[2] > 0]
+        seconds = sum(e[2] for e in clean)
+        tps = sum(e[1] for e in clean) / seconds if seconds > 0 else None
+        batch = self.entries[-1][0] if self.entries else self.start_batch
+        eta = None
+        if self.total_batches and clean:
+            eta = (self.total_batches - batch) * seconds / len(clean)
+        m = self._mfu(tps)
+        self.last = {"llmpipe/tokens_per_s": tps, "llmpipe/mfu": m, "llmpipe/memory_gib": memory_gib,
+                     "llmpipe/eta_s": eta}
+        parts = [f"batch {batch}/{self.total_batches or '?'}",
+                 f"loss {loss:.4f}" if loss is not None else "loss ?",
+                 f"tokens/s {tps:,.0f}" if tps else "tokens/s ?",
+                 f"MFU {100 * m:.2f}%" if m is not None else "MFU -",
+                 f"mem {memory_gib:.2f} GiB" if memory_gib is not None else "mem ?",
+                 f"ETA {format_eta(eta)}"]
+        return "llmpipe: " + "  ".join(parts)
+
+
+def report(timer: StepTimer, loss: float | None, logger, rank: int) -> None:
+    """Print the step-log line on rank 0 and hand its figures (tokens/s, MFU, memory, ETA; those known) to
+    composer's ``logger`` (the tracking loggers, :mod:`llmpipe.tracking`; rank-0 loggers ignore other ranks)."""
+    line = timer.progress(loss, memory_gib())
+    if rank == 0:
+        print(line, flush=True)
+    logger.log_metrics({k: v for k, v in timer.last.items() if v is not None})
+
+
+def memory_gib() -> float | None:
+    """Peak memory of this process: the GPU's allocated peak when CUDA is in use, else the host's peak RSS (GiB)."""
+    import resource
+
+    import torch
+    if torch.cuda.is_available():
+        return torch.cuda.max_memory_allocated() / 2**30
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+
+
+def total_batches(state) -> int | None:
+    """The training's last batch from a composer ``State`` whose ``max_duration`` is in batches, else None."""
+    md = getattr(state, "max_duration", None)
+    if md is None or getattr(md.unit, "name", "") != "BATCH":
+        return None
+    return int(md.value)
+
+
+def monitor_args(rc: dict, world_size: int, peak_flops_table: dict | None) -> dict:
+    """The ``llmpipe_run_monitor`` callback's throughput arguments for a run's settings ``rc``: FLOPs per token
+    (:func:`llmpipe.mfu.flops_per_token`), the device's peak FLOP/s (:func:`llmpipe.mfu.detect_peak_flops`, None on
+    CPU) and the world size; the same inputs as ``train.json``'s whole-run MFU."""
+    from llmpipe import mfu
+    return {"flops_per_token": mfu.flops_per_token(rc["arch"], int(rc["data"]["concat_tokens"])),
+            "peak_flops": mfu.detect_peak_flops(rc["train"]["precision"], peak_flops_table),
+            "world_size": int(world_size)}
+
+
+__all__ = ["StepTimer", "warmup_batches", "format_eta", "memory_gib", "total_batches", "monitor_args"]

@@ -1,0 +1,155 @@
+"""Experiment tracking through llm-foundry's own loggers (composer's MLflow, W&B and TensorBoard destinations).
+
+Off by default (``tracking.loggers: []``). The workflow's ``tracking`` section is never part of a step's identity,
+so turning tracking on or off reruns nothing; it changes only what a training job logs from then on.
+
+One tracked run per training identity: the run's id is created once by rank 0 and kept in
+``{identity checkpoint folder}/tracking.json`` (``results/{run}/checkpoints/<key>/``), so a resumed or requeued job
+of the same identity logs into the same MLflow run / W&B run, with steps continuing at the resumed batch (composer
+logs every metric at the trainer's batch count). A changed identity gets a new folder and so a new tracked run.
+
+* MLflow: the run is made here with ``MlflowClient.create_run`` (tags ``llmpipe.run``, ``llmpipe.identity``) and
+  handed to composer's ``MLFlowLogger`` through ``MLFLOW_RUN_ID``. Without a tracking URI the store is the local
+  folder ``{results_dir}/tracking/mlruns`` (``mlflow ui --backend-store-uri <that folder>``).
+* W&B: ``wandb.init(id=<kept id>, resume="allow", mode=offline|online)``, files under the identity folder
+  (``wandb/``; offline runs upload with ``wandb sync``). ``wandb`` is an optional extra (``pip install .[wandb]``).
+* TensorBoard: event files in ``{identity folder}/tensorboard/`` (needs the ``tensorboard`` package).
+
+Secrets (``WANDB_API_KEY``, ``MLFLOW_TRACKING_TOKEN``, ``MLFLOW_TRACKING_USERNAME``/``PASSWORD``, ...) are read by the
+libraries from the environment only; no setting holds one, and the parameters logged are the training's settings.
+"""
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import secrets
+
+from llmpipe.settings import ConfigError
+
+LOGGERS = ("mlflow", "wandb", "tensorboard")
+#: the package each logger needs, and how to get it
+PACKAGES = {"mlflow": ("mlflow", "pip install mlflow"), "wandb": ("wandb", "pip install '.[wandb]' (or wandb)"),
+            "tensorboard": ("tensorboard", "pip install tensorboard")}
+STATE_FILE = "tracking.json"
+#: llm-foundry's hyperparameters that differ between the jobs of one training (resume path, launch details). MLflow
+#: refuses a changed parameter value within a run: the identity's first job logs the settings without these, and a
+#: resumed job logs none (its identity, so its settings that determine the model, are the same; speed-only settings
+#: and node counts may differ and would be refused)
+JOB_SPECIFIC_PARAMS = ["load_path", "run_name", "dist_timeout", "node_name", "rank_zero_seed", "num_nodes"]
+
+
+def settings(config: dict) -> dict | None:
+    """The ``tracking`` section of the workflow config with its store resolved, or None when tracking is off.
+
+    Returns ``{loggers, experiment, mlflow_tracking_uri, wandb_mode, wandb_entity}``; a missing MLflow tracking URI
+    becomes the file store ``file://{abs results_dir}/tracking/mlruns``.
+
+    Raises:
+        ConfigError: a logger's package is not installed here (naming ``tracking.loggers`` and the fix).
+    """
+    t = dict(config.get("tracking") or {})
+    loggers = list(t.get("loggers") or [])
+    if not loggers:
+        return None
+    for name in loggers:
+        module, fix = PACKAGES[name]
+        if importlib.util.find_spec(module) is None:
+            raise ConfigError(f"tracking.loggers names {name}, but the package {module!r} is not installed. "
+                              f"Fix: {fix}, or remove {name} from tracking.loggers.")
+    uri = t.get("mlflow_tracking_uri")
+    if not uri:
+        store = os.path.abspath(os.path.join(config.get("results_dir", "results"), "tracking", "mlruns"))
+        uri = "file://" + store
+    return {"loggers": loggers, "experiment": t.get("experiment") or "llmpipe", "mlflow_tracking_uri": uri,
+            "wandb_mode": t.get("wandb_mode") or "offline", "wandb_entity": t.get("wandb_entity")}
+
+
+def read_state(save_folder: str) -> dict:
+    """The tracked-run ids kept for an identity (``{mlflow_run_id, wandb_id}``; empty when none yet)."""
+    try:
+        with open(os.path.join(save_folder, STATE_FILE)) as fh:
+            return json.load(fh)
+    except (OSError, ValueError):
+        return {}
+
+
+def _write_state(save_folder: str, state: dict) -> None:
+    from llmpipe.atomic import atomic_write_json
+    atomic_write_json(os.path.join(save_folder, STATE_FILE), state)
+
+
+def _mlflow_run_id(tracking: dict, run: str, key: str) -> str:
+    """Create the identity's MLflow run (experiment made when missing); return its id."""
+    from mlflow import MlflowClient
+    client = MlflowClient(tracking["mlflow_tracking_uri"])
+    exp = client.get_experiment_by_name(tracking["experiment"])
+    exp_id = exp.experiment_id if exp is not None else client.create_experiment(tracking["experiment"])
+    created = client.create_run(exp_id, run_name=f"{run}-{key[:8]}",
+                                tags={"llmpipe.run": run, "llmpipe.identity": key})
+    return created.info.run_id
+
+
+def foundry_loggers(tracking: dict | None, save_folder: str, rank: int, run: str, key: str) -> dict:
+    """The ``loggers`` section of the llm-foundry train config for one training job.
+
+    Args:
+        tracking: :func:`settings`' result (None: tracking off, returns ``{}``).
+        save_folder: the identity's checkpoint folder (``tracking.json`` and TensorBoard/W&B files live there).
+        rank: this process's global rank; rank 0 creates the tracked run ids on the identity's first job, before
+            the other ranks read the start plan, so every job of the identity finds the same ids.
+        run, key: the run name and the identity key (tags and the tracked run's name).
+
+    Side effect on rank 0 with MLflow: sets ``MLFLOW_RUN_ID`` so composer's ``MLFlowLogger`` continues that run; a
+    job continuing a run logs no parameters (:data:`JOB_SPECIFIC_PARAMS`).
+    """
+    if not tracking:
+        return {}
+    state = read_state(save_folder)
+    resumed = bool(state.get("mlflow_run_id"))
+    if rank == 0:
+        changed = False
+        if "mlflow" in tracking["loggers"] and not state.get("mlflow_run_id"):
+            state["mlflow_run_id"], changed = _mlflow_run_id(tracking, run, key), True
+        if "wandb" in tracking["loggers"] and not state.get("wandb_id"):
+            state["wandb_id"], changed = secrets.token_hex(4), True
+        if changed:
+            _write_state(save_folder, state)
+        if state.get("mlflow_run_id"):
+            os.environ["MLFLOW_RUN_ID"] = state["mlflow_run_id"]
+    out: dict = {}
+    name = f"{run}-{key[:8]}"
+    if "mlflow" in tracking["loggers"]:
+        out["mlflow"] = {"experiment_name": tracking["experiment"], "tracking_uri": tracking["mlflow_tracking_uri"],
+                         "run_name": name, "tags": {"llmpipe.run": run, "llmpipe.identity": key},
+                         "log_system_metrics": _has_gpu(),
+                         "ignore_hyperparameters": ["*"] if resumed else JOB_SPECIFIC_PARAMS,
+                         "synchronous": True}
+    if "wandb" in tracking["loggers"]:
+        out["wandb"] = {"project": tracking["experiment"], "entity": tracking["wandb_entity"], "name": name,
+                        "tags": [run, key[:8]],
+                        "init_kwargs": {"id": state.get("wandb_id"), "resume": "allow", "dir": save_folder,
+                                        "mode": tracking["wandb_mode"]}}
+    if "tensorboard" in tracking["loggers"]:
+        out["tensorboard"] = {"log_dir": os.path.join(save_folder, "tensorboard"), "flush_interval": 10}
+    return out
+
+
+def apply(cfg: dict, tracking: dict | None, save_folder: str, rank: int, run: str, key: str) -> None:
+    """Set the llm-foundry train config ``cfg``'s loggers (:func:`foundry_loggers`) and, with tracking on, the
+    learning-rate callback (composer's ``lr_monitor``), so the tracked run has loss, learning rate, throughput,
+    MFU, memory (:class:`llmpipe.train.RunMonitor`), evaluation metrics and the settings as parameters."""
+    cfg["loggers"] = foundry_loggers(tracking, save_folder, rank, run, key)
+    if cfg["loggers"]:
+        cfg["callbacks"].setdefault("lr_monitor", {})
+
+
+def _has_gpu() -> bool:
+    try:
+        import torch
+        return bool(torch.cuda.is_available())
+    except ImportError:
+        return False
+
+
+__all__ = ["settings", "foundry_loggers", "apply", "read_state", "LOGGERS"]
