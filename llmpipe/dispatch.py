@@ -134,6 +134,17 @@ def normalize_thread_env() -> None:
             os.environ[var] = "1"
 
 
+def _logged_host(stderr_path) -> str:
+    """The host a submitit task ran on, from the ``Starting with JobEnvironment(..., hostname=<host>, ...)`` line
+    submitit writes at the top of the task's output log; "" when the log or the line is missing."""
+    try:
+        with open(stderr_path, errors="replace") as fh:
+            m = re.search(r"JobEnvironment\([^)]*hostname=([^,\s)]+)", fh.read(20000))
+    except OSError:
+        return ""
+    return m.group(1) if m else ""
+
+
 def _slurm_poll_s(config: dict) -> float:
     return float((config.get("slurm") or {}).get("poll_s", 30))
 
@@ -608,6 +619,8 @@ def _wait_array(jobs: list, step: str, config: dict, log_file: str | None,
                         node = jobs[i].watcher.get_info(jobs[i].job_id, mode="cache").get("NodeList", "")
                         if not node or node == "None assigned":
                             node = _slurm_where(jobs[i])[1]  # sacct's cache had not seen it run
+                        if not node or node == "None assigned":  # Slurm forgot it already: submitit logged it
+                            node = _logged_host(jobs[i].paths.stdout) or _logged_host(jobs[i].paths.stderr)
                         where = f"{f' on {node}' if node and node != 'None assigned' else ''}; log: " \
                                 f"{jobs[i].paths.stderr}"
                     try:

@@ -102,3 +102,14 @@ def test_headline_skips_shutdown_noise():
             "RuntimeError: secondary\n")
     assert dispatch._headline(text) == "torch.distributed.DistBackendError: NCCL error: remote process exited"
     assert dispatch._headline(SHM_NOISE) is None
+
+
+def test_the_node_of_a_finished_array_task_is_read_from_its_log_when_slurm_forgot_it(tmp_path):
+    """Slurm may drop a finished array task before its node is asked for; submitit's own first log line names it."""
+    from llmpipe.dispatch import _logged_host
+
+    out = tmp_path / "20_1_0_log.out"
+    out.write_text("submitit INFO (2026-12-01 20:53:38,182) - Starting with JobEnvironment(job_id=20_1, hostname=n2, "
+                   "local_rank=0(1), node=0(1), global_rank=0(1))\n")
+    assert _logged_host(out) == "n2"
+    assert _logged_host(tmp_path / "missing.out") == ""

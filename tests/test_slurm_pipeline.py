@@ -421,8 +421,10 @@ def test_killed_snakemake_reattaches_to_the_running_job(two_node_run, site, slur
 @pytest.mark.timeout(600)
 def test_step_failing_at_run_time_reports_job_state_and_log(two_node_run, site, slurm_cluster, tmp_path):
     wd = copy_run(two_node_run.wd, tmp_path / "wd")
-    bad = tmp_path / "bad.yaml"   # accepted by the config; transformers refuses it inside the job
-    bad.write_text(yaml.safe_dump({"generate": {"do_sample": True, "temperature": -1.0}}))
+    bad = tmp_path / "bad.yaml"   # a valid change; the job then finds no weights in the export (moved aside)
+    bad.write_text(yaml.safe_dump({"generate": {"prompts": ["Once upon a time"]}}))
+    weights = wd / "results/mpt-tiny/hf/model.safetensors"
+    shutil.move(weights, tmp_path / "model.safetensors")
     t0 = time.time()
     try:
         assert planned_jobs(snakemake(wd, "-n", *site.with_configfile(bad))) == {"generate": 1, "all": 1}
@@ -437,12 +439,13 @@ def test_step_failing_at_run_time_reports_job_state_and_log(two_node_run, site, 
     log = rule_log(wd, "generate")
     for text in (out, log):   # Snakemake's output (--show-failed-logs) and the rule's log
         assert f"generate mpt-tiny: job {job_id} ended in state FAILED" in text, text[-5000:]
-        assert "`temperature` (=-1.0) has to be a strictly positive float" in text
+        assert "model.safetensors" in text and "no file named" in text, text[-5000:]   # transformers' error
         assert "--- stderr (last 40 lines) ---" in text                       # the tail of the job's log
         assert f"results/logs/generate/mpt-tiny.submitit/{job_id}/{job_id}_0_log.err" in text
     assert not (wd / "results/mpt-tiny/generate.json").exists()
     assert not list((wd / ".llmpipe/jobs").glob("*.json"))
     # fixed: only that step runs again
+    shutil.move(tmp_path / "model.safetensors", weights)
     assert planned_jobs(snakemake(wd, "-n", *site.args)) == {"generate": 1, "all": 1}
     t1 = time.time()
     try:

@@ -244,7 +244,7 @@ def test_a_step_writes_its_provenance_beside_its_output(tmp_path):
     assert provenance_path(out) == out + ".provenance.json"
     assert json.loads(Path(out).read_text())["passed"] is True
     assert rec["rule"] == "allreduce_gate" and rec["wildcards"] == {"run": "mpt-tiny"}
-    assert rec["settings"] == {"gate": {"size_bytes": 1024, "min_busbw_gbps": 1.0}}
+    assert rec["settings"] == {"gate": {"size_bytes": 1024, "min_busbw_gbps": 1.0}, "health": None}
     assert rec["params"]["gate"] == {"size_bytes": 1024, "min_busbw_gbps": 1.0}
     assert rec["git"] is None or re.fullmatch(r"[0-9a-f]{40}", rec["git"]["commit"])
     assert {"llmpipe", "torch", "mosaicml", "llm-foundry", "mosaicml-streaming", "transformers",
