@@ -138,6 +138,29 @@ def bench_resources(config: dict, nodes: int) -> dict:
 
 # ------------------------------------------------------------------------------------------- the task
 
+def init_group(backend: str = "auto") -> tuple[dict, str, object, str]:
+    """Join the job's torch.distributed group (environment from submitit, :func:`llmpipe.train.export_dist_env`) and
+    pick this rank's device: NCCL on the local rank's GPU when CUDA is there (``backend: auto``), else gloo on the
+    CPU. Returns ``(dist_env, backend, torch.device, device name)``."""
+    import torch
+    import torch.distributed as dist
+
+    from llmpipe.train import export_dist_env
+
+    env = export_dist_env()
+    if backend == "auto":
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if backend == "nccl":
+        device = torch.device("cuda", int(env["local_rank"]) % max(1, torch.cuda.device_count()))
+        torch.cuda.set_device(device)
+        device_name = torch.cuda.get_device_name(device)
+    else:
+        device, device_name = torch.device("cpu"), "cpu"
+    dist.init_process_group(backend=backend, init_method="env://", rank=int(env["rank"]),
+                            world_size=int(env["world_size"]))
+    return env, backend, device, device_name
+
+
 class AllReduceTask:
     """The bandwidth sweep as submitit runs it in every task of the job; rank 0 returns the rows.
 
@@ -159,20 +182,8 @@ class AllReduceTask:
         import torch
         import torch.distributed as dist
 
-        from llmpipe.train import export_dist_env
-
-        env = export_dist_env()
+        env, backend, device, device_name = init_group(self.backend)
         rank, ws = int(env["rank"]), int(env["world_size"])
-        backend = self.backend
-        if backend == "auto":
-            backend = "nccl" if torch.cuda.is_available() else "gloo"
-        if backend == "nccl":
-            device = torch.device("cuda", int(env["local_rank"]) % max(1, torch.cuda.device_count()))
-            torch.cuda.set_device(device)
-            device_name = torch.cuda.get_device_name(device)
-        else:
-            device, device_name = torch.device("cpu"), "cpu"
-        dist.init_process_group(backend=backend, init_method="env://", rank=rank, world_size=ws)
         try:
             print(f"llmpipe: all-reduce rank {rank}/{ws} on {env.get('hostname', 'localhost')} ({backend}, "
                   f"{device_name}); {len(self.sizes)} sizes {self.sizes[0]}..{self.sizes[-1]} B", flush=True)

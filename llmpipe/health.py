@@ -69,23 +69,12 @@ class HealthTask:
         self.warmup, self.iters, self.backend = int(warmup), int(iters), backend
 
     def __call__(self) -> list[dict] | None:
-        import torch
         import torch.distributed as dist
 
-        from llmpipe.train import export_dist_env
+        from llmpipe.allreduce import init_group
 
-        env = export_dist_env()
+        env, backend, device, device_name = init_group(self.backend)
         rank, ws = int(env["rank"]), int(env["world_size"])
-        backend = self.backend
-        if backend == "auto":
-            backend = "nccl" if torch.cuda.is_available() else "gloo"
-        if backend == "nccl":
-            device = torch.device("cuda", int(env["local_rank"]) % max(1, torch.cuda.device_count()))
-            torch.cuda.set_device(device)
-            device_name = torch.cuda.get_device_name(device)
-        else:
-            device, device_name = torch.device("cpu"), "cpu"
-        dist.init_process_group(backend=backend, init_method="env://", rank=rank, world_size=ws)
         host = env.get("hostname") or socket.gethostname()
         try:
             dist.barrier()
