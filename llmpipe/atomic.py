@@ -1,4 +1,5 @@
-"""Atomic file writes: a reader (or Snakemake) sees the old file, no file, or the whole new one, never a part."""
+"""Atomic file writes: a reader (or Snakemake) sees the old file, no file, or the whole new one, never a part; and
+the tolerant read of such a file (:func:`read_json`)."""
 
 from __future__ import annotations
 
@@ -46,6 +47,15 @@ def atomic_write_bytes(path: str, data: bytes) -> None:
         except FileNotFoundError:
             pass
         raise
+
+
+def read_json(path: str, default: Any = None) -> Any:
+    """The JSON document in ``path``, or ``default`` when the file is missing or is not JSON."""
+    try:
+        with open(path) as fh:
+            return json.load(fh)
+    except (OSError, ValueError):
+        return default
 
 
 def remove_if_exists(path: str) -> None:

@@ -36,6 +36,7 @@ import re
 import shutil
 import time
 
+from llmpipe.atomic import atomic_write_bytes, atomic_write_json, read_json
 from llmpipe.identity import identity_text, parse_identity, same_identity
 
 log = logging.getLogger("llmpipe.checkpoints")
@@ -119,7 +120,7 @@ def prepare_identity_folder(checkpoints_dir: str, identity: str) -> str:
             _remove(path)
         elif name.endswith(MARKER) and not os.path.exists(path[: -len(MARKER)]):
             os.remove(path)
-    _write_text(ident_path, identity)
+    atomic_write_bytes(ident_path, identity.encode())
     touch_last_used(folder)
     return folder
 
@@ -127,7 +128,7 @@ def prepare_identity_folder(checkpoints_dir: str, identity: str) -> str:
 def touch_last_used(folder: str) -> None:
     """Record now as the time ``folder``'s identity was last used (the order :func:`prune_earlier_identities`
     keeps)."""
-    _write_text(os.path.join(folder, "last_used"), f"{time.time():.3f}\n")
+    atomic_write_bytes(os.path.join(folder, "last_used"), f"{time.time():.3f}\n".encode())
 
 
 # ------------------------------------------------------------------------------------------- listing
@@ -168,7 +169,7 @@ def checkpoint_bytes(path: str) -> int:
 
 def mark_complete(path: str, batch: int) -> None:
     """Write ``path``'s ``.complete`` marker (after every rank's save returned)."""
-    _write_text(path + MARKER, str(int(batch)))
+    atomic_write_bytes(path + MARKER, str(int(batch)).encode())
 
 
 # ------------------------------------------------------------------------------------------- damage
@@ -251,6 +252,14 @@ def loadable_checkpoint(folder: str) -> str | None:
     return None
 
 
+def resume_mismatch(resume: str, what: str) -> str:
+    """The error for a full (unsharded) checkpoint that a training under FSDP cannot resume from."""
+    return (f"{what}: the newest checkpoint {resume} is a full checkpoint saved on 1 device without FSDP; this "
+            f"training would run under FSDP (more than one device, or train.fsdp_min_params). Resume it on "
+            f"1 device (resources: nodes 1, one task) or move the checkpoint folder "
+            f"{os.path.dirname(resume)} away to train from scratch.")
+
+
 # ------------------------------------------------------------------------------------------- retention
 
 def prune_checkpoints(folder: str, keep: int) -> list[str]:
@@ -304,15 +313,11 @@ def cut_loss_log(path: str, batch: int) -> None:
         return
     with open(path) as fh:
         keep = [line for line in fh if line.strip() and json.loads(line).get("batch", 0) <= batch]
-    tmp = path + ".tmp"
-    with open(tmp, "w") as fh:
-        fh.writelines(keep)
-    os.replace(tmp, path)
+    atomic_write_bytes(path, "".join(keep).encode())
 
 
 def write_result(folder: str, result: dict) -> None:
     """Write the finished training's train.json record as ``folder/result.json`` (atomically)."""
-    from llmpipe.atomic import atomic_write_json
     atomic_write_json(os.path.join(folder, "result.json"), result)
 
 
@@ -420,13 +425,12 @@ def load_model_weights(path: str, dtype, prefix: str = "state.model.", names: li
                 out[_strip_wrapper(k) if strip_wrapper else k] = t.to(dtype).clone()
         return out
     import torch.distributed.checkpoint as dcp
-    reader_path = path
     for name, (shape, stored) in model_weight_names(path, prefix).items():
         if names is not None and name not in names:
             continue
         buf = torch.empty(shape, dtype=getattr(torch, stored))
         sd = {prefix + name: buf}
-        dcp.load(sd, storage_reader=dcp.FileSystemReader(reader_path), no_dist=True)
+        dcp.load(sd, storage_reader=dcp.FileSystemReader(path), no_dist=True)
         out[_strip_wrapper(name) if strip_wrapper else name] = buf.to(dtype)
         del buf, sd
     return out
@@ -451,24 +455,8 @@ def _remove(path: str) -> None:
         os.remove(path)
 
 
-def _write_text(path: str, text: str) -> None:
-    tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "w") as fh:
-        fh.write(text)
-    os.replace(tmp, path)
-
-
-def read_json(path: str) -> dict | None:
-    """The JSON object in ``path``, or None when it is missing or unreadable."""
-    try:
-        with open(path) as fh:
-            return json.load(fh)
-    except (OSError, ValueError):
-        return None
-
-
 __all__ = ["identity_key", "identity_folder", "adopt_flat_layout", "prepare_identity_folder", "touch_last_used",
            "checkpoint_batch", "is_sharded", "complete_checkpoints", "newest_checkpoint", "checkpoint_bytes",
-           "mark_complete", "checkpoint_problem", "move_aside", "loadable_checkpoint", "prune_checkpoints",
-           "prune_earlier_identities", "model_weight_names", "load_model_weights", "load_objects", "read_json", "MARKER", "cut_loss_log",
-           "write_result", "finished_result", "recorded_result"]
+           "mark_complete", "checkpoint_problem", "move_aside", "loadable_checkpoint", "resume_mismatch",
+           "prune_checkpoints", "prune_earlier_identities", "model_weight_names", "load_model_weights", "load_objects",
+           "cut_loss_log", "write_result", "finished_result", "recorded_result", "MARKER"]

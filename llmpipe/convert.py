@@ -15,6 +15,7 @@ import shutil
 import time
 
 from llmpipe.atomic import atomic_write_json, umask_mode
+from llmpipe.throughput import peak_host_rss_gib
 
 #: attention implementations that the exported code knows; anything else is mapped to ``torch``.
 STOCK_ATTN_IMPLS = ("torch", "flash")
@@ -165,23 +166,17 @@ def convert_checkpoint(rc: dict, ckpt_path: str, tokenizer_dir: str, out_dir: st
         "weights_gib": round(sum(p.numel() * p.element_size() for p in export.parameters()) / 2**30, 4),
         "max_shard_size": max_shard_size,
         "safetensors_files": sorted(f for f in os.listdir(out_dir) if f.endswith(".safetensors")),
-        "peak_rss_gib_export": _peak_rss_gib(),
+        "peak_rss_gib_export": round(peak_host_rss_gib(), 3),
         "export_seconds": round(time.time() - t0, 2),
         "seconds": None,
     }
     del model, export
     if verify:
         manifest["verify_max_abs_logit_diff"] = verify_export(out_dir, build_hf_model(rc, ckpt_path), dtype)
-        manifest["peak_rss_gib_with_verify"] = _peak_rss_gib()
+        manifest["peak_rss_gib_with_verify"] = round(peak_host_rss_gib(), 3)
     manifest["seconds"] = round(time.time() - t0, 2)
     atomic_write_json(os.path.join(out_dir, "manifest.json"), manifest)  # last: the folder is complete now
     return manifest
-
-
-def _peak_rss_gib() -> float:
-    """This process's peak resident set size in GiB (``getrusage``'s ``ru_maxrss``, KiB on Linux)."""
-    import resource
-    return round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 3)
 
 
 def state_tied_embeddings(folder: str, tied: bool) -> None:

@@ -25,6 +25,7 @@ import os
 import re
 from typing import Any
 
+from llmpipe.atomic import read_json
 from llmpipe.schema import section_defaults
 from llmpipe.config import ConfigError, run_config, tokens_per_run
 from llmpipe.mfu import flops_per_token, mpt_param_count
@@ -44,14 +45,6 @@ def settings(config: dict) -> dict:
     s["projection"] = {**DEFAULTS["projection"], **(s.get("projection") or {})}
     s["runs"] = list(s.get("runs") or [])
     return s
-
-
-def _read(path: str) -> Any:
-    try:
-        with open(path) as fh:
-            return json.load(fh)
-    except (OSError, ValueError):
-        return None
 
 
 def _finetunes(config: dict) -> set[str]:
@@ -155,9 +148,9 @@ def eval_accuracy(ev: dict | None) -> tuple[float | None, dict[str, float]]:
 def _ok(run_dir: str) -> str:
     """``Y`` when the export, generation and evaluation of a run all worked, ``N`` when one failed, ``–`` when one
     is missing."""
-    man = _read(os.path.join(run_dir, "hf", "manifest.json"))
-    gen = _read(os.path.join(run_dir, "generate.json"))
-    ev = _read(os.path.join(run_dir, "eval.json"))
+    man = read_json(os.path.join(run_dir, "hf", "manifest.json"))
+    gen = read_json(os.path.join(run_dir, "generate.json"))
+    ev = read_json(os.path.join(run_dir, "eval.json"))
     if man is None or gen is None or ev is None:
         return "–"
     conv = bool(man.get("bytes"))
@@ -187,12 +180,12 @@ def table1(config: dict, results_dir: str, runs: list[str]):
     for run in runs:
         if run in fts:
             continue
-        tr = _read(os.path.join(results_dir, run, "train.json"))
+        tr = read_json(os.path.join(results_dir, run, "train.json"))
         if not tr:
             continue
         rc = run_config(config, run)
         params = _params(config, run)
-        ev = _read(os.path.join(results_dir, run, "eval.json"))
+        ev = read_json(os.path.join(results_dir, run, "eval.json"))
         tok_acc, icl_acc = eval_accuracy(ev)
         ck = tr.get("checkpoint_size_bytes")
         rows.append({
@@ -242,11 +235,11 @@ def table2(config: dict, results_dir: str, runs: list[str]):
         if run not in fts:
             continue
         records = []
-        tr = _read(os.path.join(results_dir, run, "train.json"))
+        tr = read_json(os.path.join(results_dir, run, "train.json"))
         if tr:
             records.append((tr, os.path.join(results_dir, run)))
         for p in sorted(glob.glob(os.path.join(results_dir, "scaling", run, "nodes*", "train.json"))):
-            t = _read(p)
+            t = read_json(p)
             if t and not (tr and int(t.get("nodes", 0)) == int(tr.get("nodes", -1))):
                 records.append((t, None))
         if not records:
@@ -260,7 +253,7 @@ def table2(config: dict, results_dir: str, runs: list[str]):
             data = (src.get("hf_name") or src.get("repo_id") or src.get("name") or iset or data.get("hf_name")
                     or data.get("name") or json.dumps(data, sort_keys=True))
         for t, run_dir in sorted(records, key=lambda r: int(r[0].get("nodes", 1))):
-            ev = _read(os.path.join(run_dir, "eval.json")) if run_dir else None
+            ev = read_json(os.path.join(run_dir, "eval.json")) if run_dir else None
             tok_acc, icl_acc = eval_accuracy(ev)
             wall = t.get("wall_clock_s")
             speed = base.get("wall_clock_s") / wall if wall and base.get("wall_clock_s") else None
@@ -295,7 +288,7 @@ def pick_reference(config: dict, results_dir: str, runs: list[str]) -> str | Non
         return ref
     best = None
     for run in runs:
-        tr = _read(os.path.join(results_dir, run, "train.json"))
+        tr = read_json(os.path.join(results_dir, run, "train.json"))
         if not tr or not tr.get("tokens_per_s_per_device") or not tr.get("flops_per_token"):
             continue
         key = (tr.get("mfu") is not None, float(tr["flops_per_token"]))
@@ -329,7 +322,7 @@ def projection(config: dict, results_dir: str, reference: str | None, basis: dic
 
     cols = ["model", "params", "token budget", "FLOPs per token", "nodes", "devices",
             "projected tokens/s", "projected time (s)", "projected time", "reference", "basis"]
-    tr = _read(os.path.join(results_dir, reference, "train.json")) if reference else None
+    tr = read_json(os.path.join(results_dir, reference, "train.json")) if reference else None
     s = settings(config)["projection"]
     if basis and (not tr or tr.get("mfu") is None):
         return pd.DataFrame(_benchmark_projection(config, s, basis), columns=cols)
@@ -431,7 +424,7 @@ def plot_loss(results_dir: str, runs: list[str], png: str) -> None:
     fig, ax = plt.subplots(figsize=(7, 4.5))
     drawn = 0
     for run in runs:
-        recs = [r for r in _read_log(_log_of(results_dir, run, _read(os.path.join(results_dir, run, "train.json"))))
+        recs = [r for r in _read_log(_log_of(results_dir, run, read_json(os.path.join(results_dir, run, "train.json"))))
                 if r.get("loss") is not None]
         if recs:
             ax.plot([r["batch"] for r in recs], [r["loss"] for r in recs], label=run)
@@ -460,7 +453,7 @@ def plot_mfu(results_dir: str, runs: list[str], png: str) -> None:
     plt = _plt()
     series = {}
     for run in runs:
-        tr = _read(os.path.join(results_dir, run, "train.json"))
+        tr = read_json(os.path.join(results_dir, run, "train.json"))
         if not tr:
             continue
         series[run] = throughput_series(_read_log(_log_of(results_dir, run, tr)), int(tr.get("devices") or 1),

@@ -144,14 +144,18 @@ def report(timer: StepTimer, loss: float | None, logger, rank: int) -> None:
     logger.log_metrics({k: v for k, v in timer.last.items() if v is not None})
 
 
+def peak_host_rss_gib() -> float:
+    """This process's peak resident set size in GiB (``getrusage``'s ``ru_maxrss``, KiB on Linux)."""
+    import resource
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+
+
 def memory_gib() -> float | None:
     """Peak memory of this process: the GPU's allocated peak when CUDA is in use, else the host's peak RSS (GiB)."""
-    import resource
-
     import torch
     if torch.cuda.is_available():
         return torch.cuda.max_memory_allocated() / 2**30
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+    return peak_host_rss_gib()
 
 
 def total_batches(state) -> int | None:

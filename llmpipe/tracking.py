@@ -21,10 +21,10 @@ libraries from the environment only; no setting holds one, and the parameters lo
 from __future__ import annotations
 
 import importlib.util
-import json
 import os
 import secrets
 
+from llmpipe.atomic import read_json
 from llmpipe.settings import ConfigError
 
 LOGGERS = ("mlflow", "wandb", "tensorboard")
@@ -67,11 +67,7 @@ def settings(config: dict) -> dict | None:
 
 def read_state(save_folder: str) -> dict:
     """The tracked-run ids kept for an identity (``{mlflow_run_id, wandb_id}``; empty when none yet)."""
-    try:
-        with open(os.path.join(save_folder, STATE_FILE)) as fh:
-            return json.load(fh)
-    except (OSError, ValueError):
-        return {}
+    return read_json(os.path.join(save_folder, STATE_FILE), {})
 
 
 def _write_state(save_folder: str, state: dict) -> None:

@@ -9,9 +9,9 @@ Checkpoints live in ``results/{run}/checkpoints/<identity key>/`` (:mod:`llmpipe
 the completion markers and retention) and never rely on symlinks: composer's ``latest-rank0.pt`` symlink is switched
 off by :class:`RunMonitor` (shared drives such as CIFS mounts refuse symlinks). With FSDP (every multi-device
 training, and from ``train.fsdp_min_params`` parameters on one device) each rank writes its shard of a sharded
-checkpoint (PyTorch distributed checkpoint), which resumes on any world size. When Slurm signals the end of the allocation
-(``--signal=USR2@...``, preemption or time limit), training saves a checkpoint at the next batch boundary on all
-ranks and only then lets submitit requeue the job, which resumes from it.
+checkpoint (PyTorch distributed checkpoint), which resumes on any world size. When Slurm signals the end of the
+allocation (``--signal=USR2@...``, preemption or time limit), training saves a checkpoint at the next batch boundary
+on all ranks and only then lets submitit requeue the job, which resumes from it.
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ import time
 from typing import Any
 
 from llmpipe import checkpoints as ckpt, throughput, tracking
+from llmpipe.atomic import read_json
 from llmpipe.config import compile_settings, fused_loss_settings, world_size
 from llmpipe.fp8 import apply_fp8
 
@@ -475,10 +476,14 @@ class TrainTask:
         self.resources = dict(resources)
         self.peak_flops_table = peak_flops_table
 
+    def checkpoint_folder(self) -> str:
+        """This training's checkpoint folder: ``<run_dir>/checkpoints/<identity key>``
+        (:func:`llmpipe.checkpoints.identity_folder`)."""
+        return ckpt.identity_folder(os.path.join(self.run_dir, "checkpoints"), self.identity)
+
     def checkpoint(self, *args: Any, **kwargs: Any):
         from llmpipe.requeue import resubmission  # counts allocations without progress (requeue_cap)
-        ckpts = ckpt.complete_checkpoints(ckpt.identity_folder(os.path.join(self.run_dir, "checkpoints"),
-                                                               self.identity))
+        ckpts = ckpt.complete_checkpoints(self.checkpoint_folder())
         return resubmission(self, ckpts[-1][0] if ckpts else 0)
 
     def before_start(self) -> None:
@@ -512,7 +517,7 @@ class TrainTask:
         done = ckpt.finished_result(save_folder, resume, max_batches)
         if done is None:
             ckpt.cut_loss_log(os.path.join(save_folder, "train_log.jsonl"),
-                         ckpt.checkpoint_batch(resume) if resume else 0)
+                              ckpt.checkpoint_batch(resume) if resume else 0)
         return {"resume": resume, "done": done}
 
     def __call__(self) -> dict | None:
@@ -523,7 +528,7 @@ class TrainTask:
         from llmfoundry.command_utils import train
         from omegaconf import OmegaConf
 
-        save_folder = ckpt.identity_folder(os.path.join(self.run_dir, "checkpoints"), self.identity)
+        save_folder = self.checkpoint_folder()
         rank = int(dist_env["rank"])
         # every rank waits for rank 0's plan: a shared file is simplest before torch.distributed is up; the token
         # tells this allocation's plan from a requeued allocation's
@@ -548,7 +553,7 @@ class TrainTask:
         sharded = bool(resume) and ckpt.is_sharded(resume)
         fsdp = self.uses_fsdp(ws, sharded)
         if resume and not sharded and fsdp:
-            raise RuntimeError(resume_mismatch(resume, self.describe()))
+            raise RuntimeError(ckpt.resume_mismatch(resume, self.describe()))
         cfg = self.build_config(save_folder, ws, fsdp)
         cfg["callbacks"]["llmpipe_run_monitor"].update(throughput.monitor_args(self.rc, ws, self.peak_flops_table))
         tracking.apply(cfg, self.tracking, save_folder, rank, self.run, os.path.basename(save_folder))
@@ -603,18 +608,10 @@ class TrainTask:
         return uses_fsdp(self.rc, world_size, sharded_resume)
 
 
-def resume_mismatch(resume: str, what: str) -> str:
-    """The error for a full (unsharded) checkpoint that a training under FSDP cannot resume from."""
-    return (f"{what}: the newest checkpoint {resume} is a full checkpoint saved on 1 device without FSDP; this "
-            f"training would run under FSDP (more than one device, or train.fsdp_min_params). Resume it on "
-            f"1 device (resources: nodes 1, one task) or move the checkpoint folder "
-            f"{os.path.dirname(resume)} away to train from scratch.")
-
-
 def _wait_for_plan(path: str, token: str, timeout_s: float = 900) -> dict:
     t0 = time.time()
     while time.time() - t0 < timeout_s:
-        plan = ckpt.read_json(path)
+        plan = read_json(path)
         if plan is not None and plan.get("token") == token:
             return plan
         time.sleep(0.5)
@@ -657,7 +654,6 @@ def summarize(rc: dict, trainer, monitor, wall_s: float, ws: int, save_folder: s
     else:
         mem = None
         device = "cpu"
-    import resource
     return {
         "run": run,
         "steps": steps,
@@ -669,7 +665,7 @@ def summarize(rc: dict, trainer, monitor, wall_s: float, ws: int, save_folder: s
         "flops_per_token": fpt,
         "peak_flops_per_device": peak,
         "peak_memory_per_device_gib": round(mem, 3) if mem is not None else None,
-        "peak_host_rss_gib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 3),
+        "peak_host_rss_gib": round(throughput.peak_host_rss_gib(), 3),
         "device": device, **monitor.timer.steady(),
         "nodes": int(nodes),
         "devices": ws,
@@ -695,4 +691,4 @@ def _first_logged_loss(save_folder: str) -> float | None:
         return None
 
 
-__all__ = ["foundry_train_config", "uses_fsdp", "TrainTask", "resume_mismatch", "register", "summarize"]
+__all__ = ["foundry_train_config", "uses_fsdp", "TrainTask", "register", "summarize"]

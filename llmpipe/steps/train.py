@@ -11,8 +11,8 @@ from __future__ import annotations
 import functools
 import os
 
-from llmpipe.config import (SPEED_ONLY_FINETUNE_DATA_KEYS, SPEED_ONLY_TRAIN_KEYS, is_finetune, run_config, step_resources,
-                            world_size)
+from llmpipe.config import (SPEED_ONLY_FINETUNE_DATA_KEYS, SPEED_ONLY_TRAIN_KEYS, is_finetune, run_config,
+                            step_resources, world_size)
 from llmpipe.fp8 import fp8_settings
 from llmpipe.steps.context import StepContext, read_json
 from llmpipe.steps.convert import convert_identity
@@ -156,22 +156,20 @@ def finished_training(ctx: StepContext, rc: dict, label: str) -> dict | None:
     return result
 
 
-def check_resumable(ctx: StepContext, task, label: str) -> None:
+def check_resumable(task, label: str) -> None:
     """Raise RuntimeError before a job waits in a queue when the newest complete checkpoint of this training is a
     full (unsharded) one and the job would train under FSDP, which cannot resume from it
-    (:func:`llmpipe.train.resume_mismatch` names the world size it needs). Sharded checkpoints resume on any world
-    size."""
-    folder = ckpt.identity_folder(os.path.join(os.path.dirname(ctx.output[0]), "checkpoints"), ctx.params.identity)
-    newest = ckpt.newest_checkpoint(folder) if os.path.isdir(folder) else None
+    (:func:`llmpipe.checkpoints.resume_mismatch` names the world size it needs). Sharded checkpoints resume on any
+    world size."""
+    newest = ckpt.newest_checkpoint(task.checkpoint_folder())
     if newest and not ckpt.is_sharded(newest) and task.uses_fsdp(world_size(task.resources), False):
-        from llmpipe.train import resume_mismatch
-        raise RuntimeError(resume_mismatch(newest, label))
+        raise RuntimeError(ckpt.resume_mismatch(newest, label))
 
 
 def checkpoint_progress(folder: str) -> str:
     """The training's progress for the rule log when Slurm requeues it: its newest complete checkpoint's batch
     (where the next allocation resumes), or that it has none yet. ``folder``: the identity's checkpoint folder."""
-    ckpts = ckpt.complete_checkpoints(folder) if os.path.isdir(folder) else []
+    ckpts = ckpt.complete_checkpoints(folder)
     return f"resumes from the checkpoint at batch {ckpts[-1][0]}" if ckpts else "no checkpoint yet: starts over"
 
 
@@ -181,9 +179,9 @@ def _train_run(ctx: StepContext, label: str) -> dict:
     task = training_task(ctx, ctx.config, run, rc)  # checks peft and the vocabulary before a job waits in a queue
     result = finished_training(ctx, rc, f"{label} {run}")
     if result is None:
-        check_resumable(ctx, task, f"{label} {run}")
-        folder = ckpt.identity_folder(os.path.join(os.path.dirname(ctx.output[0]), "checkpoints"), ctx.params.identity)
-        result = ctx.dispatch(task, step=f"{label} {run}", progress=functools.partial(checkpoint_progress, folder))
+        check_resumable(task, f"{label} {run}")
+        result = ctx.dispatch(task, step=f"{label} {run}",
+                              progress=functools.partial(checkpoint_progress, task.checkpoint_folder()))
     check_all_steps(result, rc, f"{label} {run}")
     ctx.write_json(result)
     return {"run": rc, "resources": ctx.resources}
