@@ -73,6 +73,8 @@ VARIANTS: dict[str, dict[str, Any]] = {
     'default': {},
     # the default without FSDP at world size 1 (train.fsdp_min_params: null; MPT-1B and up default to FSDP there)
     'no_fsdp': {'fsdp_min_params': None},
+    # FSDP at world size 1 whatever the model's size (FULL_SHARD, PURE bf16 mixed precision)
+    'fsdp_always': {'fsdp_min_params': 1},
     'torch_attn': {'attn_impl': 'torch', 'drop_mask': False, 'fused_loss': False},
     'sdpa_keep_mask': {'attn_impl': 'sdpa', 'drop_mask': False, 'fused_loss': False},
     'sdpa': {'attn_impl': 'sdpa', 'drop_mask': True, 'fused_loss': False},
@@ -150,11 +152,15 @@ VARIANTS: dict[str, dict[str, Any]] = {
     # FP8 training (train.fp8, torchao float8 linears) on top of the project's default config
     'fp8': {'fp8': 'tensorwise'},
     'fp8_rowwise': {'fp8': 'rowwise'},
+    # FP8 without FSDP at world size 1 (MPT-1B and up default to FSDP there), and at twice the microbatch
+    'fp8_no_fsdp': {'fp8': 'tensorwise', 'fsdp_min_params': None},
+    'fp8_mb_x2': {'fp8': 'tensorwise', 'mb_scale': 2},
+    'mb_x2_default': {'mb_scale': 2},
 }
 
 CSV_FIELDS = [
-    'device_call', 'machine', 'timestamp', 'model', 'variant', 'status', 'config_source', 'shims', 'attn_impl', 'attn_type', 'sdpa_backend',
-    'drop_mask', 'optimizer', 'compile', 'train_metrics', 'fused_loss', 'fp8', 'num_workers', 'cpu_threads', 'microbatch', 'seq_len', 'steps', 'timed_steps',
+    'device_call', 'machine', 'timestamp', 'model', 'variant', 'repeat', 'status', 'config_source', 'shims', 'attn_impl', 'attn_type', 'sdpa_backend',
+    'drop_mask', 'optimizer', 'compile', 'train_metrics', 'fused_loss', 'fp8', 'fsdp', 'num_workers', 'cpu_threads', 'microbatch', 'seq_len', 'steps', 'timed_steps',
     'tokens_per_s',
     'step_ms', 'mfu', 'flops_per_token', 'flops_per_token_foundry', 'peak_flops', 'peak_mem_allocated_gb',
     'peak_mem_reserved_gb', 'mem_before_gb', 'n_params', 'gpu', 'torch', 'torchao', 'cuda', 'composer', 'llmfoundry', 'python', 'error',
@@ -314,7 +320,8 @@ def build_train_config(config: dict, run: str, variant: dict, *, steps: int, mb_
     cfg['python_log_level'] = 'warning'
     cfg['run_name'] = f'bench-{run}'
     callbacks = {k: v for k, v in (cfg.get('callbacks') or {}).items()
-                 if k in ('llmpipe_fp8', 'drop_full_attention_mask', 'llmpipe_compile_blocks')}  # speed-relevant only
+                 if k in ('llmpipe_fp8', 'drop_full_attention_mask', 'llmpipe_compile_blocks',
+                          'llmpipe_single_device_fsdp')}  # speed-relevant only (FSDP at world size 1 included)
     # knobs
     model = cfg['model']
     attn_config = dict(model.get('attn_config') or {})
@@ -364,6 +371,7 @@ def build_train_config(config: dict, run: str, variant: dict, *, steps: int, mb_
         'fused_loss': _fused_loss_knob(model),
         'fp8': ','.join(f'{k}={v}' for k, v in callbacks['llmpipe_fp8'].items() if k != 'where')
         if 'llmpipe_fp8' in callbacks else '',
+        'fsdp': 'llmpipe_single_device_fsdp' in callbacks or 'fsdp_config' in cfg,
     }
     return cfg, knobs
 
@@ -522,6 +530,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument('--device-call', default='', help="written to the rows' device_call column")
     ap.add_argument('--trace', action='store_true', help='with --profile: record Python stacks, write the Chrome '
                     'trace (.json.gz) and a report of what the host did while the GPU was idle (-gaps.txt)')
+    ap.add_argument('--repeats', type=int, default=1, help='measure each (model, variant) this many times in this '
+                    'process (rows carry the repeat number; the summary gives the median tokens/s)')
     args = ap.parse_args(argv)
     if args.steps < 30 or args.skip < 10:
         print('note: the method asks for >= 30 steps with the first 10 excluded', file=sys.stderr)
@@ -542,6 +552,8 @@ def main(argv: list[str] | None = None) -> int:
     register_compile_blocks()
     from llmpipe.fp8 import register as register_fp8
     register_fp8()  # llmpipe_fp8 callback (the train config names it when train.fp8 is on)
+    from llmpipe.fsdp import register as register_fsdp
+    register_fsdp()  # llmpipe_single_device_fsdp (the train config names it for FSDP at world size 1)
     from llmpipe.fused_loss import register as register_fused_loss
     register_fused_loss()  # mpt_causal_lm_fused_loss (the train config names it when fused_loss is on)
 
@@ -570,7 +582,7 @@ def main(argv: list[str] | None = None) -> int:
         if mode == 'w':
             w.writeheader()
         for run in [m for m in args.models.split(',') if m]:
-            for v in variants:
+            for v, rep in [(v, r) for v in variants for r in range(1, args.repeats + 1)]:
                 t0 = time.time()
                 row = run_one(config, run, v, VARIANTS[v], steps=args.steps, skip=args.skip,
                               mb_override=int(mb_over[run]) if run in mb_over else None, tok_dir=tok_dir,
@@ -578,7 +590,7 @@ def main(argv: list[str] | None = None) -> int:
                 if args.profile:
                     row['variant'] = f'{v}+profiled'
                 row.update(versions)
-                row.update(command=command, machine=args.machine, device_call=args.device_call)
+                row.update(command=command, machine=args.machine, device_call=args.device_call, repeat=rep)
                 w.writerow(row)
                 f.flush()
                 rows.append(row)
@@ -592,6 +604,15 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{r['model']:10s} {r['variant']:16s} {str(r.get('microbatch', '')):4s} "
               f"{str(r.get('tokens_per_s', '')):10s} {str(r.get('mfu', '')):6s} "
               f"{str(r.get('peak_mem_allocated_gb', '')):7s} {r['status']}")
+    if args.repeats > 1:
+        print('\nmedian of the ok repeats (tokens/s, MFU):')
+        for key in dict.fromkeys((r['model'], r['variant']) for r in rows):
+            ok = sorted((r for r in rows if (r['model'], r['variant']) == key and r['status'] == 'ok'),
+                        key=lambda r: r['tokens_per_s'])
+            if ok:
+                med = ok[len(ok) // 2]
+                print(f"{key[0]:10s} {key[1]:16s} n={len(ok)} median tok/s={med['tokens_per_s']} mfu={med['mfu']} "
+                      f"range {ok[0]['tokens_per_s']}-{ok[-1]['tokens_per_s']}")
     return 0 if all(r['status'] == 'ok' for r in rows) else 1
 
 
