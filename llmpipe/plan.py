@@ -196,9 +196,11 @@ def inference_memory(rc: Mapping, *, step: str, batch_size: int = 1, context: in
 
 
 def benchmark_basis(csv_path: str = BENCHMARK_CSV, model: str = 'mpt-1b', variant: str = 'default') -> dict | None:
-    """The time plan's basis: the newest ``ok`` row of ``model``/``variant`` in the throughput benchmark CSV
-    (``tools/bench_train_throughput.py``), as ``{'model', 'variant', 'gpu', 'device_call', 'timestamp',
-    'tokens_per_s', 'mfu', 'flops_per_token', 'peak_flops'}``; None when the file or such a row is missing."""
+    """The time plan's basis: the ``ok`` rows of ``model``/``variant`` in the throughput benchmark CSV
+    (``tools/bench_train_throughput.py``) from the device call of the newest such row, their median by MFU (one row,
+    or the middle of the repeats of ``--repeats``), as ``{'model', 'variant', 'gpu', 'device_call', 'timestamp',
+    'tokens_per_s', 'mfu', 'flops_per_token', 'peak_flops', 'repeats'}``; None when the file or such a row is
+    missing."""
     try:
         with open(csv_path, newline='') as f:
             rows = [r for r in csv.DictReader(f) if r.get('model') == model and r.get('variant') == variant
@@ -207,8 +209,12 @@ def benchmark_basis(csv_path: str = BENCHMARK_CSV, model: str = 'mpt-1b', varian
         return None
     if not rows:
         return None
-    r = max(rows, key=lambda r: r['timestamp'])
+    newest = max(rows, key=lambda r: r['timestamp'])
+    same_call = sorted((r for r in rows if r.get('device_call') == newest.get('device_call')),
+                       key=lambda r: float(r['mfu']))
+    r = same_call[(len(same_call) - 1) // 2]
     return {'model': model, 'variant': variant, 'gpu': r['gpu'], 'device_call': r['device_call'],
+            'repeats': len(same_call),
             'timestamp': r['timestamp'], 'tokens_per_s': float(r['tokens_per_s']), 'mfu': float(r['mfu']),
             'flops_per_token': float(r['flops_per_token']), 'peak_flops': float(r['peak_flops'])}
 
@@ -235,7 +241,8 @@ def train_time(rc: Mapping, *, nodes: int, gpus_per_node: int, gpu_type: str, ba
     tps_gpu = float(basis['mfu']) * peak / fpt * (0.75 if activation_checkpointing else 1.0)
     tokens = int(rc['train']['max_duration_batches']) * int(rc['train']['global_batch_size']) * seq
     seconds = tokens / (tps_gpu * gpus)
-    text = (f"projection: MFU {float(basis['mfu']):.3f} of {basis['model']} ({basis['variant']}, "
+    med = f"median of {basis['repeats']} runs, " if int(basis.get('repeats') or 1) > 1 else ""
+    text = (f"projection: MFU {float(basis['mfu']):.3f} of {basis['model']} ({basis['variant']}, {med}"
             f"{basis['gpu']}, benchmarks/train-throughput.csv {basis['timestamp'][:10]}) x {gpu_type} bf16 peak"
             + (", x 3/4 for activation recompute" if activation_checkpointing else "")
             + "; no communication or restart costs")

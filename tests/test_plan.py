@@ -44,9 +44,11 @@ def test_estimates_match_measured_h200_peaks():
     rows = _measured_rows()
     assert {m for m, _, _ in rows} >= {"mpt-125m", "mpt-350m", "mpt-760m", "mpt-1b"}, rows
     for model, mb, measured in rows:
-        est = plan.train_memory(_rc(config, model, microbatch_size=mb), nodes=1, gpus_per_node=1)["total_gb"]
-        # never below the measurement by more than 3%, never above it by more than the refusal margin
-        assert measured * 0.97 <= est <= measured * (1 + plan.MARGIN), (model, mb, est, measured)
+        est = plan.train_memory(_rc(config, model, microbatch_size=mb), nodes=1, gpus_per_node=1)
+        # never below the measurement by more than 3%, never above it by more than the refusal margin; with
+        # activation checkpointing (MPT-3B under FSDP) the estimate is known to be 10% high (README, Large models)
+        high = 1 + plan.MARGIN + (0.05 if est["activation_checkpointing"] else 0.0)
+        assert measured * 0.97 <= est["total_gb"] <= measured * high, (model, mb, est["total_gb"], measured)
     # the checkpoint run of "Checkpoints at every scale": MPT-1B, FSDP at world size 1, no compile
     rec = json.loads((REPO / "benchmarks/checkpoints-h200-mpt-1b.json").read_text())
     tr = rec["overlay"]["models"]["mpt-1b"]["train"]
@@ -94,6 +96,27 @@ def test_70b_time_projection_against_the_seed():
     assert t8["tokens_per_s"] == pytest.approx(64 * tps_gpu, rel=0.01)
     assert t8["days"] > 3 * 60 and t64["days"] > 3 * 7  # the seed's figures are off by more than 3x
     assert "projection" in t8["basis"] and "benchmarks/train-throughput.csv" in t8["basis"]
+
+
+def test_basis_is_the_median_of_the_newest_calls_repeats(tmp_path):
+    """Three repeats of one device call give their median; an older call's faster row is not used."""
+    import csv as _csv
+    cols = ["device_call", "timestamp", "model", "variant", "status", "gpu", "tokens_per_s", "mfu",
+            "flops_per_token", "peak_flops"]
+    rows = [("old", "2026-11-01T00:00:00", 0.60), ("new", "2026-12-01T00:00:01", 0.52),
+            ("new", "2026-12-01T00:00:02", 0.55), ("new", "2026-12-01T00:00:03", 0.50)]
+    path = tmp_path / "t.csv"
+    with open(path, "w", newline="") as f:
+        w = _csv.writer(f)
+        w.writerow(cols)
+        for call, ts, m in rows:
+            w.writerow([call, ts, "mpt-1b", "default", "ok", "NVIDIA H200", m * 1e5, m, 9e9, 989.5e12])
+        w.writerow(["new", "2026-12-01T00:00:04", "mpt-1b", "default", "error", "", "", "", "", ""])
+    basis = plan.benchmark_basis(str(path))
+    assert basis["device_call"] == "new" and basis["repeats"] == 3 and basis["mfu"] == pytest.approx(0.52)
+    config = project_config()
+    t = plan.train_time(run_config(config, "mpt-70b"), nodes=8, gpus_per_node=8, gpu_type="h100", basis=basis)
+    assert "median of 3 runs" in t["basis"]
 
 
 # ------------------------------------------------------------------------------------------- dry runs
