@@ -502,6 +502,10 @@ def run_one(config: dict, run: str, vname: str, variant: dict, *, steps: int, sk
                 trainer.close()
             except Exception:  # noqa: BLE001
                 pass
+            # composer's Engine registers atexit(engine._close, state, logger), which keeps the model, optimizer
+            # and their GPU memory alive until the process exits; the next variant or repeat needs that memory
+            import atexit
+            atexit.unregister(trainer.engine._close)
         del trainer
         gc.collect()
         try:
