@@ -14,12 +14,13 @@ import json
 import math
 import os
 import re
+import shutil
 
 import pytest
 
 from llmpipe import lm_eval_harness as harness
 from llmpipe.settings import ConfigError
-from tests.conftest import copy_run, planned_jobs, snakemake
+from tests.conftest import REPO, copy_run, planned_jobs, snakemake
 
 TARGET = "results/mpt-tiny/eval-lm_eval.json"
 
@@ -201,12 +202,25 @@ def test_lm_eval_scores_the_tiny_export_offline_as_computed_by_hand(tiny_run, tm
         correct_norm.append(float(label == max(range(len(norm)), key=norm.__getitem__)))
     data = wd / "lm_eval_data"
     write_jsonl(data / "choice" / "test.jsonl", rows)
+    # the README's example (lm_eval's arc_easy on local files) on stand-in rows of ARC's layout: labels A-D, the
+    # model's favourite right for the first 2 of 3 questions
+    arc_rows, arc_correct = [], 0
+    for i, (q, choices) in enumerate(QUESTIONS[:3]):
+        lls = [continuation(f"Question: {q}\nAnswer:", " " + c) for c in choices]
+        best = max(range(len(lls)), key=lls.__getitem__)
+        key = best if i < 2 else (best + 1) % len(choices)
+        arc_correct += key == best
+        arc_rows.append({"id": f"standin-{i}", "question": q, "answerKey": "ABC"[key],
+                         "choices": {"text": choices, "label": ["A", "B", "C"]}})
+    for split, part in (("train", arc_rows[:1]), ("validation", arc_rows[:1]), ("test", arc_rows)):
+        write_jsonl(data / "arc_easy" / f"{split}.jsonl", part)
+    shutil.copy(REPO / "docs/lm_eval/arc_easy_local.yaml", data / "arc_easy_local.yaml")
     write_jsonl(data / "text" / "part-0.jsonl", [{"text": t} for t in TEXTS[:3]])
     write_jsonl(data / "text" / "part-1.jsonl", [{"text": t} for t in TEXTS[3:]])
     (data / "choice.yaml").write_text(CHOICE_YAML)
     (data / "text.yaml").write_text(TEXT_YAML)
 
-    settings = "lm_eval={tasks: [standin_choice, standin_text], batch_size: 3}"
+    settings = "lm_eval={tasks: [standin_choice, standin_text, arc_easy_local], batch_size: 3}"
     assert planned_jobs(snakemake(wd, "-n", TARGET, "--config", settings)) == {"lm_eval": 1}
     eval_json = (wd / "results/mpt-tiny/eval.json").read_bytes()
     # no hub: the harness sets the offline variables itself; any request that still went out would hit a dead proxy
@@ -235,6 +249,11 @@ def test_lm_eval_scores_the_tiny_export_offline_as_computed_by_hand(tiny_run, tm
     assert lm["metrics"]["word_perplexity"]["value"] == pytest.approx(math.exp(-total_ll / words), rel=1e-4)
     assert lm["metrics"]["bits_per_byte"]["value"] == pytest.approx(-total_ll / nbytes / math.log(2), rel=1e-4)
     assert lm["metrics"]["bits_per_byte"]["stderr"] is None and "bits_per_byte.stderr" in lm["absent"]
+
+    arc = res["tasks"]["arc_easy_local"]
+    assert arc["items"] == {"scored": 3, "available": 3} and arc_correct == 2
+    assert arc["metrics"]["acc"]["value"] == pytest.approx(2 / 3, abs=1e-12)
+    assert [f["path"] for f in arc["data_files"]] == [f"arc_easy/{s}.jsonl" for s in ("test", "train", "validation")]
 
     def sha(path):
         return hashlib.sha256(path.read_bytes()).hexdigest()
