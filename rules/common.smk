@@ -264,6 +264,31 @@ def eval_identity(wildcards):
     return identity_text(eval_steps.eval_identity(config, wildcards.run))
 
 
+# ------------------------------------------------------------------------------------------- second harness (rules/lm_eval.smk)
+from llmpipe.steps import lm_eval_harness as lm_eval_steps
+
+
+def lm_eval_data_files(wildcards):
+    """Every file of lm_eval.data_dir (task YAMLs and data: a changed one reruns the harness), once the settings
+    are checked (a ConfigError names the setting when the harness is off, lm_eval is missing or a task has no YAML)."""
+    return lm_eval_steps.lm_eval_inputs(config, wildcards.run)
+
+
+def lm_eval_identity(wildcards):
+    return identity_text(lm_eval_steps.lm_eval_identity(config, wildcards.run))
+
+
+def lm_eval_res(key):
+    def get(wildcards):
+        return int(lm_eval_steps.lm_eval_resources(config, wildcards).get(key) or 0)
+
+    return get
+
+
+def lm_eval_threads(wildcards):
+    return dispatch_threads(lm_eval_steps.lm_eval_resources, config, wildcards)
+
+
 # ------------------------------------------------------------------------------------------- finetuning (rules/finetune.smk)
 
 

@@ -20,6 +20,8 @@ module                 rules
 :mod:`.report`         report
 =====================  =====================================================================================
 
+The optional second harness (lm-evaluation-harness), rule ``lm_eval``, is in :mod:`.lm_eval_harness`.
+
 Each module also declares its steps' versions and identity functions (dicts; the rule files turn them into
 text once, with :func:`llmpipe.identity.identity_text`). :func:`run_rule` is the one entry: it empties the rule's
 log, makes the thread variables valid (:func:`llmpipe.dispatch.normalize_thread_env`), builds the
@@ -40,6 +42,7 @@ from collections.abc import Callable
 
 from llmpipe import dispatch
 from llmpipe.steps import allreduce, convert, data, evaluate, generate, provenance, report, scaling, train
+from llmpipe.steps import lm_eval_harness
 from llmpipe.steps.context import StepContext, parse_params, wildcard_values
 
 Resources = Callable[[dict, Any], dict]
@@ -75,6 +78,7 @@ RULES: dict[str, Rule] = {
     "generate": Rule(generate.generate, "generate/{run}", generate.generate_resources),
     "eval": Rule(evaluate.evaluate, "eval/{run}", evaluate.eval_resources),
     "finetune_eval": Rule(evaluate.finetune_eval, "eval/{run}", evaluate.eval_resources),
+    "lm_eval": Rule(lm_eval_harness.lm_eval, "lm_eval/{run}", lm_eval_harness.lm_eval_resources),
     "scaling_train": Rule(scaling.scaling_train, "scaling/{run}-nodes{nodes}", scaling.study_resources),
     "scaling_table": Rule(scaling.scaling_table),
     "allreduce": Rule(allreduce.allreduce, "allreduce/nodes{nodes}", allreduce.bench_job_resources),
