@@ -1,0 +1,174 @@
+"""Inference across GPUs: how many GPUs evaluation and generation get, and how the model is placed on them.
+
+**The GPU count** (:func:`plan_gpus`, applied by :func:`llmpipe.config.step_resources` to the ``eval`` and
+``generate`` steps, shown and checked by the dry run): a model whose inference plan
+(:func:`llmpipe.plan.inference_memory`: weights, KV cache, activations, logits) fits one GPU within
+:data:`llmpipe.plan.TIGHT` of its memory runs on the GPUs the step's section asks for (``eval.resources`` /
+``generate.resources``, one by default); a larger one gets all the GPUs of one node of its run
+(``models.<run>.resources.gpus_per_node``, 8 by default). A run's ``step_resources.<step>.gpus_per_node`` overrides
+the plan; an override (or a node) whose per-GPU plan clearly cannot fit is refused by :func:`check_inference_fits`,
+naming the setting. CPU steps (``gpus_per_node: 0``) are never planned.
+
+**Evaluation** on more than one process (:func:`foundry_parallel_settings`) runs llm-foundry's evaluator under FSDP
+``FULL_SHARD``: local rank 0 reads the weights (``init_device: mixed``) and FSDP sends each rank its shard
+(``sync_module_states``); torchmetrics sums each metric's state over the ranks when it is computed, and composer's
+eval loop drops the samples a ``DistributedSampler`` repeats to even out the ranks, so the ICL item counts are those
+of one process. ``eval.val_batches`` counts batches over all ranks (each rank takes its ceiling share).
+
+**Generation** (:func:`generation_placement`) is one process that places the model's blocks across the job's GPUs
+with transformers' ``device_map="balanced"`` (accelerate; each GPU capped at :data:`DEVICE_MAP_SHARE` of its
+memory, no CPU or disk offload: a model that does not fit fails to load instead of crawling), or on one device
+(``{"": "cuda:0"}`` / ``{"": "cpu"}``: on a host without a GPU everything is on the CPU, as before).
+
+**Time** (:func:`inference_time`), a projection like :func:`llmpipe.plan.train_time`: evaluation's forward FLOPs
+(a third of :func:`llmpipe.mfu.flops_per_token`) over its tokens at the benchmark's MFU x bf16 peak x GPUs;
+generation is bound by memory bandwidth: each new token reads every weight once, and the GPUs of a ``device_map``
+work one after the other, so one GPU's bandwidth (:data:`HBM_TB_S`, datasheets) bounds it from below.
+
+This module imports without torch (the Snakefile's config layer calls :func:`plan_gpus`).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+
+from llmpipe.mfu import flops_per_token, peak_flops_for_name
+from llmpipe.plan import MARGIN, TIGHT, inference_memory
+from llmpipe.settings import ConfigError
+
+#: Share of each GPU's memory ``device_map`` may fill with weights (the rest: KV cache, activations, CUDA context).
+DEVICE_MAP_SHARE = 0.9
+
+#: HBM bandwidth in TB/s (10**12 bytes/s) by ``gpu_type`` (vendor datasheets), for generation's time bound.
+HBM_TB_S: dict[str, float] = {
+    'h100': 3.35, 'h100-pcie': 2.0, 'h100-nvl': 3.9, 'h200': 4.8, 'h200-nvl': 4.8, 'a100-80gb': 2.039,
+    'a100-40gb': 1.555, 'b200': 8.0, 'l40s': 0.864, 'mi300x': 5.3,
+}
+
+
+def plan_gpus(rc: Mapping, step: str, *, capacity_gb: float, section_gpus: int, node_gpus: int,
+              requested: int | None = None, batch_size: int = 1) -> dict:
+    """The GPUs an ``eval`` or ``generate`` job of the run gets, and its per-GPU memory plan there.
+
+    Args:
+        rc: the run's merged settings (``arch`` with ``d_model``; ``data.concat_tokens``).
+        step: ``eval`` or ``generate``.
+        capacity_gb: one GPU's memory in GiB (:func:`llmpipe.plan.gpu_memory_gb`).
+        section_gpus: the step section's ``resources.gpus_per_node`` (the count for a model that fits one GPU).
+        node_gpus: the GPUs of one node of the run (``models.<run>.resources.gpus_per_node``).
+        requested: the run's ``step_resources.<step>.gpus_per_node`` when set (wins over the plan).
+        batch_size: evaluation's ``eval.batch_size`` (sequences per GPU); generation 1.
+
+    Returns:
+        ``{'gpus': N, 'source': 'override' | 'one GPU fits' | 'node', 'memory': inference_memory(...) over N GPUs}``.
+    """
+    one = inference_memory(rc, step=step, batch_size=batch_size, gpus=1)
+    if requested is not None:
+        n, source = int(requested), 'override'
+    elif one['total_gb'] <= TIGHT * capacity_gb:
+        n, source = max(1, int(section_gpus)), 'one GPU fits'
+    else:
+        n, source = max(1, int(node_gpus), int(section_gpus)), 'node'
+    mem = one if n == 1 else inference_memory(rc, step=step, batch_size=batch_size, gpus=n)
+    return {'gpus': n, 'source': source, 'memory': mem}
+
+
+def check_inference_fits(step: str, run: str, placement: Mapping, capacity_gb: float, gpu_type: str,
+                         where: str) -> None:
+    """Refuse an inference placement whose per-GPU plan exceeds the GPU's memory by more than
+    :data:`llmpipe.plan.MARGIN`.
+
+    Raises:
+        ConfigError: naming the estimate, the GPU count and where it came from (``where``: the run's settings path,
+            e.g. ``models.mpt-70b``), and the settings that would make it fit.
+    """
+    mem, n = placement['memory'], int(placement['gpus'])
+    need = mem['total_gb']
+    if need <= capacity_gb * (1 + MARGIN):
+        return
+    head = (f"{where}: the {step} step of {run} needs about {need:.0f} GiB per GPU over {n} GPU(s) "
+            f"(llmpipe.plan), more than the {capacity_gb:.0f} GiB of one {gpu_type} GPU (gpu_type).")
+    setting = f"{where}.step_resources.{step}.gpus_per_node"
+    if placement['source'] == 'override':
+        raise ConfigError(f"{head} The {n} GPU(s) come from {setting}. Fix: raise {setting} (the weights, "
+                          f"{mem['weights_gb'] * n:.0f} GiB in all, are split over the GPUs), or remove it to let "
+                          f"the plan choose, or set gpu_type to a GPU with more memory.")
+    raise ConfigError(f"{head} Inference runs on one node at most, and {n} GPU(s) are all of the node's "
+                      f"({where}.resources.gpus_per_node). Fix: a node with more GPUs ({setting}), or set gpu_type "
+                      f"to a GPU with more memory (or gpu_memory_gb), or leave {step} of {run} out of the targets.")
+
+
+def inference_time(rc: Mapping, step: str, *, gpus: int, gpu_type: str, basis: Mapping | None,
+                   eval_tokens: int = 0, new_tokens: int = 0, weights_gb: float = 0.0,
+                   peak_overrides: Mapping[str, float] | None = None) -> dict | None:
+    """Projected duration of an evaluation (``eval_tokens`` tokens forward) or a generation (``new_tokens`` tokens,
+    each reading ``weights_gb`` GiB of weights once), on ``gpus`` GPUs of ``gpu_type``.
+
+    Returns ``{'seconds', 'basis': text}``, or None without a basis (benchmark row, peak FLOP/s or bandwidth).
+    """
+    if step == 'generate':
+        bw = HBM_TB_S.get(str(gpu_type).lower())
+        if not bw or new_tokens <= 0:
+            return None
+        seconds = new_tokens * weights_gb * 2**30 / (bw * 1e12)
+        return {'seconds': seconds, 'basis': f"lower bound: {new_tokens} new tokens x {weights_gb:.0f} GiB of "
+                                             f"weights read at {bw} TB/s ({gpu_type} HBM), one GPU at a time"}
+    peak = peak_flops_for_name(str(gpu_type).replace('-', ' '), 'bf16', peak_overrides)
+    if not basis or not peak or eval_tokens <= 0 or gpus <= 0:
+        return None
+    seq = int(rc['data']['concat_tokens'])
+    forward = flops_per_token(rc['arch'], seq) / 3
+    seconds = eval_tokens * forward / (float(basis['mfu']) * peak * gpus)
+    return {'seconds': seconds, 'basis': f"projection: {eval_tokens:.3g} tokens forward at MFU "
+                                         f"{float(basis['mfu']):.3f} (benchmark) x {gpu_type} bf16 peak x {gpus}"}
+
+
+def eval_tokens(eval_settings: Mapping, seq_len: int) -> int:
+    """Tokens one evaluation runs forward: ``val_batches x batch_size`` sequences (none counted for ``-1``, the
+    split's size is unknown before it is built) plus every ICL item at each few-shot count, as full sequences."""
+    bs = int(eval_settings.get('batch_size', 8))
+    val = max(0, int(eval_settings.get('val_batches', 0))) * bs
+    icl = sum(int(t.get('num_items', 200)) * len(t.get('num_fewshot', [0]))
+              for t in eval_settings.get('icl_tasks') or [])
+    return (val + icl) * int(seq_len)
+
+
+# ------------------------------------------------------------------------------------------- in the job (torch)
+
+def foundry_parallel_settings(world_size: int, val_batches: int) -> dict:
+    """The llm-foundry evaluate config keys for ``world_size`` processes: none for one; for more, FSDP
+    ``FULL_SHARD`` (``fsdp_config``), the model read by local rank 0 only (``init_device: mixed``, under the key
+    ``model_init_device``; the caller puts it in the model's config) and ``eval_subset_num_batches`` per rank.
+
+    Args:
+        world_size: processes of the evaluation job.
+        val_batches: ``eval.val_batches`` over all ranks (-1: every batch).
+    """
+    if int(world_size) <= 1:
+        return {}
+    per_rank = -1 if int(val_batches) < 0 else math.ceil(int(val_batches) / int(world_size))
+    return {"fsdp_config": {"sharding_strategy": "FULL_SHARD", "mixed_precision": "DEFAULT",
+                            "sync_module_states": True, "use_orig_params": True, "limit_all_gathers": True,
+                            "state_dict_type": "full"},
+            "eval_subset_num_batches": per_rank, "model_init_device": "mixed"}
+
+
+def generation_placement(gpus: int | None) -> dict:
+    """Where generation puts the model: ``{'device_map', 'max_memory', 'gpus'}`` for
+    ``AutoModelForCausalLM.from_pretrained(device_map=..., max_memory=...)``.
+
+    Args:
+        gpus: the GPUs the job was given (``resources.gpus_per_node``); None: every visible GPU. Capped at the
+            visible ones; none visible (or 0): everything on the CPU.
+    """
+    import torch
+
+    visible = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    n = visible if gpus is None else min(int(gpus), visible)
+    if n <= 0:
+        return {'device_map': {"": "cpu"}, 'max_memory': None, 'gpus': 0}
+    if n == 1:
+        return {'device_map': {"": "cuda:0"}, 'max_memory': None, 'gpus': 1}
+    cap = {i: int(torch.cuda.get_device_properties(i).total_memory * DEVICE_MAP_SHARE) for i in range(n)}
+    return {'device_map': "balanced", 'max_memory': cap, 'gpus': n}
