@@ -30,8 +30,12 @@ This module imports without torch (the Snakefile's config layer calls :func:`pla
 
 from __future__ import annotations
 
+import contextlib
 import math
-from collections.abc import Mapping
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator, Mapping
 
 from llmpipe.mfu import flops_per_token, peak_flops_for_name
 from llmpipe.plan import MARGIN, TIGHT, inference_memory
@@ -136,22 +140,76 @@ def eval_tokens(eval_settings: Mapping, seq_len: int) -> int:
 
 # ------------------------------------------------------------------------------------------- in the job (torch)
 
-def foundry_parallel_settings(world_size: int, val_batches: int) -> dict:
-    """The llm-foundry evaluate config keys for ``world_size`` processes: none for one; for more, FSDP
-    ``FULL_SHARD`` (``fsdp_config``), the model read by local rank 0 only (``init_device: mixed``, under the key
-    ``model_init_device``; the caller puts it in the model's config) and ``eval_subset_num_batches`` per rank.
+def _per_rank(batches: int | None, world_size: int) -> int | None:
+    return batches if batches is None or int(batches) < 0 else math.ceil(int(batches) / world_size)
 
-    Args:
-        world_size: processes of the evaluation job.
-        val_batches: ``eval.val_batches`` over all ranks (-1: every batch).
+
+def foundry_parallel_settings(world_size: int, on_gpu: bool, eval_subset_num_batches: int,
+                              icl_subset_num_batches: int | None) -> dict:
+    """The llm-foundry evaluate config keys for ``world_size`` processes: none for one; for more, FSDP
+    ``FULL_SHARD`` (``fsdp_config``), the batch limits per rank and ``model_init_device`` (the caller puts it in
+    the model's config).
+
+    The limits of one process (``eval_subset_num_batches``: -1 for every batch; ``icl_subset_num_batches``: None
+    for every batch) count batches over all ranks, and composer applies them per rank, so each rank gets the
+    ceiling of its share. An ICL task's ``DistributedSampler`` deals items out in turn, so its first k batches on
+    each of n ranks hold the items of the first n x k batches of one process: the same items are scored. The
+    held-out split's streaming dataset gives each rank a contiguous part instead: with every batch (-1) the same
+    sequences are scored (the split padded by at most n - 1 repeated sequences), with fewer as many sequences but
+    other ones.
+
+    On GPUs rank 0 alone reads the weights (``init_device: mixed``) and FSDP sends each rank its shard
+    (``sync_module_states``: a 70B model is read once, not once per GPU); torch's FSDP syncs module states only from
+    GPUs, so on a host without one (the CPU test) every rank reads the weights (``init_device: cpu``).
     """
     if int(world_size) <= 1:
         return {}
-    per_rank = -1 if int(val_batches) < 0 else math.ceil(int(val_batches) / int(world_size))
     return {"fsdp_config": {"sharding_strategy": "FULL_SHARD", "mixed_precision": "DEFAULT",
-                            "sync_module_states": True, "use_orig_params": True, "limit_all_gathers": True,
+                            "sync_module_states": bool(on_gpu), "use_orig_params": True, "limit_all_gathers": True,
                             "state_dict_type": "full"},
-            "eval_subset_num_batches": per_rank, "model_init_device": "mixed"}
+            "eval_subset_num_batches": _per_rank(eval_subset_num_batches, int(world_size)),
+            "icl_subset_num_batches": _per_rank(icl_subset_num_batches, int(world_size)),
+            "model_init_device": "mixed" if on_gpu else "cpu"}
+
+
+def item_counts(eval_metrics: Mapping) -> dict[str, dict[str, int]]:
+    """What each metric counted over every rank (ICL: questions; held-out cross entropy: tokens), by evaluator label
+    and metric name: its ``total`` or ``total_items`` state summed over the ranks (torchmetrics ``sync_context``, a
+    collective: every rank calls it, in the same order). Metrics without such a state are left out."""
+    out: dict[str, dict[str, int]] = {}
+    for label, mets in eval_metrics.items():
+        for name, metric in mets.items():
+            state = next((s for s in ("total", "total_items") if hasattr(metric, s)), None)
+            if state is not None:
+                with metric.sync_context():
+                    out.setdefault(label, {})[name] = int(getattr(metric, state))
+    return out
+
+
+@contextlib.contextmanager
+def node_scratch(dist_env: Mapping) -> Iterator[str]:
+    """A node-local scratch folder for llm-foundry's evaluator, the same for every process of the job on this node:
+    its ICL loader has local rank 0 copy each task file into the working folder while the other ranks wait for that
+    path (``dist.local_rank_zero_download_and_wait``), so the ranks must share it.
+
+    Args:
+        dist_env: :func:`llmpipe.train.export_dist_env`'s values (``world_size``, ``local_rank``, ``job_id``,
+            ``master_port``). One process: a fresh temporary folder. More: ``llmpipe-eval-<job>-<restart>-<port>``
+            under the temporary folder, removed by local rank 0 when the evaluation is over.
+    """
+    if int(dist_env.get("world_size", 1)) <= 1:
+        with tempfile.TemporaryDirectory(prefix="llmpipe-eval-") as folder:
+            yield folder
+        return
+    name = (f"llmpipe-eval-{dist_env.get('job_id', 'job')}-{os.environ.get('SLURM_RESTART_COUNT', '0')}-"
+            f"{dist_env.get('master_port', '')}")
+    folder = os.path.join(tempfile.gettempdir(), name)
+    os.makedirs(folder, exist_ok=True)
+    try:
+        yield folder
+    finally:
+        if int(dist_env.get("local_rank", 0)) == 0:
+            shutil.rmtree(folder, ignore_errors=True)
 
 
 def generation_placement(gpus: int | None) -> dict:
