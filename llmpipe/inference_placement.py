@@ -6,14 +6,14 @@
 :data:`llmpipe.plan.TIGHT` of its memory runs on the GPUs the step's section asks for (``eval.resources`` /
 ``generate.resources``, one by default); a larger one gets all the GPUs of one node of its run
 (``models.<run>.resources.gpus_per_node``, 8 by default). A run's ``step_resources.<step>.gpus_per_node`` overrides
-the plan; an override (or a node) whose per-GPU plan clearly cannot fit is refused by :func:`check_inference_fits`,
-naming the setting. CPU steps (``gpus_per_node: 0``) are never planned.
+the plan; an override (or a node) whose per-GPU plan clearly cannot fit is refused by
+:func:`llmpipe.plan.check_inference_fits`, naming the setting. CPU steps (``gpus_per_node: 0``) are never planned.
 
 **Evaluation** on more than one process (:func:`foundry_parallel_settings`) runs llm-foundry's evaluator under FSDP
-``FULL_SHARD``: local rank 0 reads the weights (``init_device: mixed``) and FSDP sends each rank its shard
+``FULL_SHARD``: on GPUs rank 0 reads the weights (``init_device: mixed``) and FSDP sends each rank its shard
 (``sync_module_states``); torchmetrics sums each metric's state over the ranks when it is computed, and composer's
 eval loop drops the samples a ``DistributedSampler`` repeats to even out the ranks, so the ICL item counts are those
-of one process. ``eval.val_batches`` counts batches over all ranks (each rank takes its ceiling share).
+of one process. Batch limits count batches over all ranks (each rank takes its ceiling share).
 
 **Generation** (:func:`generation_placement`) is one process that places the model's blocks across the job's GPUs
 with transformers' ``device_map="balanced"`` (accelerate; each GPU capped at :data:`DEVICE_MAP_SHARE` of its
@@ -38,8 +38,7 @@ import tempfile
 from collections.abc import Iterator, Mapping
 
 from llmpipe.mfu import flops_per_token, peak_flops_for_name
-from llmpipe.plan import MARGIN, TIGHT, inference_memory
-from llmpipe.settings import ConfigError
+from llmpipe.plan import TIGHT, inference_memory
 
 #: Share of each GPU's memory ``device_map`` may fill with weights (the rest: KV cache, activations, CUDA context).
 DEVICE_MAP_SHARE = 0.9
@@ -76,31 +75,6 @@ def plan_gpus(rc: Mapping, step: str, *, capacity_gb: float, section_gpus: int, 
         n, source = max(1, int(node_gpus), int(section_gpus)), 'node'
     mem = one if n == 1 else inference_memory(rc, step=step, batch_size=batch_size, gpus=n)
     return {'gpus': n, 'source': source, 'memory': mem}
-
-
-def check_inference_fits(step: str, run: str, placement: Mapping, capacity_gb: float, gpu_type: str,
-                         where: str) -> None:
-    """Refuse an inference placement whose per-GPU plan exceeds the GPU's memory by more than
-    :data:`llmpipe.plan.MARGIN`.
-
-    Raises:
-        ConfigError: naming the estimate, the GPU count and where it came from (``where``: the run's settings path,
-            e.g. ``models.mpt-70b``), and the settings that would make it fit.
-    """
-    mem, n = placement['memory'], int(placement['gpus'])
-    need = mem['total_gb']
-    if need <= capacity_gb * (1 + MARGIN):
-        return
-    head = (f"{where}: the {step} step of {run} needs about {need:.0f} GiB per GPU over {n} GPU(s) "
-            f"(llmpipe.plan), more than the {capacity_gb:.0f} GiB of one {gpu_type} GPU (gpu_type).")
-    setting = f"{where}.step_resources.{step}.gpus_per_node"
-    if placement['source'] == 'override':
-        raise ConfigError(f"{head} The {n} GPU(s) come from {setting}. Fix: raise {setting} (the weights, "
-                          f"{mem['weights_gb'] * n:.0f} GiB in all, are split over the GPUs), or remove it to let "
-                          f"the plan choose, or set gpu_type to a GPU with more memory.")
-    raise ConfigError(f"{head} Inference runs on one node at most, and {n} GPU(s) are all of the node's "
-                      f"({where}.resources.gpus_per_node). Fix: a node with more GPUs ({setting}), or set gpu_type "
-                      f"to a GPU with more memory (or gpu_memory_gb), or leave {step} of {run} out of the targets.")
 
 
 def inference_time(rc: Mapping, step: str, *, gpus: int, gpu_type: str, basis: Mapping | None,

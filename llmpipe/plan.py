@@ -47,6 +47,7 @@ __all__ = [
     'GPU_MEMORY_GB',
     'benchmark_basis',
     'check_fits',
+    'check_inference_fits',
     'gpu_memory_gb',
     'human_time',
     'inference_memory',
@@ -315,6 +316,30 @@ def check_fits(step: str, run: str, plan: Mapping, capacity_gb: float, gpu_type:
                      f"GiB per GPU over {plan['world_size']})")
         fixes.append("a GPU with more memory (gpu_type)")
         raise ConfigError(f"{head} Fix: {'; or '.join(fixes)}.")
-    from llmpipe.inference_placement import check_inference_fits  # inference: its GPU count and the fixes
     check_inference_fits(step, run, {'gpus': plan.get('gpus', 1), 'source': 'node', 'memory': plan}, capacity_gb,
                          gpu_type, where)
+
+
+def check_inference_fits(step: str, run: str, placement: Mapping, capacity_gb: float, gpu_type: str,
+                         where: str) -> None:
+    """Refuse an inference placement whose per-GPU plan exceeds the GPU's memory by more than
+    :data:`MARGIN`.
+
+    Raises:
+        ConfigError: naming the estimate, the GPU count and where it came from (``where``: the run's settings path,
+            e.g. ``models.mpt-70b``), and the settings that would make it fit.
+    """
+    mem, n = placement['memory'], int(placement['gpus'])
+    need = mem['total_gb']
+    if need <= capacity_gb * (1 + MARGIN):
+        return
+    head = (f"{where}: the {step} step of {run} needs about {need:.0f} GiB per GPU over {n} GPU(s) "
+            f"(llmpipe.plan), more than the {capacity_gb:.0f} GiB of one {gpu_type} GPU (gpu_type).")
+    setting = f"{where}.step_resources.{step}.gpus_per_node"
+    if placement['source'] == 'override':
+        raise ConfigError(f"{head} The {n} GPU(s) come from {setting}. Fix: raise {setting} (the weights, "
+                          f"{mem['weights_gb'] * n:.0f} GiB in all, are split over the GPUs), or remove it to let "
+                          f"the plan choose, or set gpu_type to a GPU with more memory.")
+    raise ConfigError(f"{head} Inference runs on one node at most, and {n} GPU(s) are all of the node's "
+                      f"({where}.resources.gpus_per_node). Fix: a node with more GPUs ({setting}), or set gpu_type "
+                      f"to a GPU with more memory (or gpu_memory_gb), or leave {step} of {run} out of the targets.")

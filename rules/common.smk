@@ -171,9 +171,7 @@ def memory_plan(step, run):
     if step == "train":
         plan_mod.check_fits(step, run, mem, capacity, gpu_type, where)
     else:
-        from llmpipe.inference_placement import check_inference_fits
-
-        check_inference_fits(step, run, placed, capacity, gpu_type, where)
+        plan_mod.check_inference_fits(step, run, placed, capacity, gpu_type, where)
     _PLANNED.add((step, run))
 
 

@@ -182,7 +182,7 @@ def test_dry_run_refuses_an_inference_override_that_cannot_fit(workdir):
 
 def test_a_model_too_large_for_one_node_is_refused():
     """No node of 8 GPUs holds a model of 300 GiB of bf16 weights per 80 GB GPU: refused, naming the node's GPUs."""
-    from llmpipe.inference_placement import check_inference_fits, plan_gpus
+    from llmpipe.inference_placement import plan_gpus
 
     rc = run_config(project_config(), "mpt-70b")
     rc["arch"] = {**rc["arch"], "n_layers": 1200}  # about a trillion parameters
@@ -190,7 +190,7 @@ def test_a_model_too_large_for_one_node_is_refused():
     assert placed["gpus"] == 8 and placed["source"] == "node"
     with pytest.raises(ConfigError, match=r"over 8 GPU\(s\).*all of the node's \(models\.big\.resources\."
                                           r"gpus_per_node\)\. Fix: "):
-        check_inference_fits("generate", "big", placed, 80, "h100", "models.big")
+        plan.check_inference_fits("generate", "big", placed, 80, "h100", "models.big")
 
 
 def test_dry_run_unknown_gpu_type(workdir):
