@@ -184,11 +184,19 @@ def inference_time(step, rc, placed, gpu_type):
         tokens = ip.eval_tokens(config["eval"], int(rc["data"]["concat_tokens"]))
         basis = plan_mod.benchmark_basis(plan_mod.BENCHMARK_CSV)
         return ip.inference_time(
-            rc, step, gpus=n, gpu_type=gpu_type, basis=basis, eval_tokens=tokens, peak_overrides=config.get("gpu_peak_flops")
+            rc,
+            step,
+            gpus=n,
+            gpu_type=gpu_type,
+            basis=basis,
+            eval_tokens=tokens,
+            peak_overrides=config.get("gpu_peak_flops"),
         )
     g = config["generate"]
     new = len(g["prompts"]) * int(g["max_new_tokens"])
-    return ip.inference_time(rc, step, gpus=n, gpu_type=gpu_type, basis=None, new_tokens=new, weights_gb=mem["weights_gb"] * n)
+    return ip.inference_time(
+        rc, step, gpus=n, gpu_type=gpu_type, basis=None, new_tokens=new, weights_gb=mem["weights_gb"] * n
+    )
 
 
 def res(step, key, default=0):
