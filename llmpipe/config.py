@@ -377,9 +377,39 @@ def step_resources(config: dict, step: str, run: str | None = None) -> dict:
     res.setdefault("cpus_per_task", 1)
     res.setdefault("mem_gb", 0)
     res.setdefault("time_min", 60)
+    placed = inference_plan(config, step, run) if step in ("eval", "generate") and run is not None else None
+    if placed is not None:  # llmpipe.inference_placement: one GPU, or the node's GPUs for a model too large for one
+        res["gpus_per_node"] = placed["gpus"]
     res["tasks_per_node"] = int(res["gpus_per_node"]) if int(res["gpus_per_node"]) > 0 else int(
         res.get("tasks_per_node", 1) or 1)
+    if placed is not None and step == "generate":
+        res["tasks_per_node"] = 1  # one process places the model across the job's GPUs (device_map)
     return res
+
+
+def inference_plan(config: dict, step: str, run: str) -> dict | None:
+    """The GPUs of the ``eval`` or ``generate`` job of ``run`` and its per-GPU memory plan there
+    (:func:`llmpipe.inference_placement.plan_gpus`): the run's ``step_resources.<step>.gpus_per_node`` when set, else
+    the step section's GPUs for a model that fits one GPU of ``gpu_type``, else the GPUs of one node of the run
+    (``resources.gpus_per_node``).
+
+    Returns None for a step on CPU (``gpus_per_node: 0``), without ``gpu_type``, or for a model without ``arch``
+    (a hub base): those keep their configured resources.
+    """
+    section = dict(config[step].get("resources", {}))
+    override = (_run_section(config, run).get("step_resources") or {}).get(step) or {}
+    gpus = int(override.get("gpus_per_node", section.get("gpus_per_node", 0)) or 0)
+    if gpus <= 0 or not config.get("gpu_type"):
+        return None
+    rc = run_config(config, run)
+    if "d_model" not in (rc.get("arch") or {}):
+        return None
+    from llmpipe import inference_placement, plan
+    return inference_placement.plan_gpus(
+        rc, step, capacity_gb=plan.gpu_memory_gb(config["gpu_type"], config.get("gpu_memory_gb")),
+        section_gpus=int(section.get("gpus_per_node", 0) or 0),
+        node_gpus=int(rc["resources"].get("gpus_per_node", 0) or 0), requested=override.get("gpus_per_node"),
+        batch_size=int(config["eval"]["batch_size"]) if step == "eval" else 1)
 
 
 def tokens_per_run(config: dict, run: str) -> int:

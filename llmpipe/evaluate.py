@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import math
 import os
-import tempfile
 import time
 
 
@@ -29,14 +28,19 @@ def evaluate(rc: dict, model_dir: str, data_dir: str | None, icl_files: dict[str
 
     Returns:
         ``{"val": {"loss", "perplexity", "token_accuracy"}, "icl": {label: {"<k>-shot": accuracy}},
-        "metrics": every metric llm-foundry computed, "seconds", ...}``. Loss in nats per token.
+        "metrics": every metric llm-foundry computed, "processes", "fsdp" (whether it ran under FSDP), "items_counted"
+        (:func:`llmpipe.inference_placement.item_counts`), "seconds", ...}``. Loss in nats per token.
+        Every process of the job returns it, each with the metrics summed over all of them (torchmetrics syncs
+        when a metric is computed); the step writes rank 0's (:func:`llmpipe.dispatch.run_step`).
     """
     import torch
     from llmfoundry.command_utils import evaluate as foundry_evaluate
     from omegaconf import OmegaConf
 
+    from llmpipe.inference_placement import foundry_parallel_settings, item_counts, node_scratch
     from llmpipe.train import export_dist_env
-    export_dist_env()
+    dist_env = export_dist_env()
+    world = int(dist_env["world_size"])
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     run = rc["name"]
     ecfg = eval_settings
@@ -74,11 +78,18 @@ def evaluate(rc: dict, model_dir: str, data_dir: str | None, icl_files: dict[str
                         "persistent_workers": False},
         "eval_subset_num_batches": int(ecfg.get("val_batches", -1)),
     }
+    # more than one process: FSDP across them (llmpipe.inference_placement); metrics are summed over the ranks
+    parallel = foundry_parallel_settings(world, on_gpu, cfg["eval_subset_num_batches"], cfg["icl_subset_num_batches"])
+    if parallel:
+        from llmpipe.fsdp import fsdp_on_cpu
+        fsdp_on_cpu()  # a host without a GPU (the CPU test) runs composer's FSDP on the CPU with gloo
+        cfg["models"][0]["model"]["init_device"] = parallel.pop("model_init_device")
+        cfg.update(parallel)
     t0 = time.time()
     # llm-foundry copies (symlinks) each ICL task file into the working folder; use a node-local scratch folder
     # so nothing lands in the user's folder and shared drives that refuse symlinks are never touched.
     cwd = os.getcwd()
-    with tempfile.TemporaryDirectory(prefix="llmpipe-eval-") as scratch:
+    with node_scratch(dist_env) as scratch:  # one folder for the node's ranks (llm-foundry's ICL file copies)
         os.chdir(scratch)
         try:
             trainers, _ = foundry_evaluate(OmegaConf.create(cfg))
@@ -92,6 +103,7 @@ def evaluate(rc: dict, model_dir: str, data_dir: str | None, icl_files: dict[str
                 metrics[label][name] = float(metric.compute())
             except Exception:  # noqa: BLE001 - a metric that saw no batch has no value
                 continue
+    counted = item_counts(trainers[0].state.eval_metrics)  # summed over the ranks
     heldout = metrics.get("eval", {})  # llm-foundry labels a single eval_loader "eval"
     icl = {}
     for label, mets in metrics.items():
@@ -109,5 +121,8 @@ def evaluate(rc: dict, model_dir: str, data_dir: str | None, icl_files: dict[str
         "icl": icl,
         "metrics": metrics,
         "device": torch.cuda.get_device_name() if on_gpu else "cpu",
+        "processes": world,
+        "fsdp": bool(trainers[0].state.fsdp_enabled),
+        "items_counted": counted,
         "seconds": round(time.time() - t0, 2),
     }

@@ -39,16 +39,20 @@ def prompt_budget(prompt_tokens: int, context: int, max_new_tokens: int) -> tupl
     return kept, min(max_new_tokens, context - kept)
 
 
-def generate(model_dir: str, gen_cfg: dict) -> dict:
+def generate(model_dir: str, gen_cfg: dict, *, gpus: int | None = None) -> dict:
     """Answer each prompt of ``gen_cfg['prompts']`` with the model in ``model_dir``.
 
     Args:
         model_dir: a folder written by :func:`llmpipe.convert.convert_checkpoint`.
         gen_cfg: ``prompts`` (list of str), ``max_new_tokens``, ``do_sample``, ``temperature``, ``top_p``, ``seed``,
             ``long_prompts`` (``truncate`` | ``fail``, see the module docstring).
+        gpus: the job's GPUs (``resources.gpus_per_node``; None: every visible one). The model is placed across
+            them (:func:`llmpipe.inference_placement.generation_placement`: ``device_map``), on the CPU when the
+            host has none.
 
     Returns:
-        ``{"model", "device", "context_tokens", "settings", "outputs", "tokens_per_s"}``; each output is
+        ``{"model", "device", "gpus" (the model was placed across; 0: CPU), "context_tokens", "settings", "outputs",
+        "tokens_per_s"}``; each output is
         ``{"prompt", "prompt_tokens", "prompt_tokens_kept", "prompt_truncated", "completion", "new_tokens",
         "seconds", "truncated_to_context"}`` (``truncated_to_context``: fewer than ``max_new_tokens`` new tokens fit),
         or, for a too-long prompt under ``long_prompts: fail``, ``{"prompt", "prompt_tokens", "error"}``.
@@ -66,11 +70,15 @@ def generate(model_dir: str, gen_cfg: dict) -> dict:
     mode = gen_cfg.get("long_prompts") or "truncate"
     if mode not in LONG_PROMPT_MODES:
         raise ValueError(f"generate.long_prompts is {mode!r}; it must be one of {', '.join(LONG_PROMPT_MODES)}.")
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    from llmpipe.inference_placement import generation_placement
+
+    place = generation_placement(gpus)
+    dtype = torch.bfloat16 if place["gpus"] else torch.float32
     tok = AutoTokenizer.from_pretrained(model_dir)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, trust_remote_code=True, torch_dtype=dtype).to(device)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, trust_remote_code=True, torch_dtype=dtype,
+                                                 device_map=place["device_map"], max_memory=place["max_memory"])
     model.eval()
+    device = model.get_input_embeddings().weight.device  # the first block's device: prompts go there
     torch.manual_seed(int(gen_cfg.get("seed", 17)))
     max_new = int(gen_cfg.get("max_new_tokens", 256))
     kwargs = {"do_sample": bool(gen_cfg.get("do_sample")),
@@ -102,7 +110,8 @@ def generate(model_dir: str, gen_cfg: dict) -> dict:
                         "seconds": round(dt, 3), "truncated_to_context": budget < max_new})
         total_new += int(new.numel())
         total_s += dt
-    return {"model": model_dir, "device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
+    return {"model": model_dir, "device": torch.cuda.get_device_name() if place["gpus"] else "cpu",
+            "gpus": place["gpus"],
             "context_tokens": context,
             "settings": {k: gen_cfg.get(k) for k in ("max_new_tokens", "do_sample", "temperature", "top_p", "seed",
                                                      "long_prompts")},

@@ -47,6 +47,7 @@ __all__ = [
     'GPU_MEMORY_GB',
     'benchmark_basis',
     'check_fits',
+    'check_inference_fits',
     'gpu_memory_gb',
     'human_time',
     'inference_memory',
@@ -171,28 +172,38 @@ def train_memory(rc: Mapping, *, nodes: int, gpus_per_node: int, activation_chec
             'activations_gb': acts / GB, 'logits_gb': logits / GB, 'total_gb': total / GB}
 
 
-def inference_memory(rc: Mapping, *, step: str, batch_size: int = 1, context: int | None = None) -> dict:
+def inference_memory(rc: Mapping, *, step: str, batch_size: int = 1, context: int | None = None,
+                     gpus: int = 1) -> dict:
     """Per-GPU memory plan of generation (``step='generate'``: bf16 weights, one prompt at a time) or evaluation
-    (``'eval'``: fp32 weights under ``amp_bf16``, ``batch_size`` sequences of the run's length, no KV cache).
+    (``'eval'``: fp32 weights under ``amp_bf16``, ``batch_size`` sequences of the run's length, no KV cache) on
+    ``gpus`` GPUs (:mod:`llmpipe.inference_placement`).
+
+    On more than one GPU, evaluation runs under FSDP ``FULL_SHARD``: the weights are divided by ``gpus`` and the
+    bf16 weights of two gathered blocks (the one computing and the one prefetched) are added; each GPU keeps its own
+    batch's activations and logits. Generation's ``device_map`` splits the blocks, so weights and KV cache are
+    divided by ``gpus``; the logits stay whole on the last GPU.
 
     ``context`` is the tokens a sequence holds at most (default: generation the model's ``max_seq_len``, as prompt
-    + new tokens stay within it; evaluation ``data.concat_tokens``). Returns ``{'params', 'weights_gb',
-    'kv_cache_gb', 'activations_gb', 'logits_gb', 'total_gb'}`` (GiB).
+    + new tokens stay within it; evaluation ``data.concat_tokens``). Returns ``{'params', 'gpus', 'weights_gb',
+    'fsdp_buffers_gb', 'kv_cache_gb', 'activations_gb', 'logits_gb', 'total_gb'}`` (GiB per GPU).
     """
     arch = rc['arch']
-    params = mpt_param_count(arch)['total']
+    counts = mpt_param_count(arch)
+    params = counts['total']
     d, n_layers, n_heads = int(arch['d_model']), int(arch['n_layers']), int(arch['n_heads'])
     attn = arch.get('attn_config') or {}
     kv_heads = int(arch.get('kv_n_heads') or attn.get('kv_n_heads') or n_heads)
     ctx = int(context or (arch.get('max_seq_len') if step == 'generate' else rc['data']['concat_tokens']))
     gen = step == 'generate'
-    weights = (2 if gen else 4) * params
-    kv = 2 * n_layers * ctx * (d * kv_heads // n_heads) * 2 * batch_size if gen else 0
+    n = max(1, int(gpus))
+    weights = (2 if gen else 4) * params / n
+    buffers = 2 * 2 * counts['non_embedding'] / n_layers if (n > 1 and not gen) else 0
+    kv = 2 * n_layers * ctx * (d * kv_heads // n_heads) * 2 * batch_size / n if gen else 0
     acts = 0 if gen else ACT_BYTES * batch_size * ctx * d
     logits = batch_size * ctx * int(arch['vocab_size']) * (2 + 4)
-    total = weights + kv + acts + logits
-    return {'params': params, 'weights_gb': weights / GB, 'kv_cache_gb': kv / GB, 'activations_gb': acts / GB,
-            'logits_gb': logits / GB, 'total_gb': total / GB}
+    total = weights + buffers + kv + acts + logits
+    return {'params': params, 'gpus': n, 'weights_gb': weights / GB, 'fsdp_buffers_gb': buffers / GB,
+            'kv_cache_gb': kv / GB, 'activations_gb': acts / GB, 'logits_gb': logits / GB, 'total_gb': total / GB}
 
 
 def benchmark_basis(csv_path: str = BENCHMARK_CSV, model: str = 'mpt-1b', variant: str = 'default') -> dict | None:
@@ -251,7 +262,12 @@ def train_time(rc: Mapping, *, nodes: int, gpus_per_node: int, gpu_type: str, ba
 
 
 def human_time(seconds: float) -> str:
-    """A projected duration in the unit that reads best: ``5.2 hours``, ``10.0 days``, ``8.1 months`` (30 days)."""
+    """A projected duration in the unit that reads best: ``40 s``, ``12.5 minutes``, ``5.2 hours``, ``10.0 days``,
+    ``8.1 months`` (30 days)."""
+    if seconds < 60:
+        return f"{seconds:.0f} s"
+    if seconds < 3600:
+        return f"{seconds / 60:.1f} minutes"
     days = seconds / 86400
     if days < 2:
         return f"{seconds / 3600:.1f} hours"
@@ -268,8 +284,12 @@ def plan_line(step: str, run: str, plan: Mapping, capacity_gb: float, gpu_type: 
                  f"{plan['microbatch_size']} x {plan['seq_len']}, activation checkpointing "
                  f"{'on' if plan['activation_checkpointing'] else 'off'}")
     else:
-        parts = (f"weights {plan['weights_gb']:.1f} + KV cache {plan['kv_cache_gb']:.1f} + activations "
-                 f"{plan['activations_gb']:.1f} + logits {plan['logits_gb']:.1f}; one GPU")
+        n = int(plan.get('gpus', 1))
+        where = ('one GPU' if n == 1 else f"1 node x {n} GPUs, "
+                 + ('device_map balanced' if step == 'generate' else 'FSDP FULL_SHARD'))
+        buffers = f" + fsdp buffers {plan['fsdp_buffers_gb']:.1f}" if plan.get('fsdp_buffers_gb') else ''
+        parts = (f"weights {plan['weights_gb']:.1f}{buffers} + KV cache {plan['kv_cache_gb']:.1f} + activations "
+                 f"{plan['activations_gb']:.1f} + logits {plan['logits_gb']:.1f}; {where}")
     share = plan['total_gb'] / capacity_gb
     mark = '' if share <= TIGHT else (' (tight)' if share <= 1 else (' (may not fit)' if share <= 1 + MARGIN
                                                                       else ' (DOES NOT FIT)'))
@@ -303,6 +323,30 @@ def check_fits(step: str, run: str, plan: Mapping, capacity_gb: float, gpu_type:
                      f"GiB per GPU over {plan['world_size']})")
         fixes.append("a GPU with more memory (gpu_type)")
         raise ConfigError(f"{head} Fix: {'; or '.join(fixes)}.")
-    raise ConfigError(f"{head} This pipeline runs {step} on one GPU per process, so the weights "
-                      f"({plan['weights_gb']:.0f} GiB) must fit one GPU. Fix: set gpu_type to a GPU with more memory "
-                      f"(or gpu_memory_gb), or leave {step} of {run} out of the targets.")
+    check_inference_fits(step, run, {'gpus': plan.get('gpus', 1), 'source': 'node', 'memory': plan}, capacity_gb,
+                         gpu_type, where)
+
+
+def check_inference_fits(step: str, run: str, placement: Mapping, capacity_gb: float, gpu_type: str,
+                         where: str) -> None:
+    """Refuse an inference placement whose per-GPU plan exceeds the GPU's memory by more than
+    :data:`MARGIN`.
+
+    Raises:
+        ConfigError: naming the estimate, the GPU count and where it came from (``where``: the run's settings path,
+            e.g. ``models.mpt-70b``), and the settings that would make it fit.
+    """
+    mem, n = placement['memory'], int(placement['gpus'])
+    need = mem['total_gb']
+    if need <= capacity_gb * (1 + MARGIN):
+        return
+    head = (f"{where}: the {step} step of {run} needs about {need:.0f} GiB per GPU over {n} GPU(s) "
+            f"(llmpipe.plan), more than the {capacity_gb:.0f} GiB of one {gpu_type} GPU (gpu_type).")
+    setting = f"{where}.step_resources.{step}.gpus_per_node"
+    if placement['source'] == 'override':
+        raise ConfigError(f"{head} The {n} GPU(s) come from {setting}. Fix: raise {setting} (the weights, "
+                          f"{mem['weights_gb'] * n:.0f} GiB in all, are split over the GPUs), or remove it to let "
+                          f"the plan choose, or set gpu_type to a GPU with more memory.")
+    raise ConfigError(f"{head} Inference runs on one node at most, and {n} GPU(s) are all of the node's "
+                      f"({where}.resources.gpus_per_node). Fix: a node with more GPUs ({setting}), or set gpu_type "
+                      f"to a GPU with more memory (or gpu_memory_gb), or leave {step} of {run} out of the targets.")

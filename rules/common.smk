@@ -163,12 +163,40 @@ def memory_plan(step, run):
                 peak_overrides=config.get("gpu_peak_flops"),
             )
     else:
-        batch = int(config["eval"]["batch_size"]) if step == "eval" else 1
-        mem = plan_mod.inference_memory(rc, step=step, batch_size=batch)
+        placed = cfg.inference_plan(config, step, run)
+        mem = placed["memory"]
+        proj = inference_time(step, rc, placed, gpu_type)
     if workflow.is_main_process:
         print(plan_mod.plan_line(step, run, mem, capacity, gpu_type, proj), file=sys.stderr)
-    plan_mod.check_fits(step, run, mem, capacity, gpu_type, where)
+    if step == "train":
+        plan_mod.check_fits(step, run, mem, capacity, gpu_type, where)
+    else:
+        plan_mod.check_inference_fits(step, run, placed, capacity, gpu_type, where)
     _PLANNED.add((step, run))
+
+
+def inference_time(step, rc, placed, gpu_type):
+    """The projected time of an eval or generate job on its planned GPUs (llmpipe.inference_placement), or None."""
+    from llmpipe import inference_placement as ip
+
+    mem, n = placed["memory"], placed["gpus"]
+    if step == "eval":
+        tokens = ip.eval_tokens(config["eval"], int(rc["data"]["concat_tokens"]))
+        basis = plan_mod.benchmark_basis(plan_mod.BENCHMARK_CSV)
+        return ip.inference_time(
+            rc,
+            step,
+            gpus=n,
+            gpu_type=gpu_type,
+            basis=basis,
+            eval_tokens=tokens,
+            peak_overrides=config.get("gpu_peak_flops"),
+        )
+    g = config["generate"]
+    new = len(g["prompts"]) * int(g["max_new_tokens"])
+    return ip.inference_time(
+        rc, step, gpus=n, gpu_type=gpu_type, basis=None, new_tokens=new, weights_gb=mem["weights_gb"] * n
+    )
 
 
 def res(step, key, default=0):

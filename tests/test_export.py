@@ -139,8 +139,8 @@ def test_strict_mode_fails_naming_the_prompt_and_keeps_the_other_completions(tin
     log.write_text("")
     ctx = types.SimpleNamespace(
         wildcards=types.SimpleNamespace(run="mpt-tiny"), input=[str(tiny_export / "manifest.json")],
-        output=[str(out)], config={"generate": settings(long_prompts="fail")}, resources={}, log=print,
-        dispatch=lambda fn, *args, step: fn(*args),
+        output=[str(out)], config={"generate": settings(long_prompts="fail")}, resources={"gpus_per_node": 0},
+        log=print, dispatch=lambda fn, *args, step, **kwargs: fn(*args, **kwargs),
         write_json=lambda obj, path=None: Path(path or out).write_text(json.dumps(obj)))
     with pytest.raises(ConfigError, match=r"generate\.prompts\[1\] \('The documentation.*has \d+ tokens; the model's "
                                           r"context is 128 tokens.*Fix: shorten the prompt, or set "
@@ -152,3 +152,29 @@ def test_strict_mode_fails_naming_the_prompt_and_keeps_the_other_completions(tin
     ctx.config["generate"] = settings(prompts=SHORT, long_prompts="fail")
     step.generate(ctx)  # every prompt fits: generate.json, and the stale partial answers are gone
     assert out.exists() and not (out.parent / "generate.partial.json").exists()
+
+
+def test_generation_through_the_placement_gives_the_tokens_of_a_plain_greedy_generate(tiny_export):
+    """On a host without a GPU the placement (llmpipe.inference_placement.generation_placement, the code that spreads
+    a large model over a node's GPUs) puts every weight on the CPU, whatever GPU count the job asked for, and the
+    answers are token for token those of the model loaded whole and generating greedily with transformers."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from llmpipe.generate import generate
+    from llmpipe.inference_placement import generation_placement
+
+    if torch.cuda.is_available():
+        pytest.skip("checks the CPU placement")
+    assert generation_placement(8) == {"device_map": {"": "cpu"}, "max_memory": None, "gpus": 0}
+    got = generate(str(tiny_export), settings(prompts=SHORT, max_new_tokens=12), gpus=8)
+    assert got["gpus"] == 0 and got["device"] == "cpu"
+    tok = AutoTokenizer.from_pretrained(tiny_export)
+    model = AutoModelForCausalLM.from_pretrained(tiny_export, trust_remote_code=True, torch_dtype=torch.float32)
+    model.eval()
+    for prompt, out in zip(SHORT, got["outputs"], strict=True):
+        ids = tok(prompt, return_tensors="pt").input_ids
+        with torch.no_grad():
+            ref = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=12, do_sample=False,
+                                 pad_token_id=tok.eos_token_id, eos_token_id=tok.eos_token_id)[0, ids.shape[1]:]
+        assert out["new_tokens"] == ref.numel() and out["completion"] == tok.decode(ref, skip_special_tokens=True)

@@ -144,12 +144,76 @@ def test_dry_run_refuses_training_that_cannot_fit(workdir):
     assert "rule train:" not in proc.stdout  # nothing planned to run
 
 
-def test_dry_run_refuses_70b_eval_on_one_gpu(workdir):
-    proc = snakemake(workdir, "-n", "results/mpt-70b/eval.json", check=False)
+def test_dry_run_plans_70b_inference_on_one_node_of_8_gpus(workdir):
+    """MPT-70B's evaluation (250 GiB on one GPU) runs under FSDP over the 8 GPUs of one node, its generation
+    (126 GiB of bf16 weights and KV cache) across them with device_map on 80 GB GPUs; the dry run passes and shows
+    each step's per-GPU memory and projected time, and Snakemake's job asks for 8 GPUs."""
+    proc = snakemake(workdir, "-n", "results/mpt-70b/eval.json", "results/mpt-70b/generate.json", "--config",
+                     "gpu_type=h100")
+    out = proc.stdout + proc.stderr
+    config = project_config()
+    rc = run_config(config, "mpt-70b")
+    for step, how in (("eval", "FSDP FULL_SHARD"), ("generate", "device_map balanced")):
+        m = re.search(rf"plan {step} mpt-70b: ([\d.]+) GiB per GPU of 80 GiB \(h100\) = weights ([\d.]+) .*; "
+                      rf"1 node x 8 GPUs, {how}; time [\d.]+ (s|minutes|hours)", out)
+        assert m, out[-3000:]
+        est = plan.inference_memory(rc, step=step, batch_size=config["eval"]["batch_size"] if step == "eval" else 1,
+                                    gpus=8)
+        assert float(m.group(1)) == pytest.approx(est["total_gb"], abs=0.05) and float(m.group(1)) < 80
+        one = plan.inference_memory(rc, step=step, batch_size=8 if step == "eval" else 1)
+        assert float(m.group(2)) == pytest.approx(one["weights_gb"] / 8, abs=0.05)
+    assert re.search(r"rule eval:(?:\n .*)*?\n    resources: .*gpus_per_node=8", proc.stdout), proc.stdout[-3000:]
+    assert re.search(r"rule generate:(?:\n .*)*?\n    resources: .*gpus_per_node=8", proc.stdout)
+    assert "projection: " in out and "lower bound: " in out
+
+
+def test_inference_gpu_count_follows_the_model_size():
+    """125M-1B stay on one GPU (of any listed type); a model too large for one GPU gets the GPUs of one node of its
+    run: evaluation one process per GPU, generation one process that places the model across them; a run's
+    step_resources.<step>.gpus_per_node wins."""
+    config = project_config()
+    for gpu_type in ("h100", "h200", "a100-40gb"):
+        config["gpu_type"] = gpu_type
+        for run in ("mpt-125m", "mpt-350m", "mpt-760m", "mpt-1b"):
+            for step in ("eval", "generate"):
+                r = step_resources(config, step, run)
+                assert (r["gpus_per_node"], r["tasks_per_node"]) == (1, 1), (gpu_type, run, step, r)
+    config["gpu_type"] = "h100"
+    assert (step_resources(config, "eval", "mpt-70b")["gpus_per_node"],
+            step_resources(config, "eval", "mpt-70b")["tasks_per_node"]) == (8, 8)
+    assert (step_resources(config, "generate", "mpt-70b")["gpus_per_node"],
+            step_resources(config, "generate", "mpt-70b")["tasks_per_node"]) == (8, 1)
+    config["models"]["mpt-70b"]["step_resources"] = {"eval": {"gpus_per_node": 4}}
+    placed = step_resources(config, "eval", "mpt-70b")
+    assert (placed["gpus_per_node"], placed["tasks_per_node"]) == (4, 4)
+    config["models"]["mpt-70b"]["step_resources"] = {"eval": {"gpus_per_node": 0}}  # on CPU: never planned
+    assert step_resources(config, "eval", "mpt-70b")["gpus_per_node"] == 0
+
+
+def test_dry_run_refuses_an_inference_override_that_cannot_fit(workdir):
+    """Two 80 GB GPUs cannot hold MPT-70B's fp32 evaluation: the dry run stops naming the override."""
+    proc = snakemake(workdir, "-n", "results/mpt-70b/eval.json", "--config", "gpu_type=h100",
+                     "models={'mpt-70b': {'step_resources': {'eval': {'gpus_per_node': 2}}}}", check=False)
     out = proc.stdout + proc.stderr
     assert proc.returncode != 0
-    assert re.search(r"the eval step of mpt-70b needs about \d+ GiB per GPU .* 141 GiB of one h200 GPU", out), \
-        out[-3000:]
+    assert re.search(r"models\.mpt-70b: the eval step of mpt-70b needs about \d+ GiB per GPU over 2 GPU\(s\) .*80 "
+                     r"GiB of one h100 GPU \(gpu_type\)\. The 2 GPU\(s\) come from "
+                     r"models\.mpt-70b\.step_resources\.eval\.gpus_per_node\. Fix: raise "
+                     r"models\.mpt-70b\.step_resources\.eval\.gpus_per_node", out), out[-3000:]
+    assert "rule eval:" not in proc.stdout
+
+
+def test_a_model_too_large_for_one_node_is_refused():
+    """No node of 8 GPUs holds a model of 300 GiB of bf16 weights per 80 GB GPU: refused, naming the node's GPUs."""
+    from llmpipe.inference_placement import plan_gpus
+
+    rc = run_config(project_config(), "mpt-70b")
+    rc["arch"] = {**rc["arch"], "n_layers": 1200}  # about a trillion parameters
+    placed = plan_gpus(rc, "generate", capacity_gb=80, section_gpus=1, node_gpus=8)
+    assert placed["gpus"] == 8 and placed["source"] == "node"
+    with pytest.raises(ConfigError, match=r"over 8 GPU\(s\).*all of the node's \(models\.big\.resources\."
+                                          r"gpus_per_node\)\. Fix: "):
+        plan.check_inference_fits("generate", "big", placed, 80, "h100", "models.big")
 
 
 def test_dry_run_unknown_gpu_type(workdir):

@@ -41,7 +41,7 @@ def generate(ctx: StepContext) -> dict:
 
     run = ctx.wildcards.run
     result = ctx.dispatch(answer_prompts, os.path.dirname(ctx.input[0]), ctx.config["generate"],
-                          step=f"generate {run}")
+                          gpus=int(ctx.resources["gpus_per_node"]), step=f"generate {run}")
     for i, out in enumerate(result["outputs"]):
         if out.get("prompt_truncated"):
             ctx.log(f"generate.prompts[{i}] has {out['prompt_tokens']} tokens, more than fit the context of "
