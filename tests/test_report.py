@@ -94,7 +94,7 @@ def test_tables_and_plots_from_the_tiny_run(tiny_run, tmp_path):
     for path in page[:2]:
         png = embedded(results[path])
         assert png[:8] == PNG and len(png) > 5_000 and png == (wd / path).read_bytes(), path
-    assert "steady state" in results[page[1]]["caption"]
+    assert "steady-state figure" in results[page[1]]["caption"]
     shown = embedded(results[page[2]]).decode()
     mlflow = pytest.importorskip("mlflow")
     store = "results/tracking/mlruns"

@@ -7,6 +7,7 @@ import json
 import os
 import re
 import shutil
+from collections import Counter
 
 import pytest
 
@@ -109,11 +110,13 @@ def test_tracked_training_killed_and_resumed_is_one_run_with_continuous_steps(ti
     tps_steps = [m.step for m in client.get_metric_history(run.info.run_id, "llmpipe/tokens_per_s")]
     assert min(tps_steps) == 1 and max(tps_steps) == 120 and 45 in tps_steps and 60 in tps_steps
 
-    # TensorBoard: one event file per job in the identity's folder (composer: tensorboard/<run name>/), read back
-    # together as one run with the same metric steps as MLflow's (the resumed job's steps replace the killed one's)
+    # TensorBoard: both jobs' event files in the identity's folder (composer: tensorboard/<run name>/, a new file
+    # after every flush, named ...<host>.<pid>.<n>), read back together as one run with the same metric steps as
+    # MLflow's
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
     tb = folder / "tensorboard" / "mpt-tiny"
-    assert len(list(tb.glob("events.out.tfevents.*"))) == 2, sorted(p.name for p in tb.iterdir())
+    files = sorted(p.name for p in tb.glob("events.out.tfevents.*"))
+    assert len({name.split(".")[-2] for name in files}) == 2, files     # two processes: the killed and the resumed
     acc = EventAccumulator(str(tb), size_guidance={"scalars": 0})
     acc.Reload()
     tags = set(acc.Tags()["scalars"])
@@ -121,8 +124,12 @@ def test_tracked_training_killed_and_resumed_is_one_run_with_continuous_steps(ti
               "metrics/eval/LanguageCrossEntropy"):
         assert k in tags, sorted(tags)
     assert any(k.startswith("lr-") for k in tags), sorted(tags)
-    assert [e.step for e in acc.Scalars("loss/train/total")] == steps
-    assert [e.step for e in acc.Scalars("llmpipe/tokens_per_s")] == sorted(set(tps_steps))
+    tb_steps = Counter(e.step for e in acc.Scalars("loss/train/total"))
+    assert sorted(tb_steps) == steps
+    # a step shows twice only where the killed job trained past its last checkpoint (batch 40) and the resumed one
+    # trained that batch again (composer's logger opens its writer without TensorBoard's purge_step)
+    assert all(s >= 40 for s, n in tb_steps.items() if n > 1), tb_steps
+    assert {e.step for e in acc.Scalars("llmpipe/tokens_per_s")} == set(tps_steps)
 
     # W&B offline: each job's run folder carries the identity's one run id (wandb sync merges them)
     offline = sorted(p.name for p in (folder / "wandb").glob("offline-run-*"))
