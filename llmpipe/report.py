@@ -392,14 +392,16 @@ PROJECTION_NOTE = (
 
 # ------------------------------------------------------------------------------------------- plots
 
-def _plt():
+def pyplot():
+    """matplotlib's pyplot on the file-only Agg backend (no display needed)."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     return plt
 
 
-def _read_log(path: str) -> list[dict]:
+def read_log(path: str) -> list[dict]:
+    """The records of a loss log (``train_log.jsonl``: one JSON object a line); empty when it cannot be read."""
     out = []
     try:
         with open(path) as fh:
@@ -412,7 +414,9 @@ def _read_log(path: str) -> list[dict]:
     return out
 
 
-def _log_of(results_dir: str, run: str, tr: dict | None) -> str:
+def log_of(results_dir: str, run: str, tr: dict | None) -> str:
+    """A run's loss log: the ``train_log`` its ``train.json`` record ``tr`` names (in the identity checkpoint
+    folder) when it exists, else ``{results_dir}/{run}/train_log.jsonl``."""
     if tr and tr.get("train_log") and os.path.exists(tr["train_log"]):
         return tr["train_log"]
     return os.path.join(results_dir, run, "train_log.jsonl")
@@ -420,11 +424,11 @@ def _log_of(results_dir: str, run: str, tr: dict | None) -> str:
 
 def plot_loss(results_dir: str, runs: list[str], png: str) -> None:
     """Training loss versus batch, one line per run (``results/{run}/train_log.jsonl``: batch, loss)."""
-    plt = _plt()
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(7, 4.5))
     drawn = 0
     for run in runs:
-        recs = [r for r in _read_log(_log_of(results_dir, run, read_json(os.path.join(results_dir, run, "train.json"))))
+        recs = [r for r in read_log(log_of(results_dir, run, read_json(os.path.join(results_dir, run, "train.json"))))
                 if r.get("loss") is not None]
         if recs:
             ax.plot([r["batch"] for r in recs], [r["loss"] for r in recs], label=run)
@@ -450,13 +454,13 @@ def throughput_series(log: list[dict], devices: int, flops_per_token_: float | N
 
 def plot_mfu(results_dir: str, runs: list[str], png: str) -> None:
     """MFU over batches where the device's peak is known (GPU runs); otherwise tokens/s per device over batches."""
-    plt = _plt()
+    plt = pyplot()
     series = {}
     for run in runs:
         tr = read_json(os.path.join(results_dir, run, "train.json"))
         if not tr:
             continue
-        series[run] = throughput_series(_read_log(_log_of(results_dir, run, tr)), int(tr.get("devices") or 1),
+        series[run] = throughput_series(read_log(log_of(results_dir, run, tr)), int(tr.get("devices") or 1),
                                         tr.get("flops_per_token"), tr.get("peak_flops_per_device"))
     use_mfu = any(p["mfu"] is not None for s in series.values() for p in s)
     fig, ax = plt.subplots(figsize=(7, 4.5))

@@ -14,7 +14,9 @@ saves. The steady-state figures (``steady_tokens_per_s``, ``steady_mfu``, ``stea
 steady tokens/s = sum of the kept intervals' tokens / sum of their seconds (all ranks: tokens are global);
 steady MFU = steady tokens/s per device x FLOPs per token / peak FLOP/s per device (:func:`llmpipe.mfu.mfu`).
 
-Pure Python: the composer callback (:class:`llmpipe.train.RunMonitor`) feeds it timestamps.
+Pure Python: the composer callback (:class:`llmpipe.train.RunMonitor`) feeds it timestamps, through :func:`start`
+and :func:`batch_end`; the training-throughput benchmark (``tools/bench_train_throughput.py``, its ``steady_*``
+columns) feeds it the same way, so both report this one definition.
 """
 from __future__ import annotations
 
@@ -135,6 +137,25 @@ class StepTimer:
         return "llmpipe: " + "  ".join(parts)
 
 
+def start(state, *, clock=None, **timer_args) -> StepTimer:
+    """The :class:`StepTimer` of a composer training at its ``FIT_START`` (``state``: composer's ``State``): the
+    last batch from ``max_duration`` (:func:`total_batches`), the batch and token count it starts from (a resumed
+    job: its checkpoint's). ``timer_args``: ``flops_per_token``, ``peak_flops``, ``world_size``
+    (:func:`monitor_args`); ``clock``: seconds (default ``time.time``).
+
+    The one way a training's steady state is timed: ``train.json`` (:class:`llmpipe.train.RunMonitor`) and the
+    throughput benchmark (``tools/bench_train_throughput.py``) both start here, close each batch with
+    :func:`batch_end` and read :meth:`StepTimer.steady`."""
+    timer = StepTimer(total_batches(state), int(state.timestamp.batch), clock=clock or time.time, **timer_args)
+    timer.set_start_tokens(int(state.timestamp.token))
+    return timer
+
+
+def batch_end(timer: StepTimer, state) -> None:
+    """Close the interval of the batch composer just trained (``BATCH_END``): its batch count and token total."""
+    timer.batch_end(int(state.timestamp.batch), int(state.timestamp.token))
+
+
 def report(timer: StepTimer, loss: float | None, logger, rank: int) -> None:
     """Print the step-log line on rank 0 and hand its figures (tokens/s, MFU, memory, ETA; those known) to
     composer's ``logger`` (the tracking loggers, :mod:`llmpipe.tracking`; rank-0 loggers ignore other ranks)."""
@@ -176,4 +197,5 @@ def monitor_args(rc: dict, world_size: int, peak_flops_table: dict | None) -> di
             "world_size": int(world_size)}
 
 
-__all__ = ["StepTimer", "warmup_batches", "format_eta", "memory_gib", "total_batches", "monitor_args"]
+__all__ = ["StepTimer", "warmup_batches", "format_eta", "memory_gib", "total_batches", "monitor_args", "start",
+           "batch_end"]

@@ -66,7 +66,9 @@ def settings(config: dict) -> dict | None:
 
 
 def read_state(save_folder: str) -> dict:
-    """The tracked-run ids kept for an identity (``{mlflow_run_id, wandb_id}``; empty when none yet)."""
+    """The tracked-run ids kept for an identity (``{mlflow_run_id, mlflow_experiment_id, wandb_id}``) and where its
+    loggers write (``experiment``, ``mlflow_tracking_uri``, ``wandb_mode``/``wandb_entity``/``wandb_dir``,
+    ``tensorboard_dir``); empty when never tracked."""
     return read_json(os.path.join(save_folder, STATE_FILE), {})
 
 
@@ -75,15 +77,73 @@ def _write_state(save_folder: str, state: dict) -> None:
     atomic_write_json(os.path.join(save_folder, STATE_FILE), state)
 
 
-def _mlflow_run_id(tracking: dict, run: str, key: str) -> str:
-    """Create the identity's MLflow run (experiment made when missing); return its id."""
+def _mlflow_run_id(tracking: dict, run: str, key: str) -> tuple[str, str]:
+    """Create the identity's MLflow run (experiment made when missing); return its id and its experiment's id."""
     from mlflow import MlflowClient
     client = MlflowClient(tracking["mlflow_tracking_uri"])
     exp = client.get_experiment_by_name(tracking["experiment"])
     exp_id = exp.experiment_id if exp is not None else client.create_experiment(tracking["experiment"])
     created = client.create_run(exp_id, run_name=f"{run}-{key[:8]}",
                                 tags={"llmpipe.run": run, "llmpipe.identity": key})
-    return created.info.run_id
+    return created.info.run_id, str(exp_id)
+
+
+def _where(tracking: dict, save_folder: str) -> dict:
+    """Where this job's loggers write (kept in ``tracking.json`` for the report, :func:`locations`)."""
+    folder = os.path.abspath(save_folder)
+    out: dict = {"experiment": tracking["experiment"]}
+    if "mlflow" in tracking["loggers"]:
+        out["mlflow_tracking_uri"] = tracking["mlflow_tracking_uri"]
+    if "wandb" in tracking["loggers"]:
+        out.update(wandb_mode=tracking["wandb_mode"], wandb_entity=tracking["wandb_entity"],
+                   wandb_dir=os.path.join(folder, "wandb"))
+    if "tensorboard" in tracking["loggers"]:
+        out["tensorboard_dir"] = os.path.join(folder, "tensorboard")
+    return out
+
+
+def locations(state: dict, base: str | None = None) -> list[dict]:
+    """Where an identity's tracked run can be looked at, one row per logger it logged to, from its
+    ``tracking.json`` (:func:`read_state`); empty when it was never tracked.
+
+    Each row: ``logger``, ``where`` (store / project / folder and the run id) and ``open`` (a URL or the command
+    that shows it). Folders under ``base`` (the workflow's folder, when given) are shown relative to it. MLflow over
+    HTTP(S) links ``{uri}/#/experiments/{experiment id}/runs/{run id}`` (MLflow UI's route); W&B online with an
+    entity links ``https://wandb.ai/{entity}/{project}/runs/{id}`` (a self-hosted W&B: the same path on its host).
+    """
+    def show(path: str) -> str:
+        if base and os.path.abspath(path).startswith(os.path.abspath(base).rstrip(os.sep) + os.sep):
+            return os.path.relpath(path, base)
+        return path
+
+    rows = []
+    exp = state.get("experiment") or "llmpipe"
+    if state.get("mlflow_run_id"):
+        uri, rid, eid = state.get("mlflow_tracking_uri") or "", state["mlflow_run_id"], state.get("mlflow_experiment_id")
+        store = show(uri[len("file://"):]) if uri.startswith("file://") else uri
+        if uri.startswith(("http://", "https://")) and eid:
+            how = f"{uri.rstrip('/')}/#/experiments/{eid}/runs/{rid}"
+        elif uri.startswith("file://"):
+            how = f"mlflow ui --backend-store-uri {store}"
+        else:
+            how = f"MLflow UI on {uri or '?'}"
+        kind = "file store" if uri.startswith("file://") else "tracking URI"
+        rows.append({"logger": "MLflow", "where": f"{kind} {store or '?'}, experiment {exp}, run id {rid}",
+                     "open": how})
+    if state.get("wandb_id"):
+        wid, mode, entity = state["wandb_id"], state.get("wandb_mode") or "offline", state.get("wandb_entity")
+        folder = show(state.get("wandb_dir") or "wandb")
+        if mode == "online":
+            where = f"project {exp}, run id {wid} (online; files in {folder})"
+            how = f"https://wandb.ai/{entity}/{exp}/runs/{wid}" if entity else f"W&B project {exp}, run {wid}"
+        else:
+            where = f"{folder} (offline), project {exp}, run id {wid}"
+            how = f"wandb sync {folder}/offline-run-*-{wid}"
+        rows.append({"logger": "W&B", "where": where, "open": how})
+    if state.get("tensorboard_dir"):
+        folder = show(state["tensorboard_dir"])
+        rows.append({"logger": "TensorBoard", "where": folder, "open": f"tensorboard --logdir {folder}"})
+    return rows
 
 
 def foundry_loggers(tracking: dict | None, save_folder: str, rank: int, run: str, key: str) -> dict:
@@ -104,12 +164,13 @@ def foundry_loggers(tracking: dict | None, save_folder: str, rank: int, run: str
     state = read_state(save_folder)
     resumed = bool(state.get("mlflow_run_id"))
     if rank == 0:
-        changed = False
+        before = dict(state)
         if "mlflow" in tracking["loggers"] and not state.get("mlflow_run_id"):
-            state["mlflow_run_id"], changed = _mlflow_run_id(tracking, run, key), True
+            state["mlflow_run_id"], state["mlflow_experiment_id"] = _mlflow_run_id(tracking, run, key)
         if "wandb" in tracking["loggers"] and not state.get("wandb_id"):
-            state["wandb_id"], changed = secrets.token_hex(4), True
-        if changed:
+            state["wandb_id"] = secrets.token_hex(4)
+        state.update(_where(tracking, save_folder))  # the latest job's locations; the ids are never replaced
+        if state != before:
             _write_state(save_folder, state)
         if state.get("mlflow_run_id"):
             os.environ["MLFLOW_RUN_ID"] = state["mlflow_run_id"]
@@ -148,4 +209,4 @@ def _has_gpu() -> bool:
         return False
 
 
-__all__ = ["settings", "foundry_loggers", "apply", "read_state", "LOGGERS"]
+__all__ = ["settings", "foundry_loggers", "apply", "read_state", "locations", "LOGGERS"]

@@ -297,8 +297,7 @@ def _build_monitor_class():
             self.t_fit_start = time.time()
             self.start_batch = int(state.timestamp.batch)
             self.start_tokens = int(state.timestamp.token)
-            self.timer = throughput.StepTimer(throughput.total_batches(state), self.start_batch, **self.timer_args)
-            self.timer.set_start_tokens(self.start_tokens)
+            self.timer = throughput.start(state, **self.timer_args)
             if torch.cuda.is_available():
                 torch.cuda.reset_peak_memory_stats()
             savers = self._savers(state)
@@ -336,7 +335,7 @@ def _build_monitor_class():
             self._t_batch_end = time.time()
             self.batches_this_job += 1
             batch = int(state.timestamp.batch)
-            self.timer.batch_end(batch, int(state.timestamp.token))
+            throughput.batch_end(self.timer, state)
             loss = state.loss
             if isinstance(loss, dict):
                 loss = loss.get("total", next(iter(loss.values())))

@@ -515,10 +515,12 @@ def scaling_inputs(wildcards):
 
 
 def report_inputs(wildcards):
-    """Requested runs (report.runs: built if missing) and runs, studies and benches whose results already exist."""
+    """Requested runs (report.runs: built if missing) and runs, studies and benches whose results already exist;
+    each run's page (rule report_run)."""
     files = []
     for run in report_mod.report_runs(config, RESULTS):
         files += report_mod.run_inputs(config, RESULTS, run)
+        files += [f"{RESULTS}/report/runs/{run}/{leaf}" for leaf in ("loss.png", "mfu.png", "tracking.html")]
     files += [f"{RESULTS}/scaling/{r}/scaling.csv" for r in report_mod.scaling_runs(config, RESULTS)]
     files += [f"{RESULTS}/bench/allreduce/nodes{n}.csv" for n in report_mod.allreduce_nodes(config, RESULTS)]
     return files

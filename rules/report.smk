@@ -28,3 +28,34 @@ rule report:
         allreduce=requested_allreduce_nodes,
     script:
         "../scripts/report.py"
+
+
+# One training run's loss curve, MFU (or tokens/s) over batches and tracked-run location, for each run in the
+# report (rule report's input): the report's "Runs" category, one subcategory per run.
+rule report_run:
+    input:
+        train=f"{RESULTS}/{{run}}/train.json",
+    output:
+        loss=report(
+            f"{REPORT}/runs/{{run}}/loss.png",
+            caption="../report/run_loss.rst",
+            category="Runs",
+            subcategory="{run}",
+        ),
+        mfu=report(
+            f"{REPORT}/runs/{{run}}/mfu.png",
+            caption="../report/run_mfu.rst",
+            category="Runs",
+            subcategory="{run}",
+        ),
+        tracking=report(
+            f"{REPORT}/runs/{{run}}/tracking.html",
+            caption="../report/run_tracking.rst",
+            category="Runs",
+            subcategory="{run}",
+        ),
+    log:
+        f"{LOGS}/report/run-{{run}}.log",
+    localrule: True
+    script:
+        "../scripts/report.py"

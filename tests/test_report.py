@@ -3,13 +3,15 @@ and Snakemake's HTML report; only requested runs or runs with results are includ
 
 from __future__ import annotations
 
+import base64
 import json
 import math
+import re
 
 import pandas as pd
 import pytest
 
-from llmpipe import report
+from llmpipe import report, run_report, tracking
 from llmpipe.config import tokens_per_run
 from llmpipe.mfu import flops_per_token
 from tests.conftest import copy_run, planned_jobs, project_config, snakemake
@@ -38,7 +40,16 @@ def test_tables_and_plots_from_the_tiny_run(tiny_run, tmp_path):
                  tokens_per_s_per_device=None, train_log=None)
     (wd / "results/mpt-125m/train.json").write_text(json.dumps(other))
     jobs = planned_jobs(snakemake(wd, "-n", "report"))
-    assert jobs == {"report": 1}, jobs  # everything it reads exists: nothing is trained or evaluated
+    assert jobs == {"report": 1, "report_run": 2}, jobs  # everything it reads exists: nothing is trained or evaluated
+    # the tiny run's tracked run, made as its training job makes it (MLflow file store, W&B offline, TensorBoard)
+    train = json.loads((wd / "results/mpt-tiny/train.json").read_text())
+    folder = wd / train["train_log"].rsplit("/", 1)[0]
+    t = tracking.settings({"results_dir": str(wd / "results"),
+                           "tracking": {"loggers": ["mlflow", "wandb", "tensorboard"]}})
+    with pytest.MonkeyPatch.context() as mp:
+        mp.delenv("MLFLOW_RUN_ID", raising=False)   # foundry_loggers sets it
+        tracking.foundry_loggers(t, str(folder), 0, "mpt-tiny", folder.name)
+    state = json.loads((folder / "tracking.json").read_text())
     snakemake(wd, "--cores", "1", "report")
     out = wd / "results/report"
     train = json.loads((wd / "results/mpt-tiny/train.json").read_text())
@@ -72,11 +83,73 @@ def test_tables_and_plots_from_the_tiny_run(tiny_run, tmp_path):
     for name in ("loss", "mfu", "busbw", "speedup"):
         data = (out / f"{name}.png").read_bytes()
         assert data[:8] == PNG and len(data) > 5_000, name
-    # one HTML file with the tables and plots
+    # one HTML file with the tables and plots, and a page per run: its loss and MFU plots and its tracked run
     snakemake(wd, "--report", str(wd / "report.html"), "report")
     html = (wd / "report.html").read_text(errors="replace")
     for name in ("table1_pretraining.csv", "table2_finetuning.csv", "projection.csv", "loss.png", "mfu.png"):
         assert name in html, name
+    categories, results = report_data(html)
+    page = [f"results/report/runs/mpt-tiny/{leaf}" for leaf in ("loss.png", "mfu.png", "tracking.html")]
+    assert categories["Runs"]["mpt-tiny"] == page and len(categories["Runs"]["mpt-125m"]) == 3
+    for path in page[:2]:
+        png = embedded(results[path])
+        assert png[:8] == PNG and len(png) > 5_000 and png == (wd / path).read_bytes(), path
+    assert "steady-state figure" in results[page[1]]["caption"]
+    shown = embedded(results[page[2]]).decode()
+    mlflow = pytest.importorskip("mlflow")
+    store = "results/tracking/mlruns"
+    assert f"file store {store}, experiment llmpipe, run id {state['mlflow_run_id']}" in shown, shown
+    assert f"mlflow ui --backend-store-uri {store}" in shown
+    assert mlflow.MlflowClient(f"file://{wd / store}").get_run(state["mlflow_run_id"]).info.run_id
+    rel = folder.relative_to(wd)
+    assert f"{rel}/wandb (offline), project llmpipe, run id {state['wandb_id']}" in shown, shown
+    assert f"tensorboard --logdir {rel}/tensorboard" in shown, shown
+    assert "Not tracked" in embedded(results["results/report/runs/mpt-125m/tracking.html"]).decode()
+
+
+def report_data(html: str) -> tuple[dict, dict]:
+    """The categories (category -> subcategory -> paths) and results (path -> record) of Snakemake's HTML report."""
+    got = [json.loads(re.search(rf"var {name} = (\{{.*?\}});\n", html).group(1)) for name in ("categories", "results")]
+    return got[0], got[1]
+
+
+def embedded(record: dict) -> bytes:
+    """The file a Snakemake HTML report embeds as a base64 data URI."""
+    return base64.b64decode(record["data_uri"].split(",", 1)[1])
+
+
+def test_run_page_shows_the_steady_window_and_where_each_logger_writes(tmp_path, monkeypatch):
+    """A run's page (llmpipe.run_report) from a train.json, its loss log and a tracking.json as a training job writes
+    it (tracking.foundry_loggers); tracking servers: MLflow over HTTP and W&B online link the run."""
+    monkeypatch.delenv("MLFLOW_RUN_ID", raising=False)
+    monkeypatch.chdir(tmp_path)
+    folder = tmp_path / "results/r1/checkpoints/0123456789abcdef"
+    folder.mkdir(parents=True)
+    log = [{"batch": b, "loss": 9.0 - b / 10, "tokens": b * 1000, "elapsed_s": b / 2} for b in range(5, 45, 5)]
+    (folder / "train_log.jsonl").write_text("".join(json.dumps(r) + "\n" for r in log))
+    train = {"run": "r1", "devices": 2, "flops_per_token": 6e9, "peak_flops_per_device": 1e15, "mfu": 0.004,
+             "steady_mfu": 0.006, "steady_window": {"first_batch": 10, "last_batch": 40},
+             "train_log": "results/r1/checkpoints/0123456789abcdef/train_log.jsonl"}
+    (tmp_path / "results/r1/train.json").write_text(json.dumps(train))
+    t = tracking.settings({"results_dir": "results", "tracking": {"loggers": ["wandb", "tensorboard"],
+                                                                  "wandb_mode": "online", "wandb_entity": "team"}})
+    tracking.foundry_loggers(t, str(folder), 0, "r1", folder.name)
+    out = {k: str(tmp_path / "results/report/runs/r1" / f) for k, f in
+           (("loss", "loss.png"), ("mfu", "mfu.png"), ("tracking", "tracking.html"))}
+    got = run_report.build_run("results", "r1", out, base=str(tmp_path))
+    wid = json.loads((folder / "tracking.json").read_text())["wandb_id"]
+    assert [r["logger"] for r in got["tracking"]] == ["W&B", "TensorBoard"]
+    page = (tmp_path / "results/report/runs/r1/tracking.html").read_text()
+    assert f"https://wandb.ai/team/llmpipe/runs/{wid}" in page and "online" in page
+    assert "tensorboard --logdir results/r1/checkpoints/0123456789abcdef/tensorboard" in page
+    for name in ("loss", "mfu"):
+        assert open(out[name], "rb").read(8) == PNG, name
+    # MLflow behind a server: the run's page in the MLflow UI
+    rows = tracking.locations({"mlflow_run_id": "abc", "mlflow_experiment_id": "7", "experiment": "e",
+                               "mlflow_tracking_uri": "https://mlflow.example.org/"})
+    assert rows == [{"logger": "MLflow", "where": "tracking URI https://mlflow.example.org/, experiment e, run id abc",
+                     "open": "https://mlflow.example.org/#/experiments/7/runs/abc"}]
+    assert tracking.locations({}) == [] and run_report.identity_folder_of({"train_log": None}) is None
 
 
 def test_throughput_series_and_mfu():

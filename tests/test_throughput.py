@@ -1,9 +1,18 @@
 """Steady-state throughput and the live step log (llmpipe/throughput.py, fed by RunMonitor in llmpipe/train.py)."""
 from __future__ import annotations
 
+import importlib.util
+import shutil
+import signal
+import time
+import types
+from pathlib import Path
+
 import pytest
 
 from llmpipe.throughput import StepTimer, format_eta, warmup_batches
+
+REPO = Path(__file__).resolve().parent.parent
 
 
 class FakeClock:
@@ -76,3 +85,75 @@ def test_progress_line_has_batch_loss_rate_mfu_memory_and_eta():
     assert "batch 15/100" in (line := timer.progress(None, None)) and "tokens/s 2,048" in line
     assert "ETA 0:01:25" in line and "loss ?" in line and "mem ?" in line
     assert format_eta(3725) == "1:02:05" and format_eta(None) == "?"
+
+
+# ------------------------------------------------------------------- the benchmark's steady state is train.json's
+
+def _bench():
+    spec = importlib.util.spec_from_file_location("bench_train_throughput", REPO / "tools" / "bench_train_throughput.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _state(batch: int, max_batches: int, per_batch: int):
+    """The parts of composer's State that the two callbacks read at a batch end."""
+    import torch
+    unit = types.SimpleNamespace(name="BATCH")
+    return types.SimpleNamespace(
+        timestamp=types.SimpleNamespace(batch=batch, token=batch * per_batch),
+        max_duration=types.SimpleNamespace(unit=unit, value=max_batches),
+        batch={"input_ids": torch.zeros(per_batch // 8, 8, dtype=torch.long)}, model=None, loss=5.0, callbacks=[])
+
+
+def test_benchmark_and_train_json_report_the_same_steady_state(monkeypatch, tmp_path):
+    """One batch-timing log (a slow compile, a slow batch, then 1 s per batch) fed to the benchmark's timer callback
+    (tools/bench_train_throughput.py) and to the training step's RunMonitor (whose StepTimer.steady() is train.json's
+    steady state): the same window and figures, and the benchmark's CSV columns carry them."""
+    from llmpipe import train
+
+    clock = FakeClock()
+    monkeypatch.setattr(time, "time", clock)   # RunMonitor times with time.time, the benchmark with its clock
+    signal.signal(signal.SIGUSR2, previous := signal.getsignal(signal.SIGUSR2))
+    n, per_batch, fpt, peak = 30, 4096, 6e6, 1e12
+    secs = [40.0, 3.0] + [1.0] * 9 + [2.0] + [1.0] * 18
+    bench = _bench()
+    bench_timer = bench._make_timer(fpt, peak, clock=clock)
+    monitor = train._build_monitor_class()(log_interval=10, flops_per_token=fpt, peak_flops=peak, world_size=1)
+    logger = types.SimpleNamespace(log_metrics=lambda metrics: None)   # composer's Logger: nothing is tracked here
+    try:
+        for cb in (bench_timer, monitor):
+            cb.fit_start(_state(0, n, per_batch), logger)
+        for b, s in enumerate(secs, start=1):
+            clock.t += s
+            for cb in (bench_timer, monitor):
+                cb.batch_end(_state(b, n, per_batch), logger)
+    finally:
+        signal.signal(signal.SIGUSR2, previous)   # RunMonitor.fit_start defers Slurm's signal; put it back
+    ours, theirs = bench_timer.steady.steady(), monitor.timer.steady()
+    assert ours == theirs
+    w = theirs["steady_window"]
+    assert w["warmup_batches"] == 3 and (w["first_batch"], w["last_batch"], w["batches"]) == (4, 30, 27)
+    assert theirs["steady_tokens_per_s"] == round(27 * per_batch / 28.0, 1)          # batch 12 took 2 s
+    assert theirs["steady_mfu"] == pytest.approx(27 * per_batch / 28.0 * fpt / peak, abs=1e-4)
+    assert bench.steady_columns(ours) == {
+        "steady_tokens_per_s": theirs["steady_tokens_per_s"], "steady_mfu": theirs["steady_mfu"],
+        "steady_first_batch": 4, "steady_last_batch": 30, "steady_batches": 27}
+    assert bench_timer.times[-1] - bench_timer.times[9] == sum(secs[10:])    # the --skip 10 window, as before
+
+
+def test_benchmark_csv_gains_the_steady_columns_keeping_old_rows(tmp_path):
+    """--append to the committed CSV (written before the steady_* columns): its header gains them at the end, and
+    every old row keeps its values (its line is unchanged up to the new empty columns)."""
+    bench = _bench()
+    path = tmp_path / "train-throughput.csv"
+    shutil.copy(REPO / "benchmarks" / "train-throughput.csv", path)
+    old = path.read_text().splitlines()
+    fields = bench.csv_fields(str(path), append=True)
+    new = path.read_text().splitlines()
+    added = [c for c in fields if c not in old[0].split(",")]
+    assert {"steady_tokens_per_s", "steady_mfu", "steady_batches"} <= set(added)
+    assert new[0] == old[0] + "," + ",".join(added) and len(new) == len(old)
+    assert all(b == a + "," * len(added) for a, b in zip(old[1:], new[1:]))
+    assert bench.csv_fields(str(path), append=True) == fields and path.read_text().splitlines() == new   # once
+    assert bench.csv_fields(str(tmp_path / "new.csv"), append=True) == bench.CSV_FIELDS

@@ -7,6 +7,7 @@ import json
 import os
 import re
 import shutil
+from collections import Counter
 
 import pytest
 
@@ -18,7 +19,7 @@ from tests.conftest import copy_run, no_symlink_env, planned_jobs, snakemake
 mlflow = pytest.importorskip("mlflow")
 
 TRAIN = "results/mpt-tiny/train.json"
-MLFLOW_ON = "tracking={'loggers': ['mlflow', 'wandb']}"   # W&B in its default offline mode
+MLFLOW_ON = "tracking={'loggers': ['mlflow', 'wandb', 'tensorboard']}"   # W&B in its default offline mode
 
 
 def test_tracking_is_off_by_default_and_the_file_store_is_under_results(tmp_path):
@@ -72,9 +73,10 @@ def test_one_tracked_run_per_identity_kept_in_its_checkpoint_folder(tmp_path, mo
 
 @pytest.mark.slow
 def test_tracked_training_killed_and_resumed_is_one_run_with_continuous_steps(tiny_run, tmp_path):
-    """MLflow file store and W&B offline: the tiny training SIGKILLed after its batch-40 checkpoint, then resumed, logs into one
-    MLflow run whose steps run on from the resumed batch; the resumed job's train.json has steady-state figures
-    consistent with its loss log, and its step log the live lines. Turning tracking on or off reruns nothing."""
+    """MLflow file store, W&B offline and TensorBoard: the tiny training SIGKILLed after its batch-40 checkpoint, then
+    resumed, logs into one MLflow run whose steps run on from the resumed batch, and into TensorBoard event files read
+    back as one run with the same steps; the resumed job's train.json has steady-state figures consistent with its
+    loss log, and its step log the live lines. Turning tracking on or off reruns nothing."""
     wd = copy_run(tiny_run, tmp_path / "wd")
     assert planned_jobs(snakemake(wd, "-n", "--config", MLFLOW_ON)) == {}   # finished runs: nothing reruns
     shutil.rmtree(wd / "results/mpt-tiny/checkpoints")
@@ -107,6 +109,27 @@ def test_tracked_training_killed_and_resumed_is_one_run_with_continuous_steps(ti
     assert steps == list(range(120)), steps            # composer logs at the batch count before the step: 0 .. 119
     tps_steps = [m.step for m in client.get_metric_history(run.info.run_id, "llmpipe/tokens_per_s")]
     assert min(tps_steps) == 1 and max(tps_steps) == 120 and 45 in tps_steps and 60 in tps_steps
+
+    # TensorBoard: both jobs' event files in the identity's folder (composer: tensorboard/<run name>/, a new file
+    # after every flush, named ...<host>.<pid>.<n>), read back together as one run with the same metric steps as
+    # MLflow's
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    tb = folder / "tensorboard" / "mpt-tiny"
+    files = sorted(p.name for p in tb.glob("events.out.tfevents.*"))
+    assert len({name.split(".")[-2] for name in files}) == 2, files     # two processes: the killed and the resumed
+    acc = EventAccumulator(str(tb), size_guidance={"scalars": 0})
+    acc.Reload()
+    tags = set(acc.Tags()["scalars"])
+    for k in ("loss/train/total", "llmpipe/tokens_per_s", "llmpipe/memory_gib", "llmpipe/eta_s",
+              "metrics/eval/LanguageCrossEntropy"):
+        assert k in tags, sorted(tags)
+    assert any(k.startswith("lr-") for k in tags), sorted(tags)
+    tb_steps = Counter(e.step for e in acc.Scalars("loss/train/total"))
+    assert sorted(tb_steps) == steps
+    # a step shows twice only where the killed job trained past its last checkpoint (batch 40) and the resumed one
+    # trained that batch again (composer's logger opens its writer without TensorBoard's purge_step)
+    assert all(s >= 40 for s, n in tb_steps.items() if n > 1), tb_steps
+    assert {e.step for e in acc.Scalars("llmpipe/tokens_per_s")} == set(tps_steps)
 
     # W&B offline: each job's run folder carries the identity's one run id (wandb sync merges them)
     offline = sorted(p.name for p in (folder / "wandb").glob("offline-run-*"))

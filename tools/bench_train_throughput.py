@@ -6,11 +6,17 @@ the llm-foundry train config with the project's ``llmpipe.train.foundry_train_co
 only the data (a synthetic dataloader of uniformly random token ids, registered in llm-foundry's ``dataloaders``
 registry as ``llmpipe_synthetic_tokens``), the duration, the batch (global batch = microbatch: no gradient
 accumulation), checkpoints/loggers/eval (off), and the knobs the variant names; then runs
-``llmfoundry.command_utils.train`` for ``--steps`` steps and times steps ``--skip``+1 .. ``--steps`` with CUDA
-synchronization at every batch end.
+``llmfoundry.command_utils.train`` for ``--steps`` steps with CUDA synchronization at every batch end.
 
 Output: one CSV row per (model, variant) with tokens/s, MFU (llmpipe.mfu: llm-foundry's FLOPs formula against the
-detected dense bf16 peak), peak memory, microbatch, attention implementation and software versions.
+detected dense bf16 peak), peak memory, microbatch, attention implementation and software versions. Two throughput
+figures: ``tokens_per_s``/``mfu`` time steps ``--skip``+1 .. ``--steps`` (this tool's own window, as in every row
+since the first); ``steady_tokens_per_s``/``steady_mfu`` (with ``steady_first_batch``, ``steady_last_batch``,
+``steady_batches``) are ``train.json``'s steady state, computed by the same code (:func:`llmpipe.throughput.start`,
+:func:`llmpipe.throughput.batch_end`, :meth:`llmpipe.throughput.StepTimer.steady`: the first 10% of the batches,
+at least 2, left out as warm-up), so a pipeline run's steady MFU can be set beside the benchmark's. Rows written
+before those columns existed have them empty; ``--append`` to such a file adds the new columns to its header first
+(:func:`csv_fields`), keeping every old row's values.
 
 Usage (on a GPU machine, from the repository root):
 
@@ -40,6 +46,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
+from llmpipe import throughput  # noqa: E402
 from llmpipe.config import compile_settings  # noqa: E402
 from llmpipe.mfu import detect_peak_flops, flops_per_token, mfu  # noqa: E402
 from llmpipe.speedups import dynamo_catalogue_fix, register_compile_blocks, register_fused_adamw  # noqa: E402
@@ -162,7 +169,8 @@ CSV_FIELDS = [
     'device_call', 'machine', 'timestamp', 'model', 'variant', 'repeat', 'status', 'config_source', 'shims', 'attn_impl', 'attn_type', 'sdpa_backend',
     'drop_mask', 'optimizer', 'compile', 'train_metrics', 'fused_loss', 'fp8', 'fsdp', 'num_workers', 'cpu_threads', 'microbatch', 'seq_len', 'steps', 'timed_steps',
     'tokens_per_s',
-    'step_ms', 'mfu', 'flops_per_token', 'flops_per_token_foundry', 'peak_flops', 'peak_mem_allocated_gb',
+    'step_ms', 'mfu', 'steady_tokens_per_s', 'steady_mfu', 'steady_first_batch', 'steady_last_batch', 'steady_batches',
+    'flops_per_token', 'flops_per_token_foundry', 'peak_flops', 'peak_mem_allocated_gb',
     'peak_mem_reserved_gb', 'mem_before_gb', 'n_params', 'gpu', 'torch', 'torchao', 'cuda', 'composer', 'llmfoundry', 'python', 'error',
     'command',
 ]
@@ -220,9 +228,12 @@ def _dummy_tokenizer_dir(vocab: int) -> str:
     return d
 
 
-def _make_timer() -> Any:
-    """A Composer callback: CUDA-synchronized wall time at every batch end, plus llm-foundry's own FLOPs per
-    token (``flops_per_batch``) of the first batch, as a cross-check of :func:`llmpipe.mfu.flops_per_token`."""
+def _make_timer(flops_per_token_: float | None = None, peak_flops: float | None = None,
+                clock: Any = time.perf_counter) -> Any:
+    """A Composer callback: CUDA-synchronized wall time at every batch end (``clock``), the steady-state timer of
+    ``train.json`` fed the same way the training step feeds it (:func:`llmpipe.throughput.start` at fit start,
+    :func:`llmpipe.throughput.batch_end` at every batch end; one device), plus llm-foundry's own FLOPs per token
+    (``flops_per_batch``) of the first batch, as a cross-check of :func:`llmpipe.mfu.flops_per_token`."""
     from composer.core import Callback
 
     class Timer(Callback):
@@ -230,12 +241,18 @@ def _make_timer() -> Any:
             self.times: list[float] = []
             self.tokens: list[int] = []
             self.foundry_flops: float | None = None
+            self.steady: throughput.StepTimer | None = None
+
+        def fit_start(self, state: Any, logger: Any) -> None:
+            self.steady = throughput.start(state, clock=clock, flops_per_token=flops_per_token_,
+                                           peak_flops=peak_flops, world_size=1)
 
         def batch_end(self, state: Any, logger: Any) -> None:
             import torch
             if torch.cuda.is_available():
                 torch.cuda.synchronize()
-            self.times.append(time.perf_counter())
+            self.times.append(clock())
+            throughput.batch_end(self.steady, state)
             self.tokens.append(int(state.batch['input_ids'].numel()))
             if self.foundry_flops is None:
                 m = getattr(state.model, '_orig_mod', state.model)
@@ -246,6 +263,43 @@ def _make_timer() -> Any:
                     self.foundry_flops = float('nan')
 
     return Timer()
+
+
+def steady_columns(steady: dict) -> dict:
+    """The CSV's ``steady_*`` columns from :meth:`llmpipe.throughput.StepTimer.steady`'s record (empty: none)."""
+    w = steady['steady_window']
+    return {'steady_tokens_per_s': _blank(steady['steady_tokens_per_s']), 'steady_mfu': _blank(steady['steady_mfu']),
+            'steady_first_batch': _blank(w['first_batch']), 'steady_last_batch': _blank(w['last_batch']),
+            'steady_batches': w['batches']}
+
+
+def _blank(value: Any) -> Any:
+    return '' if value is None else value
+
+
+def csv_fields(path: str, append: bool) -> list[str]:
+    """The columns to write to ``path``: :data:`CSV_FIELDS` for a new file; with ``append``, the existing file's
+    columns, and when :data:`CSV_FIELDS` has columns it lacks, those added at the end of its header, the file
+    rewritten (atomically) with every old row's values unchanged and the new columns empty."""
+    if not (append and os.path.exists(path)):
+        return list(CSV_FIELDS)
+    with open(path, newline='') as f:
+        reader = csv.DictReader(f)
+        rows = list(reader)
+        fields = list(reader.fieldnames or [])
+    if not fields:
+        return list(CSV_FIELDS)
+    missing = [c for c in CSV_FIELDS if c not in fields]
+    if missing:
+        fields += missing
+        tmp = path + '.tmp'
+        with open(tmp, 'w', newline='') as f:
+            w = csv.DictWriter(f, fieldnames=fields, lineterminator='\n')
+            w.writeheader()
+            w.writerows(rows)
+        os.replace(tmp, path)
+        print(f'note: {path}: added column(s) {missing} (empty in its earlier rows)', file=sys.stderr)
+    return fields
 
 
 # ------------------------------------------------------------------------------------- config
@@ -437,7 +491,10 @@ def run_one(config: dict, run: str, vname: str, variant: dict, *, steps: int, sk
         attn.set_sdpa_backend(variant.get('sdpa_backend') or os.environ.get('LLMPIPE_SDPA_BACKEND') or 'auto')
         if knobs.pop('compile_fix'):
             dynamo_catalogue_fix()
-        timer = _make_timer()
+        rc_arch = __import__('llmpipe.config', fromlist=['run_config']).run_config(config, run)['arch']
+        fpt = flops_per_token(rc_arch, knobs['seq_len'])
+        peak = detect_peak_flops('bf16', config.get('gpu_peak_flops') or {})
+        timer = _make_timer(fpt, peak)
         extra = [timer]
         if profile_dir:  # profile 3 steps after the timed window's start (timing of those steps is then perturbed)
             extra.append(make_profiler(skip + 2, 3, profile_dir, f'{run}-{vname}', trace=trace))
@@ -473,9 +530,6 @@ def run_one(config: dict, run: str, vname: str, variant: dict, *, steps: int, sk
         n = len(t) - skip
         toks = sum(timer.tokens[skip:])
         tps = toks / dt
-        rc_arch = __import__('llmpipe.config', fromlist=['run_config']).run_config(config, run)['arch']
-        fpt = flops_per_token(rc_arch, knobs['seq_len'])
-        peak = detect_peak_flops('bf16', config.get('gpu_peak_flops') or {})
         cuda = torch.cuda.is_available()
         row.update({
             'status': 'ok',
@@ -483,6 +537,7 @@ def run_one(config: dict, run: str, vname: str, variant: dict, *, steps: int, sk
             'tokens_per_s': round(tps, 1),
             'step_ms': round(1000 * dt / n, 2),
             'mfu': round(mfu(tps, fpt, peak), 4) if peak else '',
+            **steady_columns(timer.steady.steady()),
             'flops_per_token': int(fpt),
             'flops_per_token_foundry': int(timer.foundry_flops) if timer.foundry_flops == timer.foundry_flops
             else '',
@@ -572,17 +627,11 @@ def main(argv: list[str] | None = None) -> int:
     command = 'python tools/bench_train_throughput.py ' + ' '.join(argv if argv is not None else sys.argv[1:])
 
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    mode = 'a' if args.append and os.path.exists(args.out) else 'w'
-    fields = CSV_FIELDS
-    if mode == 'a':  # keep the existing file's columns (an older file may lack newer ones, e.g. fused_loss)
-        with open(args.out, newline='') as f:
-            fields = next(csv.reader(f), None) or CSV_FIELDS
-        missing = [c for c in CSV_FIELDS if c not in fields]
-        if missing:
-            print(f'note: {args.out} has no column(s) {missing}; those values are not written', file=sys.stderr)
+    mode = 'a' if args.append and os.path.exists(args.out) and os.path.getsize(args.out) else 'w'
+    fields = csv_fields(args.out, mode == 'a')  # an older file: the new columns added to its header first
     rows = []
     with open(args.out, mode, newline='') as f:
-        w = csv.DictWriter(f, fieldnames=fields, extrasaction='ignore')
+        w = csv.DictWriter(f, fieldnames=fields, extrasaction='ignore', lineterminator='\n')
         if mode == 'w':
             w.writeheader()
         for run in [m for m in args.models.split(',') if m]:
@@ -600,13 +649,15 @@ def main(argv: list[str] | None = None) -> int:
                 rows.append(row)
                 print(f"[bench] {run:9s} {v:16s} {row.get('status')} mb={row.get('microbatch')} "
                       f"tok/s={row.get('tokens_per_s')} mfu={row.get('mfu')} "
+                      f"steady tok/s={row.get('steady_tokens_per_s')} steady mfu={row.get('steady_mfu')} "
                       f"mem={row.get('peak_mem_allocated_gb')}GB ({time.time() - t0:.0f}s) "
                       f"{row.get('error', '')[:300]}",
                       flush=True)
-    print('\nmodel      variant          mb   tokens/s    MFU    mem(GB)  status')
+    print('\nmodel      variant          mb   tokens/s    MFU    steady tok/s steady MFU mem(GB)  status')
     for r in rows:
         print(f"{r['model']:10s} {r['variant']:16s} {str(r.get('microbatch', '')):4s} "
               f"{str(r.get('tokens_per_s', '')):10s} {str(r.get('mfu', '')):6s} "
+              f"{str(r.get('steady_tokens_per_s', '')):12s} {str(r.get('steady_mfu', '')):10s} "
               f"{str(r.get('peak_mem_allocated_gb', '')):7s} {r['status']}")
     if args.repeats > 1:
         print('\nmedian of the ok repeats (tokens/s, MFU):')

@@ -17,7 +17,7 @@ module                 rules
 :mod:`.evaluate`       eval, finetune_eval
 :mod:`.scaling`        scaling_train, scaling_table
 :mod:`.allreduce`      allreduce, allreduce_plot, allreduce_health, allreduce_gate, scaling_allreduce_gate
-:mod:`.report`         report
+:mod:`.report`         report, report_run
 =====================  =====================================================================================
 
 The optional second harness (lm-evaluation-harness), rule ``lm_eval``, is in :mod:`.lm_eval_harness`.
@@ -87,6 +87,7 @@ RULES: dict[str, Rule] = {
     "allreduce_gate": Rule(allreduce.allreduce_gate),
     "scaling_allreduce_gate": Rule(allreduce.allreduce_gate),
     "report": Rule(report.report),
+    "report_run": Rule(report.report_run),
 }
 
 

@@ -1,8 +1,12 @@
-"""Report step (rule ``report``): the tables and plots of ``results/report/`` (built by :mod:`llmpipe.report`)."""
+"""Report steps: the tables and plots of ``results/report/`` (rule ``report``, built by :mod:`llmpipe.report`) and
+one training run's plots and tracking location (rule ``report_run``, :mod:`llmpipe.run_report`)."""
 
 from __future__ import annotations
 
+import os
+
 from llmpipe import report as tables
+from llmpipe import run_report
 from llmpipe.steps.context import StepContext
 
 
@@ -11,3 +15,11 @@ def report(ctx: StepContext) -> dict:
     runs, scaling, allreduce = list(ctx.params.runs), list(ctx.params.scaling), list(ctx.params.allreduce)
     tables.build(ctx.config, ctx.config["results_dir"], dict(ctx.output.items()), runs, scaling, allreduce)
     return {"report": tables.settings(ctx.config), "runs": runs, "scaling": scaling, "allreduce": allreduce}
+
+
+def report_run(ctx: StepContext) -> dict:
+    """Rule ``report_run``: ``results/report/runs/{run}/`` (loss.png, mfu.png, tracking.html) from the run's
+    ``train.json``, loss log and ``tracking.json``."""
+    run = ctx.wildcards.run
+    got = run_report.build_run(ctx.config["results_dir"], run, dict(ctx.output.items()), base=os.getcwd())
+    return {"run": run, **got}
