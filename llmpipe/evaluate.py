@@ -108,8 +108,10 @@ def evaluate(rc: dict, model_dir: str, data_dir: str | None, icl_files: dict[str
                                  f"eval.val_batches and the held-out data of {run}.")
             metrics[label][name] = value
     heldout = metrics.get("eval", {})  # llm-foundry labels a single eval_loader "eval"
-    if "LanguageCrossEntropy" not in heldout:
-        raise ValueError(f"the held-out evaluation of {run} computed no loss. Fix: check its held-out data.")
+    ce = state_metrics.get("eval", {}).get("LanguageCrossEntropy")
+    tokens = int(ce.total_items) if ce is not None else 0
+    if not tokens:
+        raise ValueError(f"the held-out evaluation of {run} scored no token. Fix: check its held-out data.")
     scores = eval_tasks.task_scores(state_metrics, task_info)
     icl = {task: {shots: rec["accuracy"] for shots, rec in by_shot.items()} for task, by_shot in scores.items()}
     for task, by_shot in scores.items():
@@ -120,7 +122,8 @@ def evaluate(rc: dict, model_dir: str, data_dir: str | None, icl_files: dict[str
         "run": run,
         "model": model_dir,
         "val": {"loss": loss, "perplexity": heldout.get("LanguagePerplexity", math.exp(loss) if loss else None),
-                "token_accuracy": heldout.get("TokenAccuracy"), "batches": int(ecfg.get("val_batches", -1)),
+                "token_accuracy": heldout.get("TokenAccuracy"), "tokens": tokens,
+                "batches": int(ecfg.get("val_batches", -1)),
                 "batch_size": bs, "seq_len": seq},
         "harness": f"llm-foundry {llmfoundry.__version__}",
         "suite": suite.get("name"),
