@@ -179,6 +179,8 @@ def check_suite(config: Mapping, run: str) -> tuple[str, dict]:
             raise ConfigError(f"{where}[{seen[label]}] and {at} have the same label {label!r} (each is a key of "
                               f"eval.json). Fix: give {at}.label another name.")
         seen[label] = i
+        if label == "eval":
+            raise ConfigError(f"{at}.label is 'eval', llm-foundry's name for the held-out loader. Fix: rename it.")
         check_task(t, at)
         shots[label] = {int(n) for n in t.get("num_fewshot", [0])}
     g = s.get("eval_gauntlet")

@@ -270,6 +270,7 @@ def config_with(tasks=None, gauntlet=None, **task_over):
       "cot_delimiter": "A:"}, r"eval\.icl_tasks\[0\]\.cot_delimiter is not taken by a multiple_choice task"),
     ({"label": "x", "dataset_uri": "eval/local_data/a/b.jsonl"}, r"icl_task_type is None; it must be one of"),
     ({"label": "x"}, r"eval\.icl_tasks\[0\] \(x\) has no data"),
+    ({"label": "eval", "kind": "cloze"}, r"eval\.icl_tasks\[0\]\.label is 'eval', llm-foundry's name for the held"),
     ({"label": "x", "dataset_uri": "/nonexistent/t.jsonl", "icl_task_type": "schema"}, r"is not a file"),
     ({"label": "x", "dataset_uri": "eval/local_data/a/b.jsonl", "icl_task_type": "schema", "num_items": 5},
      r"num_items and seed are settings of a task the project builds"),
