@@ -196,6 +196,27 @@ def check_suite(config: Mapping, run: str) -> tuple[str, dict]:
     return name, s
 
 
+def check_task_data(config: Mapping, files: list[str]) -> None:
+    """Check ``eval.task_data`` for a suite that needs ``files`` (llm-foundry paths): a local source names an
+    existing folder that holds them.
+
+    Raises:
+        ConfigError: naming the setting, the first missing file and the fix.
+    """
+    td = (config.get("eval") or {}).get("task_data") or {}
+    if td.get("source") != "local" or not files:
+        return
+    root = td.get("local_dir")
+    if not root or not os.path.isdir(root):
+        raise ConfigError(f"eval.task_data.local_dir is {root!r}, not a folder; with source: local it must hold "
+                          f"llm-foundry's scripts/ layout ({FOUNDRY_PREFIX}<category>/<file>.jsonl). Fix: set it "
+                          f"(README: Evaluation, standard benchmarks) or use source: github.")
+    missing = [f for f in files if not os.path.isfile(os.path.join(root, f))]
+    if missing:
+        raise ConfigError(f"eval.task_data.local_dir {root!r} lacks {len(missing)} of the suite's files, e.g. "
+                          f"{missing[0]}. Fix: mirror llm-foundry's scripts/eval/local_data there (README).")
+
+
 def check_task(t: Mapping, at: str) -> None:
     """The checks of :func:`check_suite` on one task at config path ``at``."""
     src = data_source(t)

@@ -277,7 +277,9 @@ def eval_identity(wildcards):
 def eval_task_data_input(wildcards):
     """The manifest of the run's suite's llm-foundry task files (rule eval_task_data); [] when it has none."""
     name, suite = eval_tasks.run_suite(config, wildcards.run)
-    return [f"{RESULTS}/data/eval-tasks/{name}/manifest.json"] if eval_tasks.foundry_files(suite["icl_tasks"]) else []
+    files = eval_tasks.foundry_files(suite["icl_tasks"])
+    eval_tasks.check_task_data(config, files)
+    return [f"{RESULTS}/data/eval-tasks/{name}/manifest.json"] if files else []
 
 
 def eval_task_data_identity(wildcards):

@@ -300,6 +300,19 @@ def test_suite_checks_on_files_and_gauntlet(tmp_path):
         eval_tasks.check_suite(cfg, "mpt-tiny")
 
 
+def test_local_task_data_folder_is_checked(tmp_path):
+    files = ["eval/local_data/commonsense_reasoning/copa.jsonl"]
+    cfg = {"eval": {"task_data": {"source": "local", "local_dir": str(tmp_path / "nowhere")}}}
+    with pytest.raises(ConfigError, match=r"eval\.task_data\.local_dir is .*nowhere', not a folder"):
+        eval_tasks.check_task_data(cfg, files)
+    cfg["eval"]["task_data"]["local_dir"] = str(tmp_path)
+    with pytest.raises(ConfigError, match="lacks 1 of the suite's files, e.g. eval/local_data/commonsense_reas"):
+        eval_tasks.check_task_data(cfg, files)
+    (tmp_path / files[0]).parent.mkdir(parents=True)
+    (tmp_path / files[0]).write_text("{}\n")
+    eval_tasks.check_task_data(cfg, files)
+
+
 def test_project_suites():
     """The tiny model's suite is built offline from held-out text; MPT-1B's is llm-foundry's gauntlet v0.3, every
     benchmark of its gauntlet a task of the suite, all data under eval/local_data/."""
