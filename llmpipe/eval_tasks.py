@@ -343,9 +343,8 @@ def task_scores(eval_metrics: Mapping, info: Mapping[str, Mapping]) -> dict:
         name = next((k for k in mets if "Accuracy" in k), None)
         if name is None:
             continue
-        m = mets[name]
-        parts.setdefault((bits[0], bits[1]), []).append(
-            (bits[2] if len(bits) > 2 else None, name, float(m.correct), float(m.total)))
+        correct, total = metric_states(mets[name], "correct", "total")
+        parts.setdefault((bits[0], bits[1]), []).append((bits[2] if len(bits) > 2 else None, name, correct, total))
     out: dict[str, dict] = {}
     for (task, shots), rows in sorted(parts.items()):
         items = int(round(sum(r[3] for r in rows)))
@@ -365,6 +364,16 @@ def task_scores(eval_metrics: Mapping, info: Mapping[str, Mapping]) -> dict:
     if missing:
         raise ValueError(f"ICL tasks {', '.join(missing)} have no score: llm-foundry ran no evaluator for them.")
     return out
+
+
+def metric_states(metric, *names: str) -> tuple[float, ...]:
+    """The states ``names`` of a torchmetrics metric summed over every process (as ``compute()`` sees them; a
+    collective when torch.distributed is initialized, so every rank calls it in the same order)."""
+    sync = getattr(metric, "sync_context", None)
+    if sync is None:
+        return tuple(float(getattr(metric, n)) for n in names)
+    with sync(should_sync=True, should_unsync=True):
+        return tuple(float(getattr(metric, n)) for n in names)
 
 
 def gauntlet_average(scores: Mapping[str, Mapping[str, Mapping]], gauntlet: Mapping | None) -> dict | None:

@@ -109,7 +109,7 @@ def evaluate(rc: dict, model_dir: str, data_dir: str | None, icl_files: dict[str
             metrics[label][name] = value
     heldout = metrics.get("eval", {})  # llm-foundry labels a single eval_loader "eval"
     ce = state_metrics.get("eval", {}).get("LanguageCrossEntropy")
-    tokens = int(ce.total_items) if ce is not None else 0
+    tokens = int(eval_tasks.metric_states(ce, "total_items")[0]) if ce is not None else 0
     if not tokens:
         raise ValueError(f"the held-out evaluation of {run} scored no token. Fix: check its held-out data.")
     scores = eval_tasks.task_scores(state_metrics, task_info)
