@@ -1,8 +1,9 @@
 """Evaluation of the exported model on unseen data through llm-foundry's evaluator.
 
 Held-out language-modelling metrics (cross entropy, perplexity, token accuracy) on the val split of the run's
-MDS dataset, and accuracy on the in-context-learning tasks of the ``eval.icl_tasks`` setting (built by the
-project from held-out text, see :mod:`llmpipe.data.icl`). The model is the Hugging Face export
+MDS dataset (``eval.val_batches`` batches), and accuracy on every item of the in-context-learning tasks of the
+run's suite (:mod:`llmpipe.eval_tasks`: llm-foundry's standard tasks, or tasks built by the project from
+held-out text, see :mod:`llmpipe.data.icl`), with the items scored and the eval-gauntlet average. The model is the Hugging Face export
 (``hf_causal_lm`` with ``trust_remote_code``), so evaluation also proves the export loads and runs.
 """
 
@@ -10,34 +11,46 @@ from __future__ import annotations
 
 import math
 import os
+import shutil
+import tempfile
 import time
+
+from llmpipe import eval_tasks
 
 
 def evaluate(rc: dict, model_dir: str, data_dir: str | None, icl_files: dict[str, str], *, eval_settings: dict,
-             eval_loader: dict | None = None) -> dict:
+             eval_loader: dict | None = None, suite: dict | None = None) -> dict:
     """Evaluate the Hugging Face model in ``model_dir``; return the eval.json record.
 
     Args:
         rc: the run's merged settings (:func:`llmpipe.config.run_config`: ``name``, ``data.concat_tokens``).
         model_dir: the Hugging Face export.
         data_dir: the MDS dataset folder (its ``val`` split is used).
-        icl_files: ICL task label -> jsonl path.
-        eval_settings: the config's ``eval`` section (``batch_size``, ``val_batches``, ``icl_tasks``).
+        icl_files: ICL task label -> the local jsonl file it is scored on (every task of ``suite``).
+        eval_settings: the config's ``eval`` section (``batch_size``, ``val_batches``).
+        suite: the run's ICL suite (:func:`llmpipe.eval_tasks.run_suite`: ``name``, ``icl_tasks``,
+            ``eval_gauntlet``); None: ``eval_settings["icl_tasks"]`` without a gauntlet.
         eval_loader: an llm-foundry loader config for the held-out metrics instead of ``data_dir``'s val split
             (a finetune's held-out instructions, see :func:`llmpipe.finetune.evaluate_finetune`).
 
     Returns:
-        ``{"val": {"loss", "perplexity", "token_accuracy"}, "icl": {label: {"<k>-shot": accuracy}},
-        "metrics": every metric llm-foundry computed, "processes", "fsdp" (whether it ran under FSDP), "items_counted"
-        (:func:`llmpipe.inference_placement.item_counts`), "seconds", ...}``. Loss in nats per token.
-        Every process of the job returns it, each with the metrics summed over all of them (torchmetrics syncs
-        when a metric is computed); the step writes rank 0's (:func:`llmpipe.dispatch.run_step`).
+        ``{"harness": "llm-foundry <version>", "val": {"loss", "perplexity", "token_accuracy", "tokens"},
+        "icl": {label: {"<k>-shot": accuracy}}, "tasks": {label: {"<k>-shot": {"accuracy", "items", ...}}},
+        "gauntlet": :func:`llmpipe.eval_tasks.gauntlet_average`, "metrics": every metric llm-foundry computed,
+        "processes", "fsdp" (whether it ran under FSDP), "seconds", ...}``. Loss in nats per token. Every process
+        of the job returns it, each with the metrics and counts summed over all of them (torchmetrics syncs when a
+        metric is computed); the step writes rank 0's (:func:`llmpipe.dispatch.run_step`).
+
+    Raises:
+        ValueError: a metric saw no data (it would be NaN), or an ICL task scored another number of items than it
+            has (:func:`llmpipe.eval_tasks.task_scores`).
     """
+    import llmfoundry
     import torch
     from llmfoundry.command_utils import evaluate as foundry_evaluate
     from omegaconf import OmegaConf
 
-    from llmpipe.inference_placement import foundry_parallel_settings, item_counts, node_scratch
+    from llmpipe.inference_placement import foundry_parallel_settings, node_scratch, per_rank_batches
     from llmpipe.train import export_dist_env
     dist_env = export_dist_env()
     world = int(dist_env["world_size"])
@@ -47,13 +60,9 @@ def evaluate(rc: dict, model_dir: str, data_dir: str | None, icl_files: dict[str
     seq = int(rc["data"]["concat_tokens"])
     bs = int(ecfg.get("batch_size", 8))
     on_gpu = torch.cuda.is_available()
-    tasks = []
-    for t in ecfg.get("icl_tasks", []):
-        kind = {"cloze": "language_modeling", "cloze_choice": "multiple_choice"}[t.get("kind", "cloze")]
-        tasks.append({"label": t["label"], "dataset_uri": os.path.abspath(icl_files[t["label"]]),
-                      "num_fewshot": [int(n) for n in t.get("num_fewshot", [0])], "icl_task_type": kind,
-                      "continuation_delimiter": "", "example_delimiter": "\n"})
-    items = max([int(t.get("num_items", 200)) for t in ecfg.get("icl_tasks", [])] or [0])
+    suite = suite or {"name": "default", "icl_tasks": ecfg.get("icl_tasks", []), "eval_gauntlet": None}
+    scratch = tempfile.mkdtemp(prefix="llmpipe-eval-")
+    tasks, task_info = eval_tasks.foundry_tasks(suite["icl_tasks"], icl_files, os.path.join(scratch, "subsets"))
     cfg = {
         "run_name": f"eval-{run}",
         "seed": 17,
@@ -69,14 +78,16 @@ def evaluate(rc: dict, model_dir: str, data_dir: str | None, icl_files: dict[str
             "tokenizer": {"name": os.path.abspath(model_dir), "kwargs": {"model_max_length": seq}},
         }],
         "icl_tasks": tasks,
-        "icl_subset_num_batches": math.ceil(items / bs) + 1 if items else None,
+        "icl_subset_num_batches": None,  # every item of every ICL task (subsets are files: subset_items)
         "eval_loader": eval_loader if eval_loader is not None else {
                         "name": "text",
                         "dataset": {"local": os.path.abspath(data_dir), "split": "val", "shuffle": False,
                                     "max_seq_len": seq},
                         "drop_last": False, "num_workers": 0, "prefetch_factor": None,
                         "persistent_workers": False},
-        "eval_subset_num_batches": int(ecfg.get("val_batches", -1)),
+        # -1 here: Trainer.eval would cap the ICL tasks too; the held-out loader is capped by this callback
+        "eval_subset_num_batches": -1,
+        "callbacks": {eval_tasks.register_heldout_cap(): {"batches": int(ecfg.get("val_batches", -1))}},
     }
     # more than one process: FSDP across them (llmpipe.inference_placement); metrics are summed over the ranks
     parallel = foundry_parallel_settings(world, on_gpu, cfg["eval_subset_num_batches"], cfg["icl_subset_num_batches"])
@@ -85,44 +96,57 @@ def evaluate(rc: dict, model_dir: str, data_dir: str | None, icl_files: dict[str
         fsdp_on_cpu()  # a host without a GPU (the CPU test) runs composer's FSDP on the CPU with gloo
         cfg["models"][0]["model"]["init_device"] = parallel.pop("model_init_device")
         cfg.update(parallel)
+        cap = cfg["callbacks"][eval_tasks.register_heldout_cap()]
+        cap["batches"] = per_rank_batches(cap["batches"], world)  # val_batches counts batches over all ranks
     t0 = time.time()
     # llm-foundry copies (symlinks) each ICL task file into the working folder; use a node-local scratch folder
     # so nothing lands in the user's folder and shared drives that refuse symlinks are never touched.
     cwd = os.getcwd()
-    with node_scratch(dist_env) as scratch:  # one folder for the node's ranks (llm-foundry's ICL file copies)
-        os.chdir(scratch)
-        try:
-            trainers, _ = foundry_evaluate(OmegaConf.create(cfg))
-        finally:
-            os.chdir(cwd)
+    try:
+        with node_scratch(dist_env) as work:  # one folder for the node's ranks (llm-foundry's ICL file copies)
+            os.chdir(work)
+            try:
+                trainers, _ = foundry_evaluate(OmegaConf.create(cfg))
+            finally:
+                os.chdir(cwd)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    state_metrics = trainers[0].state.eval_metrics
     metrics: dict[str, dict[str, float]] = {}
-    for label, mets in trainers[0].state.eval_metrics.items():
+    for label, mets in state_metrics.items():
         metrics[label] = {}
         for name, metric in mets.items():
-            try:
-                metrics[label][name] = float(metric.compute())
-            except Exception:  # noqa: BLE001 - a metric that saw no batch has no value
-                continue
-    counted = item_counts(trainers[0].state.eval_metrics)  # summed over the ranks
+            value = float(metric.compute())
+            if not math.isfinite(value):
+                raise ValueError(f"evaluation metric {label}/{name} is {value}: it saw no data. Fix: check "
+                                 f"eval.val_batches and the held-out data of {run}.")
+            metrics[label][name] = value
     heldout = metrics.get("eval", {})  # llm-foundry labels a single eval_loader "eval"
-    icl = {}
-    for label, mets in metrics.items():
-        if "/" in label:
-            task, shots = label.split("/", 1)
-            acc = next((v for k, v in mets.items() if "Accuracy" in k), None)
-            icl.setdefault(task, {})[shots] = acc
+    ce = state_metrics.get("eval", {}).get("LanguageCrossEntropy")
+    tokens = int(eval_tasks.metric_states(ce, "total_items")[0]) if ce is not None else 0
+    if not tokens:
+        raise ValueError(f"the held-out evaluation of {run} scored no token. Fix: check its held-out data.")
+    scores = eval_tasks.task_scores(state_metrics, task_info)
+    icl = {task: {shots: rec["accuracy"] for shots, rec in by_shot.items()} for task, by_shot in scores.items()}
+    for task, by_shot in scores.items():
+        for rec in by_shot.values():
+            rec.update({k: task_info[task][k] for k in ("items_in_file", "subset", "icl_task_type")})
     loss = heldout.get("LanguageCrossEntropy")
     return {
         "run": run,
         "model": model_dir,
         "val": {"loss": loss, "perplexity": heldout.get("LanguagePerplexity", math.exp(loss) if loss else None),
-                "token_accuracy": heldout.get("TokenAccuracy"), "batches": int(ecfg.get("val_batches", -1)),
+                "token_accuracy": heldout.get("TokenAccuracy"), "tokens": tokens,
+                "batches": int(ecfg.get("val_batches", -1)),
                 "batch_size": bs, "seq_len": seq},
+        "harness": f"llm-foundry {llmfoundry.__version__}",
+        "suite": suite.get("name"),
         "icl": icl,
+        "tasks": scores,
+        "gauntlet": eval_tasks.gauntlet_average(scores, suite.get("eval_gauntlet")),
         "metrics": metrics,
         "device": torch.cuda.get_device_name() if on_gpu else "cpu",
         "processes": world,
         "fsdp": bool(trainers[0].state.fsdp_enabled),
-        "items_counted": counted,
         "seconds": round(time.time() - t0, 2),
     }

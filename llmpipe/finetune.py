@@ -229,7 +229,7 @@ class FinetuneTask(TrainTask):
 # ------------------------------------------------------------------------------------------- evaluation
 
 def evaluate_finetune(rc: dict, model_dir: str, instructions_dir: str, icl_files: dict[str, str], *,
-                      eval_settings: dict) -> dict:
+                      eval_settings: dict, suite: dict | None = None) -> dict:
     """Evaluate a finetune's Hugging Face export on its held-out split and the ICL tasks; return eval.json.
 
     The shared evaluation (:func:`llmpipe.evaluate.evaluate`: ICL tasks, metrics, record) with llm-foundry's
@@ -241,7 +241,8 @@ def evaluate_finetune(rc: dict, model_dir: str, instructions_dir: str, icl_files
         model_dir: the finetune's Hugging Face export.
         instructions_dir: the prepared instruction set (its held-out ``test`` split is used).
         icl_files: ICL task label -> jsonl path.
-        eval_settings: the config's ``eval`` section (``batch_size``, ``val_batches``, ``icl_tasks``).
+        eval_settings: the config's ``eval`` section (``batch_size``, ``val_batches``).
+        suite: the run's ICL suite (as :func:`llmpipe.evaluate.evaluate` takes it).
 
     Returns:
         pretraining's eval.json keys (``val``: loss, perplexity, token_accuracy; ``icl``; ``metrics`` ...), with
@@ -252,7 +253,7 @@ def evaluate_finetune(rc: dict, model_dir: str, instructions_dir: str, icl_files
     os.environ.setdefault("MAX_NUM_PROC", "1")  # llm-foundry tokenizes with cpu_count - 8 processes
     loader = finetuning_loader(rc, instructions_dir, "test")
     loader.update(num_workers=0, prefetch_factor=None, persistent_workers=False)
-    result = evaluate(rc, model_dir, None, icl_files, eval_settings=eval_settings, eval_loader=loader)
+    result = evaluate(rc, model_dir, None, icl_files, eval_settings=eval_settings, eval_loader=loader, suite=suite)
     result["kind"] = "finetune"
     result["val"].update(split="test", tokens="response")
     return result

@@ -114,7 +114,8 @@ def eval_tokens(eval_settings: Mapping, seq_len: int) -> int:
 
 # ------------------------------------------------------------------------------------------- in the job (torch)
 
-def _per_rank(batches: int | None, world_size: int) -> int | None:
+def per_rank_batches(batches: int | None, world_size: int) -> int | None:
+    """A batch limit over all ranks (``None`` or negative: every batch) as each rank's share, rounded up."""
     return batches if batches is None or int(batches) < 0 else math.ceil(int(batches) / world_size)
 
 
@@ -141,23 +142,9 @@ def foundry_parallel_settings(world_size: int, on_gpu: bool, eval_subset_num_bat
     return {"fsdp_config": {"sharding_strategy": "FULL_SHARD", "mixed_precision": "DEFAULT",
                             "sync_module_states": bool(on_gpu), "use_orig_params": True, "limit_all_gathers": True,
                             "state_dict_type": "full"},
-            "eval_subset_num_batches": _per_rank(eval_subset_num_batches, int(world_size)),
-            "icl_subset_num_batches": _per_rank(icl_subset_num_batches, int(world_size)),
+            "eval_subset_num_batches": per_rank_batches(eval_subset_num_batches, int(world_size)),
+            "icl_subset_num_batches": per_rank_batches(icl_subset_num_batches, int(world_size)),
             "model_init_device": "mixed" if on_gpu else "cpu"}
-
-
-def item_counts(eval_metrics: Mapping) -> dict[str, dict[str, int]]:
-    """What each metric counted over every rank (ICL: questions; held-out cross entropy: tokens), by evaluator label
-    and metric name: its ``total`` or ``total_items`` state summed over the ranks (torchmetrics ``sync_context``, a
-    collective: every rank calls it, in the same order). Metrics without such a state are left out."""
-    out: dict[str, dict[str, int]] = {}
-    for label, mets in eval_metrics.items():
-        for name, metric in mets.items():
-            state = next((s for s in ("total", "total_items") if hasattr(metric, s)), None)
-            if state is not None:
-                with metric.sync_context():
-                    out.setdefault(label, {})[name] = int(getattr(metric, state))
-    return out
 
 
 @contextlib.contextmanager

@@ -130,18 +130,28 @@ def _params(config: dict, run: str) -> int | None:
 
 
 def eval_accuracy(ev: dict | None) -> tuple[float | None, dict[str, float]]:
-    """(held-out token accuracy, ``{"ICL <task> (<setting>)": accuracy}`` for every ICL task) from an eval.json."""
+    """(held-out token accuracy, ICL accuracy columns) from an eval.json.
+
+    Each column names its benchmark, shot count and the harness that scored it (``ICL hellaswag (10-shot)
+    [llm-foundry 0.22.0]``), so results of two harnesses are never mixed in one column; an eval.json with a
+    gauntlet adds ``ICL gauntlet average (<suite>) [<harness>]``. An eval.json without a harness (written before
+    it was recorded) gives the bare ``ICL <task> (<setting>)``.
+    """
     if not ev:
         return None, {}
     tok = (ev.get("val") or {}).get("token_accuracy")
+    tag = f" [{ev['harness']}]" if ev.get("harness") else ""
     icl = {}
     for task, val in (ev.get("icl") or {}).items():
         if isinstance(val, dict):
             for setting, acc in val.items():
                 if isinstance(acc, (int, float)):
-                    icl[f"ICL {task} ({setting})"] = round(float(acc), 4)
+                    icl[f"ICL {task} ({setting}){tag}"] = round(float(acc), 4)
         elif isinstance(val, (int, float)):
-            icl[f"ICL {task}"] = round(float(val), 4)
+            icl[f"ICL {task}{tag}"] = round(float(val), 4)
+    avg = (ev.get("gauntlet") or {}).get("average")
+    if isinstance(avg, (int, float)):
+        icl[f"ICL gauntlet average ({ev.get('suite')}){tag}"] = round(float(avg), 4)
     return tok, icl
 
 

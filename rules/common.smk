@@ -50,12 +50,14 @@ wildcard_constraints:
     tokenizer=r"[A-Za-z0-9_.-]+",
     concat=r"\d+",
     label=r"[A-Za-z0-9_.-]+",
+    suite=r"[A-Za-z0-9_.-]+",
 
 
 # ------------------------------------------------------------------------------------------- step identity
 # Each step module of llmpipe/steps/ gives its identity as a dict; identity_text makes it the canonical text a
 # rule's `params: identity=` holds, here at the rule boundary only. Snakemake reruns a step when that text changes.
 from llmpipe import allreduce as allreduce_mod
+from llmpipe import eval_tasks
 from llmpipe import report as report_mod
 from llmpipe import scaling as scaling_mod
 from llmpipe.dispatch import check_executor
@@ -89,8 +91,16 @@ def tokenizer_manifest_of_run(wildcards):
 
 
 def icl_task_files(wildcards):
+    """The ICL task files of the run's suite that are inputs: those the project builds and local ones (the suite
+    is checked here, in the dry run too: llmpipe.eval_tasks.check_suite); llm-foundry's standard files come
+    with eval_task_data_input."""
     corpus = run_cfg(wildcards)["data"]["corpus"]
-    return [f"{RESULTS}/data/{corpus}/icl/{t['label']}.jsonl" for t in config["eval"]["icl_tasks"]]
+    name, suite = eval_tasks.check_suite(config, wildcards.run)
+    return [
+        eval_tasks.task_path(t, results_dir=RESULTS, corpus=corpus, suite=name)
+        for t in suite["icl_tasks"]
+        if eval_tasks.data_source(t) != "foundry"
+    ]
 
 
 _PREFLIGHT_DONE = set()
@@ -292,6 +302,24 @@ def eval_identity(wildcards):
     return identity_text(eval_steps.eval_identity(config, wildcards.run))
 
 
+def eval_task_data_input(wildcards):
+    """The manifest of the run's suite's llm-foundry task files (rule eval_task_data); [] when it has none."""
+    name, suite = eval_tasks.run_suite(config, wildcards.run)
+    files = eval_tasks.foundry_files(suite["icl_tasks"])
+    eval_tasks.check_task_data(config, files)
+    return [f"{RESULTS}/data/eval-tasks/{name}/manifest.json"] if files else []
+
+
+def eval_task_data_identity(wildcards):
+    return identity_text(eval_steps.eval_task_data_identity(config, wildcards.suite))
+
+
+def generation_of_run(wildcards):
+    """The run's generation: the evaluation target runs every stage. ancient(): a new generation (a prompt
+    change) never reruns the evaluation."""
+    return ancient(f"{RESULTS}/{wildcards.run}/generate.json")
+
+
 # ------------------------------------------------------------------------------------------- second harness (rules/lm_eval.smk)
 from llmpipe.steps import lm_eval_harness as lm_eval_steps
 
@@ -351,9 +379,9 @@ def finetune_inputs(wildcards):
 
 
 def finetune_icl_files(wildcards):
-    """The ICL task files of the finetune's eval, built from its ICL corpus (the base run's corpus by default)."""
-    corpus = finetune_cfg(wildcards)["data"]["icl_corpus"]
-    return [f"{RESULTS}/data/{corpus}/icl/{t['label']}.jsonl" for t in config["eval"]["icl_tasks"]]
+    """The ICL task files of the finetune's eval (built ones from its ICL corpus, the base run's by default)."""
+    finetune_cfg(wildcards)
+    return icl_task_files(wildcards)
 
 
 def instructions_identity(wildcards):

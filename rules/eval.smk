@@ -1,4 +1,17 @@
-# Evaluation on unseen data: held-out LM metrics on the val split and in-context-learning accuracy.
+# Evaluation on unseen data: held-out LM metrics on the val split and in-context-learning accuracy on every item of
+# the run's ICL suite (llmpipe/eval_tasks.py), whose standard task files are fetched once, beforehand.
+
+
+rule eval_task_data:
+    output:
+        f"{RESULTS}/data/eval-tasks/{{suite}}/manifest.json",
+    log:
+        f"{LOGS}/eval-tasks/{{suite}}.log",
+    threads: 1
+    params:
+        identity=eval_task_data_identity,
+    script:
+        "../scripts/eval_task_data.py"
 
 
 rule eval:
@@ -6,6 +19,8 @@ rule eval:
         model=f"{RESULTS}/{{run}}/hf/manifest.json",
         data=verified_dataset,
         icl=icl_task_files,
+        task_data=eval_task_data_input,
+        generation=generation_of_run,
     output:
         f"{RESULTS}/{{run}}/eval.json",
     log:

@@ -58,6 +58,8 @@ rule finetune_eval:
         model=f"{RESULTS}/{{run}}/hf/manifest.json",
         instructions=instructions_manifest,
         icl=finetune_icl_files,
+        task_data=eval_task_data_input,
+        generation=generation_of_run,
     output:
         f"{RESULTS}/{{run}}/eval.json",
     log:

@@ -44,6 +44,13 @@ def test_tiny_pipeline_trains_and_evaluates(tiny_run):
     assert 0 < ev["val"]["token_accuracy"] < 1
     assert "cloze_heldout" in ev["icl"] and 0 <= ev["icl"]["cloze_heldout"]["0-shot"] <= 1
     assert 0 < ev["icl"]["cloze_choice_heldout"]["0-shot"] <= 1  # 4-way choice: some items right
+    # every item of each task is scored, whatever eval.batch_size and eval.val_batches (which caps the held-out loader)
+    for task in ("cloze_heldout", "cloze_choice_heldout"):
+        rec = ev["tasks"][task]["0-shot"]
+        lines = (tiny_run / f"results/data/builtin-docs/icl/{task}.jsonl").read_text().splitlines()
+        assert rec["items"] == rec["items_in_file"] == len(lines) and rec["subset"] is False
+    assert ev["harness"].startswith("llm-foundry ") and ev["suite"] == "default"
+    assert ev["gauntlet"]["over"] == ["heldout_text"] and math.isfinite(ev["gauntlet"]["average"])
 
     gen = load(tiny_run, "mpt-tiny/generate.json")
     assert [o["prompt"] for o in gen["outputs"]] == cfg["generate"]["prompts"]

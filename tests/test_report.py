@@ -64,7 +64,10 @@ def test_tables_and_plots_from_the_tiny_run(tiny_run, tmp_path):
     assert row["checkpoint size (GiB)"] == round(train["checkpoint_size_bytes"] / 2**30, 3)
     assert row["conversion, inference & eval ok"] == "Y"
     assert row["eval accuracy (held-out tokens)"] == round(ev["val"]["token_accuracy"], 4)
-    assert row["ICL cloze_heldout (0-shot)"] == round(ev["icl"]["cloze_heldout"]["0-shot"], 4)
+    tag = f"[{ev['harness']}]"
+    assert ev["harness"].startswith("llm-foundry ")
+    assert row[f"ICL cloze_heldout (0-shot) {tag}"] == round(ev["icl"]["cloze_heldout"]["0-shot"], 4)
+    assert row[f"ICL gauntlet average (default) {tag}"] == round(ev["gauntlet"]["average"], 4)
     # CPU: no MFU
     assert math.isnan(row["MFU, whole run"]) and math.isnan(row["MFU, steady state"]) and row["device"] == "cpu"
     assert row["ratio batches / 125M batches"] == round(120 / 4800, 2)

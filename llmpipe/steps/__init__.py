@@ -14,7 +14,7 @@ module                 rules
 :mod:`.train`          train, finetune
 :mod:`.convert`        convert
 :mod:`.generate`       generate
-:mod:`.evaluate`       eval, finetune_eval
+:mod:`.evaluate`       eval, finetune_eval, eval_task_data
 :mod:`.scaling`        scaling_train, scaling_table
 :mod:`.allreduce`      allreduce, allreduce_plot, allreduce_health, allreduce_gate, scaling_allreduce_gate
 :mod:`.report`         report, report_run
@@ -79,6 +79,7 @@ RULES: dict[str, Rule] = {
     "eval": Rule(evaluate.evaluate, "eval/{run}", evaluate.eval_resources),
     "finetune_eval": Rule(evaluate.finetune_eval, "eval/{run}", evaluate.eval_resources),
     "lm_eval": Rule(lm_eval_harness.lm_eval, "lm_eval/{run}", lm_eval_harness.lm_eval_resources),
+    "eval_task_data": Rule(evaluate.eval_task_data),
     "scaling_train": Rule(scaling.scaling_train, "scaling/{run}-nodes{nodes}", scaling.study_resources),
     "scaling_table": Rule(scaling.scaling_table),
     "allreduce": Rule(allreduce.allreduce, "allreduce/nodes{nodes}", allreduce.bench_job_resources),

@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 
 from llmpipe.config import step_resources, validate_data_prep
+from llmpipe.eval_tasks import built_task
 from llmpipe.steps.context import StepContext, read_json
 
 #: Bump a step's version when a change in our code changes what that step produces: the version is part of the
@@ -54,8 +55,8 @@ def verify_identity(config: dict, corpus: str, tok: str, concat: int) -> dict:
 
 
 def icl_task_identity(config: dict, label: str) -> dict:
-    """What determines an ICL task file: its entry of ``eval.icl_tasks`` (kind, items, seed, shots)."""
-    task = next((t for t in config["eval"]["icl_tasks"] if t["label"] == label), None)
+    """What determines an ICL task file: its entry (kind, items, seed, shots) in ``eval.icl_tasks`` or a suite."""
+    task = built_task(config, label)
     return {"step": "icl_task", "version": VERSIONS["icl_task"], "task": task}
 
 
@@ -141,11 +142,11 @@ def icl_task(ctx: StepContext) -> dict:
     """Rule ``icl_task``: build an in-context-learning task from held-out (validation) text.
 
     Raises:
-        ValueError: ``eval.icl_tasks[<label>].kind`` is not ``cloze`` or ``cloze_choice``.
+        ValueError: the task's ``kind`` is not ``cloze`` or ``cloze_choice``.
     """
     from llmpipe.data.icl import build_cloze_choice_task, build_cloze_task
 
-    task = next(t for t in ctx.config["eval"]["icl_tasks"] if t["label"] == ctx.wildcards.label)
+    task = built_task(ctx.config, ctx.wildcards.label)
     kind = task.get("kind", "cloze")
     builders = {"cloze": build_cloze_task, "cloze_choice": build_cloze_choice_task}
     if kind not in builders:

@@ -1,26 +1,38 @@
 """Evaluation steps: held-out metrics and ICL accuracy of an exported model (rules ``eval`` and ``finetune_eval``).
 
 A pretraining run is evaluated on the val split of its MDS dataset, a finetune on the held-out split of its
-instruction set (response tokens only); both on the ICL tasks of ``eval.icl_tasks``.
+instruction set (response tokens only); both on every item of the ICL tasks of the run's suite
+(:mod:`llmpipe.eval_tasks`), whose standard data the rule ``eval_task_data`` fetches beforehand.
 """
 
 from __future__ import annotations
 
 import os
 
+from llmpipe import eval_tasks
 from llmpipe.config import run_config, step_resources
 from llmpipe.steps.context import StepContext
 from llmpipe.steps.data import instructions_identity
 
 #: Bump when a change in our code changes eval.json (reruns evaluation).
-VERSIONS = {"eval": 1, "finetune_eval": 1}
+VERSIONS = {"eval": 2, "finetune_eval": 2, "eval_task_data": 1}
 
 
 def eval_identity(config: dict, run: str) -> dict:
-    """What determines eval.json besides its inputs: eval-only settings (val batches, batch size, ICL tasks)."""
+    """What determines eval.json besides its inputs: eval-only settings (val batches, batch size) and the run's
+    ICL suite (its tasks and gauntlet)."""
     e = config["eval"]
     return {"step": "eval", "version": VERSIONS["eval"], "val_batches": e.get("val_batches"),
-            "batch_size": e.get("batch_size"), "icl_tasks": e.get("icl_tasks")}
+            "batch_size": e.get("batch_size"), **eval_tasks.suite_identity(config, run)}
+
+
+def eval_task_data_identity(config: dict, suite: str) -> dict:
+    """What determines a suite's fetched task files: the files and where they come from (a local mirror's folder
+    is left out, as for corpora: the same files read from another path are the same files)."""
+    td = config["eval"]["task_data"]
+    return {"step": "eval_task_data", "version": VERSIONS["eval_task_data"],
+            "files": eval_tasks.foundry_files(eval_tasks.suite(config, suite)["icl_tasks"]),
+            "revision": td.get("revision"), "base_url": td.get("base_url") if td.get("source") != "local" else None}
 
 
 def finetune_eval_identity(config: dict, run: str) -> dict:
@@ -36,9 +48,28 @@ def eval_resources(config: dict, wildcards) -> dict:
     return step_resources(config, "eval", wildcards.run)
 
 
-def icl_files(ctx: StepContext) -> dict[str, str]:
-    """ICL task label -> its task file among the rule's ``icl`` inputs (in ``eval.icl_tasks`` order)."""
-    return dict(zip([t["label"] for t in ctx.config["eval"]["icl_tasks"]], list(ctx.input.icl), strict=True))
+def icl_suite(ctx: StepContext) -> tuple[dict, dict[str, str]]:
+    """The run's suite (``name``, ``icl_tasks``, ``eval_gauntlet``) and ICL task label -> the file it is scored on
+    (:func:`llmpipe.eval_tasks.task_path`; the rule's inputs are those files or the manifest of their folder)."""
+    run = ctx.wildcards.run
+    name, s = eval_tasks.run_suite(ctx.config, run)
+    corpus = run_config(ctx.config, run)["data"]["corpus"]
+    files = {t["label"]: eval_tasks.task_path(t, results_dir=ctx.config["results_dir"], corpus=corpus, suite=name)
+             for t in s["icl_tasks"]}
+    return {"name": name, "icl_tasks": s["icl_tasks"], "eval_gauntlet": s["eval_gauntlet"]}, files
+
+
+def eval_task_data(ctx: StepContext) -> dict:
+    """Rule ``eval_task_data``: fetch (or copy from ``eval.task_data.local_dir``) the llm-foundry task files of
+    a suite, here on the machine running Snakemake (compute nodes are often offline)."""
+    from llmpipe.eval_data import fetch_task_files
+
+    suite = ctx.wildcards.suite
+    td = ctx.config["eval"]["task_data"]
+    files = eval_tasks.foundry_files(eval_tasks.suite(ctx.config, suite)["icl_tasks"])
+    manifest = fetch_task_files(files, os.path.dirname(ctx.output[0]), td)
+    ctx.log(f"{len(files)} task files of suite {suite} from {manifest.get('local_dir') or manifest['base_url']}")
+    return {"task_data": td, "files": files}
 
 
 def evaluate(ctx: StepContext) -> dict:
@@ -46,9 +77,10 @@ def evaluate(ctx: StepContext) -> dict:
     from llmpipe.evaluate import evaluate as evaluate_model
 
     run = ctx.wildcards.run
+    suite, files = icl_suite(ctx)
     result = ctx.dispatch(evaluate_model, run_config(ctx.config, run), os.path.dirname(ctx.input.model),
-                          os.path.join(os.path.dirname(ctx.input.data), "mds"), icl_files(ctx),
-                          eval_settings=ctx.config["eval"], step=f"eval {run}")
+                          os.path.join(os.path.dirname(ctx.input.data), "mds"), files,
+                          eval_settings=ctx.config["eval"], suite=suite, step=f"eval {run}")
     ctx.write_json(result)
     return {"eval": ctx.config["eval"], "run": run_config(ctx.config, run), "resources": ctx.resources}
 
@@ -58,8 +90,9 @@ def finetune_eval(ctx: StepContext) -> dict:
     from llmpipe.finetune import evaluate_finetune
 
     run = ctx.wildcards.run
+    suite, files = icl_suite(ctx)
     result = ctx.dispatch(evaluate_finetune, run_config(ctx.config, run), os.path.dirname(ctx.input.model),
-                          os.path.dirname(ctx.input.instructions), icl_files(ctx), eval_settings=ctx.config["eval"],
-                          step=f"eval {run}")
+                          os.path.dirname(ctx.input.instructions), files, eval_settings=ctx.config["eval"],
+                          suite=suite, step=f"eval {run}")
     ctx.write_json(result)
     return {"eval": ctx.config["eval"], "run": run_config(ctx.config, run), "resources": ctx.resources}

@@ -1,0 +1,458 @@
+"""In-context-learning suites: which tasks a run is scored on, their checks, llm-foundry's task list, the scores.
+
+A suite is llm-foundry's own pair of lists (its ``scripts/eval/yamls/tasks_v0.3.yaml`` and
+``eval_gauntlet_v0.3.yaml``): ``icl_tasks``, each task in llm-foundry's task-list keys (:data:`TASK_KEYS`), and
+``eval_gauntlet`` (categories of benchmarks with their random baselines). A run is scored on the suite its
+``eval_suite`` names (``models.<run>``, ``model_defaults``, ``finetunes.<run>``, ``finetune_defaults``, else
+``eval.suite``): a key of ``eval.suites``, or ``default`` for ``eval.icl_tasks`` with ``eval.eval_gauntlet``.
+
+A task's data is one of:
+
+* built by the project from the run's held-out text (``kind: cloze | cloze_choice``, no ``dataset_uri``;
+  :mod:`llmpipe.data.icl`), at ``results/data/<corpus>/icl/<label>.jsonl``;
+* llm-foundry's standard data (``dataset_uri: eval/local_data/<category>/<file>.jsonl``, as its task lists write
+  it), fetched by the ``eval_task_data`` rule into ``results/data/eval-tasks/<suite>/`` (:mod:`llmpipe.eval_data`);
+* a local jsonl file (any other path; relative paths are read from the working folder).
+
+Every item of a task is scored unless the task sets ``subset_items`` (then its first ``subset_items`` items,
+recorded as a subset), whatever the batch sizes. No module here imports torch: the checks run in the dry run.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping
+
+from llmpipe.eval_data import FOUNDRY_PREFIX, count_items
+from llmpipe.settings import ConfigError
+
+#: Task types llm-foundry 0.22 registers (llmfoundry/eval/datasets/__init__.py) and the keys of a task each one
+#: takes: llm-foundry's build_icl_evaluators reads label, dataset_uri, icl_task_type, num_fewshot, metric_names,
+#: max_seq_len, batch_size, has_categories, early_stopping_criteria, question_prelimiter and passes the rest to
+#: the dataset's constructor, which refuses a key it does not know.
+COMMON_KEYS = ("label", "dataset_uri", "icl_task_type", "num_fewshot", "metric_names", "max_seq_len", "batch_size",
+               "has_categories", "fewshot_random_seed", "prompt_string", "example_delimiter",
+               "continuation_delimiter", "question_prelimiter", "prelimiter", "strip_dataset", "generation_kwargs")
+TYPE_KEYS = {
+    "language_modeling": ("context_key",),
+    "multiple_choice": ("context_key", "answer_key", "choices_key"),
+    "schema": ("answer_key", "choices_key"),
+    "generation_task_with_answers": ("context_key", "answer_key", "cot_delimiter", "early_stopping_criteria",
+                                     "do_normalization"),
+}
+#: Every llm-foundry task key this project passes on (the config schema lists the same).
+TASK_KEYS = tuple(dict.fromkeys(COMMON_KEYS + sum(TYPE_KEYS.values(), ())))
+#: Keys of ours: ``kind``, ``num_items``, ``seed`` (a task the project builds), ``subset_items`` (score a subset).
+OWN_KEYS = ("kind", "num_items", "seed", "subset_items")
+#: A task the project builds: its kind -> llm-foundry task type and delimiters (see llmpipe.data.icl).
+BUILT_KINDS = {"cloze": {"icl_task_type": "language_modeling", "continuation_delimiter": "", "example_delimiter": "\n"},
+               "cloze_choice": {"icl_task_type": "multiple_choice", "continuation_delimiter": "",
+                                "example_delimiter": "\n"}}
+DEFAULT_SUITE = "default"
+_REMOTE = ("hf://", "s3://", "gs://", "oci://", "http://", "https://", "dbfs:", "uc://")
+
+
+# ------------------------------------------------------------------------------------------- which suite
+
+def suite_name(config: Mapping, run: str) -> str:
+    """The suite a run is scored on: its own ``eval_suite``, its defaults' (``model_defaults`` or
+    ``finetune_defaults``), else ``eval.suite``."""
+    fts = config.get("finetunes") or {}
+    if run in fts:
+        sections = [fts.get(run) or {}, config.get("finetune_defaults") or {}]
+    else:
+        sections = [(config.get("models") or {}).get(run) or {}, config.get("model_defaults") or {}]
+    for s in sections:
+        if s.get("eval_suite"):
+            return str(s["eval_suite"])
+    return str((config.get("eval") or {}).get("suite") or DEFAULT_SUITE)
+
+
+def suite(config: Mapping, name: str) -> dict:
+    """``{"icl_tasks": [...], "eval_gauntlet": {...} | None}`` of a suite name (``default``: ``eval.icl_tasks``).
+
+    Raises:
+        ConfigError: no such suite (naming the known ones).
+    """
+    e = config.get("eval") or {}
+    if name == DEFAULT_SUITE:
+        return {"icl_tasks": list(e.get("icl_tasks") or []), "eval_gauntlet": e.get("eval_gauntlet"),
+                "where": "eval.icl_tasks"}
+    suites = e.get("suites") or {}
+    if name not in suites:
+        raise ConfigError(f"eval suite {name!r} is not defined: known ones are {DEFAULT_SUITE} (eval.icl_tasks), "
+                          f"{', '.join(sorted(suites))}. Fix: set the run's eval_suite to one of them, or add "
+                          f"eval.suites.{name}: {{icl_tasks: [...], eval_gauntlet: ...}}.")
+    s = suites[name] or {}
+    return {"icl_tasks": list(s.get("icl_tasks") or []), "eval_gauntlet": s.get("eval_gauntlet"),
+            "where": f"eval.suites.{name}.icl_tasks"}
+
+
+def run_suite(config: Mapping, run: str) -> tuple[str, dict]:
+    """(suite name, :func:`suite`) of a run."""
+    name = suite_name(config, run)
+    return name, suite(config, name)
+
+
+# ------------------------------------------------------------------------------------------- where the data is
+
+def data_source(task: Mapping) -> str:
+    """``built`` (the project builds it), ``foundry`` (llm-foundry's standard data) or ``local`` (a file)."""
+    if task.get("kind") and not task.get("dataset_uri"):
+        return "built"
+    uri = str(task.get("dataset_uri") or "")
+    return "foundry" if uri.startswith(FOUNDRY_PREFIX) else "local"
+
+
+def foundry_files(tasks: list[Mapping]) -> list[str]:
+    """The llm-foundry data paths (``eval/local_data/...``) of a suite's tasks, sorted, without repeats."""
+    return sorted({t["dataset_uri"] for t in tasks if data_source(t) == "foundry"})
+
+
+def task_path(task: Mapping, *, results_dir: str, corpus: str, suite: str) -> str:
+    """The jsonl file a task is scored on (see the module docstring)."""
+    src = data_source(task)
+    if src == "built":
+        return f"{results_dir}/data/{corpus}/icl/{task['label']}.jsonl"
+    if src == "foundry":
+        return f"{task_data_dir(results_dir, suite)}/{task['dataset_uri']}"
+    return str(task["dataset_uri"])
+
+
+def task_data_dir(results_dir: str, suite: str) -> str:
+    """Where the ``eval_task_data`` rule puts a suite's standard task files (and its manifest.json)."""
+    return f"{results_dir}/data/eval-tasks/{suite}"
+
+
+def built_task(config: Mapping, label: str) -> dict:
+    """The project-built task (``kind``) with this label, from ``eval.icl_tasks`` or any suite.
+
+    Raises:
+        ConfigError: none has this label, or two suites define it differently (they share one file).
+    """
+    e = config.get("eval") or {}
+    found: dict[str, Mapping] = {}
+    lists = {"eval.icl_tasks": e.get("icl_tasks") or []}
+    lists.update({f"eval.suites.{n}.icl_tasks": (s or {}).get("icl_tasks") or []
+                  for n, s in (e.get("suites") or {}).items()})
+    for where, tasks in lists.items():
+        for t in tasks:
+            if isinstance(t, Mapping) and t.get("label") == label and data_source(t) == "built":
+                found[where] = t
+    if not found:
+        raise ConfigError(f"no ICL task built by the project has the label {label!r}. Fix: add it (with `kind`) to "
+                          f"eval.icl_tasks or a suite.")
+    first = next(iter(found.values()))
+    for where, t in found.items():
+        if dict(t) != dict(first):
+            raise ConfigError(f"the built task {label!r} differs between {' and '.join(found)}; both would write "
+                              f"results/data/<corpus>/icl/{label}.jsonl. Fix: give one another label.")
+    return dict(first)
+
+
+# ------------------------------------------------------------------------------------------- checks (dry run)
+
+def check_suite(config: Mapping, run: str) -> tuple[str, dict]:
+    """Check the suite of a run before anything runs; return :func:`run_suite`.
+
+    Checks: the suite exists; labels are unique; each task is either built (``kind``) or has a ``dataset_uri``;
+    no remote URI (evaluation never uses the network); keys fit the task's type; a local file exists and has
+    items; ``num_fewshot`` leaves at least one other item (built tasks: ``num_items``; local files: their items);
+    ``subset_items`` is at most the items of a local file; gauntlet benchmarks name a task and shot count of the
+    suite with a baseline in [0, 1).
+
+    Raises:
+        ConfigError: naming the setting's path and the fix.
+    """
+    name, s = run_suite(config, run)
+    where = s["where"]
+    seen: dict[str, int] = {}
+    shots: dict[str, set[int]] = {}
+    if name == DEFAULT_SUITE and (config.get("eval") or {}).get("suites", {}).get(DEFAULT_SUITE):
+        raise ConfigError(f"eval.suites.{DEFAULT_SUITE}: the name {DEFAULT_SUITE!r} means eval.icl_tasks. Fix: "
+                          f"rename that suite.")
+    for i, t in enumerate(s["icl_tasks"]):
+        at = f"{where}[{i}]"
+        label = t["label"]
+        if label in seen:
+            raise ConfigError(f"{where}[{seen[label]}] and {at} have the same label {label!r} (each is a key of "
+                              f"eval.json). Fix: give {at}.label another name.")
+        seen[label] = i
+        if label == "eval":
+            raise ConfigError(f"{at}.label is 'eval', llm-foundry's name for the held-out loader. Fix: rename it.")
+        check_task(t, at)
+        shots[label] = {int(n) for n in t.get("num_fewshot", [0])}
+    g = s.get("eval_gauntlet")
+    for c, cat in enumerate((g or {}).get("categories") or []):
+        for b, bench in enumerate(cat.get("benchmarks") or []):
+            at = f"{where[:-len('icl_tasks')]}eval_gauntlet.categories[{c}].benchmarks[{b}]"
+            if int(bench["num_fewshot"]) not in shots.get(bench["name"], set()):
+                raise ConfigError(f"{at} is {bench['name']} at {bench['num_fewshot']} shots, which no task of "
+                                  f"{where} scores. Fix: add that task (or shot count), or drop the benchmark.")
+            if not 0 <= float(bench["random_baseline"]) < 1:
+                raise ConfigError(f"{at}.random_baseline is {bench['random_baseline']}; it must be in [0, 1) "
+                                  f"(chance accuracy). Fix: e.g. 0.25 for 4 choices, 0 for free answers.")
+    return name, s
+
+
+def check_task_data(config: Mapping, files: list[str]) -> None:
+    """Check ``eval.task_data`` for a suite that needs ``files`` (llm-foundry paths): a local source names an
+    existing folder that holds them.
+
+    Raises:
+        ConfigError: naming the setting, the first missing file and the fix.
+    """
+    td = (config.get("eval") or {}).get("task_data") or {}
+    if td.get("source") != "local" or not files:
+        return
+    root = td.get("local_dir")
+    if not root or not os.path.isdir(root):
+        raise ConfigError(f"eval.task_data.local_dir is {root!r}, not a folder; with source: local it must hold "
+                          f"llm-foundry's scripts/ layout ({FOUNDRY_PREFIX}<category>/<file>.jsonl). Fix: set it "
+                          f"(README: Evaluation, standard benchmarks) or use source: github.")
+    missing = [f for f in files if not os.path.isfile(os.path.join(root, f))]
+    if missing:
+        raise ConfigError(f"eval.task_data.local_dir {root!r} lacks {len(missing)} of the suite's files, e.g. "
+                          f"{missing[0]}. Fix: mirror llm-foundry's scripts/eval/local_data there (README).")
+
+
+def check_task(t: Mapping, at: str) -> None:
+    """The checks of :func:`check_suite` on one task at config path ``at``."""
+    src = data_source(t)
+    if t.get("kind") and t.get("dataset_uri"):
+        raise ConfigError(f"{at} sets both kind (a task the project builds) and dataset_uri. Fix: keep one.")
+    if not t.get("kind") and not t.get("dataset_uri"):
+        raise ConfigError(f"{at} ({t['label']}) has no data: set dataset_uri (e.g. eval/local_data/"
+                          f"commonsense_reasoning/piqa.jsonl, or a local .jsonl) or kind: cloze | cloze_choice.")
+    ttype = BUILT_KINDS[t["kind"]]["icl_task_type"] if src == "built" else t.get("icl_task_type")
+    if ttype not in TYPE_KEYS:
+        raise ConfigError(f"{at}.icl_task_type is {ttype!r}; it must be one of {', '.join(TYPE_KEYS)} (the types "
+                          f"llm-foundry 0.22 scores). Fix: set it.")
+    allowed = set(COMMON_KEYS) | set(TYPE_KEYS[ttype]) | set(OWN_KEYS)
+    for key in t:
+        if key not in allowed:
+            raise ConfigError(f"{at}.{key} is not taken by a {ttype} task (llm-foundry would refuse it). Fix: drop "
+                              f"it; a {ttype} task takes {', '.join(sorted(set(TYPE_KEYS[ttype])))} besides the "
+                              f"common keys.")
+    if src != "built" and any(k in t for k in ("num_items", "seed", "kind")):
+        raise ConfigError(f"{at}: num_items and seed are settings of a task the project builds (kind). Fix: use "
+                          f"subset_items to score part of a file.")
+    uri = str(t.get("dataset_uri") or "")
+    if uri.startswith(_REMOTE):
+        raise ConfigError(f"{at}.dataset_uri is {uri!r}: evaluation reads local files only (compute nodes are often "
+                          f"offline). Fix: use llm-foundry's eval/local_data/<category>/<file>.jsonl (fetched by "
+                          f"the eval_task_data step) or a local .jsonl file.")
+    fewshot = [int(n) for n in t.get("num_fewshot", [0])]
+    if not fewshot:
+        raise ConfigError(f"{at}.num_fewshot is empty. Fix: list the shot counts, e.g. [0].")
+    items = None
+    if src == "built":
+        items = int(t.get("num_items", 200))
+    elif src == "local":
+        if not os.path.isfile(uri):
+            raise ConfigError(f"{at}.dataset_uri {uri!r} is not a file. Fix: give the path of a jsonl task file.")
+        items = count_items(uri)
+        if items == 0:
+            raise ConfigError(f"{at}.dataset_uri {uri!r} has no items; its accuracy would be undefined. Fix: use a "
+                              f"file with items.")
+    sub = t.get("subset_items")
+    if sub is not None and items is not None and int(sub) > items:
+        raise ConfigError(f"{at}.subset_items is {sub} but the task has {items} items. Fix: lower it or drop it.")
+    n = min(items, int(sub)) if sub is not None and items is not None else (int(sub) if sub is not None else items)
+    if n is not None and max(fewshot) > n - 1:
+        raise ConfigError(f"{at}.num_fewshot has {max(fewshot)} shots but the task has {n} items, so at most "
+                          f"{n - 1} other items can be shown (llm-foundry would silently show fewer). Fix: lower "
+                          f"num_fewshot or use more items.")
+
+
+# ------------------------------------------------------------------------------------------- llm-foundry task list
+
+def foundry_tasks(tasks: list[Mapping], paths: Mapping[str, str], scratch: str) -> tuple[list[dict], dict]:
+    """llm-foundry's ``icl_tasks`` for a suite, each scored on every item (or its ``subset_items``).
+
+    Args:
+        tasks: the suite's tasks (config form).
+        paths: label -> the local jsonl file to score.
+        scratch: a folder for subset files (the first ``subset_items`` items of a file).
+
+    Returns:
+        (the task list for ``llmfoundry.command_utils.evaluate``, label -> ``{"items", "items_in_file",
+        "subset", "file", "icl_task_type"}``).
+
+    Raises:
+        ValueError: a file has no items, fewer items than ``subset_items``, or too few for ``num_fewshot``.
+    """
+    out, info = [], {}
+    for t in tasks:
+        label = t["label"]
+        path = os.path.abspath(paths[label])
+        total = count_items(path)
+        sub = t.get("subset_items")
+        n = total if sub is None else int(sub)
+        if total == 0 or n > total:
+            raise ValueError(f"ICL task {label}: {path} has {total} items"
+                             + (f", fewer than subset_items {sub}" if sub is not None else "")
+                             + ". Fix: rebuild or re-fetch the file, or lower subset_items.")
+        if sub is not None and n < total:
+            os.makedirs(scratch, exist_ok=True)
+            sub_path = os.path.join(scratch, f"{label}-first{n}.jsonl")
+            with open(path, encoding="utf-8") as src, open(sub_path, "w", encoding="utf-8") as dst:
+                kept = 0
+                for line in src:
+                    if line.strip() and kept < n:
+                        dst.write(line if line.endswith("\n") else line + "\n")
+                        kept += 1
+            path = sub_path
+        fewshot = [int(k) for k in t.get("num_fewshot", [0])]
+        if max(fewshot) > n - 1:
+            raise ValueError(f"ICL task {label}: {max(fewshot)} shots need {max(fewshot) + 1} items, the file has "
+                             f"{n}. Fix: lower num_fewshot.")
+        task = {k: v for k, v in t.items() if k in TASK_KEYS}
+        if data_source(t) == "built":
+            task.update(BUILT_KINDS[t["kind"]])
+        task.update(dataset_uri=path, num_fewshot=fewshot)
+        out.append(task)
+        info[label] = {"items": n, "items_in_file": total, "subset": n < total, "file": os.path.abspath(paths[label]),
+                       "icl_task_type": task["icl_task_type"]}
+    return out, info
+
+
+# ------------------------------------------------------------------------------------------- scores
+
+def task_scores(eval_metrics: Mapping, info: Mapping[str, Mapping]) -> dict:
+    """Accuracy and items scored per task and shot count, from the trainer's ``state.eval_metrics``.
+
+    ``eval_metrics`` maps an evaluator label (``<task>/<k>-shot``, or ``<task>/<k>-shot/<category>`` for tasks
+    with ``has_categories``) to its metrics (llm-foundry's ``InContextLearning*Accuracy``, whose ``correct`` and
+    ``total`` states count the items). A task with categories scores the mean of its categories' accuracies (as
+    llm-foundry's eval gauntlet does) over the sum of their items.
+
+    Returns:
+        ``{task: {"<k>-shot": {"accuracy", "items", "correct", "metric", "categories"?}}}``.
+
+    Raises:
+        ValueError: a task and shot count saw no item, or scored another number of items than its file holds
+            (naming both counts), so no accuracy is NaN and none is over part of a task unknowingly.
+    """
+    parts: dict[tuple[str, str], list[tuple[str | None, str, float, float]]] = {}
+    for label, mets in eval_metrics.items():
+        bits = label.split("/")
+        if len(bits) < 2 or bits[0] not in info:
+            continue
+        name = next((k for k in mets if "Accuracy" in k), None)
+        if name is None:
+            continue
+        correct, total = metric_states(mets[name], "correct", "total")
+        parts.setdefault((bits[0], bits[1]), []).append((bits[2] if len(bits) > 2 else None, name, correct, total))
+    out: dict[str, dict] = {}
+    for (task, shots), rows in sorted(parts.items()):
+        items = int(round(sum(r[3] for r in rows)))
+        want = int(info[task]["items"])
+        if items == 0 or any(r[3] == 0 for r in rows):
+            raise ValueError(f"ICL task {task} ({shots}) scored no item: its accuracy would be NaN. Fix: check its "
+                             f"file {info[task]['file']}.")
+        if items != want:
+            raise ValueError(f"ICL task {task} ({shots}) scored {items} items but its data has {want}; every item "
+                             f"must count. Fix: report this (a batch was dropped or repeated).")
+        rec = {"accuracy": sum(r[2] / r[3] for r in rows) / len(rows), "items": items,
+               "correct": int(round(sum(r[2] for r in rows))), "metric": rows[0][1]}
+        if rows[0][0] is not None:
+            rec["categories"] = {r[0]: {"accuracy": r[2] / r[3], "items": int(round(r[3]))} for r in rows}
+        out.setdefault(task, {})[shots] = rec
+    missing = [t for t in info if t not in out]
+    if missing:
+        raise ValueError(f"ICL tasks {', '.join(missing)} have no score: llm-foundry ran no evaluator for them.")
+    return out
+
+
+def metric_states(metric, *names: str) -> tuple[float, ...]:
+    """The states ``names`` of a torchmetrics metric summed over every process (as ``compute()`` sees them; a
+    collective when torch.distributed is initialized, so every rank calls it in the same order)."""
+    sync = getattr(metric, "sync_context", None)
+    if sync is None:
+        return tuple(float(getattr(metric, n)) for n in names)
+    with sync(should_sync=True, should_unsync=True):
+        return tuple(float(getattr(metric, n)) for n in names)
+
+
+def gauntlet_average(scores: Mapping[str, Mapping[str, Mapping]], gauntlet: Mapping | None) -> dict | None:
+    """The eval-gauntlet average of the task scores, as llm-foundry's eval gauntlet computes it.
+
+    Source: llm-foundry's ``EvalGauntlet`` callback (llmfoundry/callbacks/eval_gauntlet_callback.py, equal
+    weighting, ``subtract_random_baseline`` and ``rescale_accuracy`` on) and its scripts/eval/local_data/
+    EVAL_GAUNTLET.md. Each benchmark (task at one shot count) scores ``(accuracy - b) / (1 - b)`` with ``b`` its
+    random baseline (0 at chance, 1 when every item is right, below 0 under chance); a category scores the mean of
+    its benchmarks; the average is the mean of the categories (``core_average`` over the categories listed in
+    ``averages`` when given, else over all of them). A category with a benchmark that has no score is left out,
+    and listed in ``categories_left_out``.
+
+    Returns:
+        ``{"average", "categories": {name: score}, "benchmarks": {"<task>/<k>-shot": score}, "categories_left_out",
+        "source"}``, or None without a gauntlet.
+    """
+    if not gauntlet or not gauntlet.get("categories"):
+        return None
+    cats, bench, left_out = {}, {}, []
+    for cat in gauntlet["categories"]:
+        vals = []
+        for b in cat.get("benchmarks") or []:
+            key = f"{b['name']}/{int(b['num_fewshot'])}-shot"
+            rec = (scores.get(b["name"]) or {}).get(f"{int(b['num_fewshot'])}-shot")
+            if rec is None:
+                vals = None
+                break
+            base = float(b["random_baseline"])
+            bench[key] = (float(rec["accuracy"]) - base) / (1.0 - base)
+            vals.append(bench[key])
+        if vals:
+            cats[cat["name"]] = sum(vals) / len(vals)
+        else:
+            left_out.append(cat["name"])
+    averages = gauntlet.get("averages") or {}
+    core = averages.get("core_average") if isinstance(averages, Mapping) else None
+    used = [c for c in (core or cats) if c in cats]
+    return {"average": sum(cats[c] for c in used) / len(used) if used else None, "over": used, "categories": cats,
+            "benchmarks": bench, "categories_left_out": left_out,
+            "source": "llm-foundry eval gauntlet (EQUAL weighting, random baseline subtracted and rescaled)"}
+
+
+def suite_identity(config: Mapping, run: str) -> dict:
+    """What of a run's suite determines its eval.json: its name, tasks and gauntlet (as JSON-safe dicts)."""
+    name, s = run_suite(config, run)
+    return {"suite": name, "icl_tasks": json.loads(json.dumps(s["icl_tasks"])),
+            "eval_gauntlet": json.loads(json.dumps(s["eval_gauntlet"]))}
+
+
+# ------------------------------------------------------------------------------------------- held-out batches
+
+#: llm-foundry callback name of :func:`register_heldout_cap`'s callback.
+HELDOUT_CAP = "llmpipe_heldout_batches"
+
+
+def register_heldout_cap() -> str:
+    """Register (once) a composer callback that caps only the held-out loader; return its registry name.
+
+    llm-foundry 0.22's ``evaluate`` hands ``eval_subset_num_batches`` to ``Trainer.eval``, which applies it to every
+    evaluator, the ICL tasks included: their accuracy would then cover part of each task, a part that changes with
+    the batch size. Evaluation passes ``eval_subset_num_batches: -1`` instead and this callback sets
+    ``State.dataloader_len`` at ``EVAL_START`` of the held-out loader (label ``eval`` or ``eval/<name>``) to
+    ``batches`` (-1: every batch), so the ICL evaluators run over all their batches.
+    """
+    from composer.core import Callback
+    from llmfoundry.registry import callbacks
+
+    class HeldoutBatches(Callback):
+        """At most ``batches`` batches of the held-out loader (``-1``: all); other evaluators untouched."""
+
+        def __init__(self, batches: int = -1):
+            self.batches = int(batches)
+
+        def eval_start(self, state, logger) -> None:  # noqa: ARG002 - composer's callback signature
+            label = state.dataloader_label or ""
+            if self.batches > 0 and (label == "eval" or label.startswith("eval/")):
+                state.dataloader_len = self.batches
+
+    if HELDOUT_CAP not in callbacks.get_all():
+        callbacks.register(HELDOUT_CAP, func=HeldoutBatches)
+    return HELDOUT_CAP

@@ -1,0 +1,336 @@
+"""ICL suites: stand-in tasks of every llm-foundry type scored as hand-computed, every item counted, the gauntlet
+average, the task-data download (against a local HTTP server) and the dry-run checks."""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import http.server
+import json
+import math
+import threading
+from types import SimpleNamespace
+
+import pytest
+
+from llmpipe import eval_tasks
+from llmpipe.eval_data import TaskDataError, fetch_task_files
+from llmpipe.settings import ConfigError
+from tests.conftest import project_config, snakemake
+from tests.helpers.repeat_model import DIM, SCALE, SPECIAL, WORDS, write_repeat_model
+
+
+def write_jsonl(path, items):
+    path.write_text("".join(json.dumps(it) + "\n" for it in items))
+    return str(path)
+
+
+# ------------------------------------------------------------------------------------------- scoring, real model
+
+def standin_tasks(d):
+    """Stand-in tasks, one per llm-foundry type, for the repeat model (tests/helpers/repeat_model.py: the next
+    word is the last word). ``right`` items have the repeated word as their gold answer, the others another word,
+    so the expected accuracy of each is right / items."""
+    a, b = WORDS[0], WORDS[1]
+    mc = [{"query": f"{a} {WORDS[i + 2]}", "choices": [WORDS[i + 10], WORDS[i + 2]], "gold": 1 if i < 5 else 0}
+          for i in range(7)]  # 5 of 7 right
+    lm = [{"context": f"{a} {WORDS[i + 2]}", "continuation": WORDS[i + 2] if i < 3 else WORDS[i + 10]}
+          for i in range(5)]  # 3 of 5 right
+    schema = [{"context_options": [f"{a} {WORDS[i + 2]}", f"{a} {WORDS[i + 10]}"],
+               "continuation": f"{WORDS[i + 2]} {b}", "gold": 0 if i < 4 else 1} for i in range(6)]  # 4 of 6
+    gen = [{"context": f"{a} {WORDS[i + 2]}", "answer": WORDS[i + 2] if i < 2 else WORDS[i + 10], "aliases": []}
+           for i in range(4)]  # 2 of 4
+    return [
+        {"label": "mc", "dataset_uri": write_jsonl(d / "mc.jsonl", mc), "icl_task_type": "multiple_choice",
+         "num_fewshot": [0]},
+        {"label": "mc_first3", "dataset_uri": str(d / "mc.jsonl"), "icl_task_type": "multiple_choice",
+         "num_fewshot": [0], "subset_items": 3},
+        {"label": "lm", "dataset_uri": write_jsonl(d / "lm.jsonl", lm), "icl_task_type": "language_modeling",
+         "num_fewshot": [0, 2]},
+        {"label": "schema", "dataset_uri": write_jsonl(d / "schema.jsonl", schema), "icl_task_type": "schema",
+         "num_fewshot": [0]},
+        {"label": "gen", "dataset_uri": write_jsonl(d / "gen.jsonl", gen),
+         "icl_task_type": "generation_task_with_answers", "num_fewshot": [0]},
+    ]
+
+
+@pytest.mark.slow
+def test_standin_suite_is_scored_as_hand_computed(tmp_path):
+    """Every task type scores its hand-computed accuracy over every item (7 multiple-choice items need 7 batches of
+    one question: more than val_batches, which caps the held-out loader only), the subset is recorded, and the
+    held-out loss is the model's exact -log p(w | w)."""
+    from streaming import MDSWriter
+
+    from llmpipe.evaluate import evaluate
+
+    model = write_repeat_model(str(tmp_path / "model"))
+    with MDSWriter(out=str(tmp_path / "mds" / "val"), columns={"text": "str"}) as w:
+        for i in range(5):
+            w.write({"text": " ".join([WORDS[i]] * 40)})
+    tasks = standin_tasks(tmp_path)
+    gauntlet = {"categories": [
+        {"name": "choice", "benchmarks": [{"name": "mc", "num_fewshot": 0, "random_baseline": 0.5},
+                                          {"name": "schema", "num_fewshot": 0, "random_baseline": 0.5}]},
+        {"name": "free", "benchmarks": [{"name": "lm", "num_fewshot": 0, "random_baseline": 0.0},
+                                        {"name": "gen", "num_fewshot": 0, "random_baseline": 0.0}]}]}
+    ev = evaluate({"name": "repeat", "data": {"concat_tokens": 64}}, model, str(tmp_path / "mds"),
+                  {t["label"]: t["dataset_uri"] for t in tasks}, eval_settings={"batch_size": 2, "val_batches": 1},
+                  suite={"name": "stand-in", "icl_tasks": tasks, "eval_gauntlet": gauntlet})
+    want = {("mc", "0-shot"): (5, 7), ("mc_first3", "0-shot"): (3, 3), ("lm", "0-shot"): (3, 5),
+            ("lm", "2-shot"): (3, 5), ("schema", "0-shot"): (4, 6), ("gen", "0-shot"): (2, 4)}
+    got = {(t, s): (r["correct"], r["items"]) for t, by in ev["tasks"].items() for s, r in by.items()}
+    assert got == want
+    for (task, shots), (right, n) in want.items():
+        assert ev["icl"][task][shots] == pytest.approx(right / n)
+    assert ev["tasks"]["mc_first3"]["0-shot"]["subset"] is True
+    assert ev["tasks"]["mc_first3"]["0-shot"]["items_in_file"] == 7
+    assert ev["tasks"]["mc"]["0-shot"]["subset"] is False
+    # gauntlet: ((5/7 - .5)/.5 + (4/6 - .5)/.5) / 2 and (3/5 + 2/4) / 2, then their mean
+    choice, free = ((5 / 7 - 0.5) / 0.5 + (4 / 6 - 0.5) / 0.5) / 2, (3 / 5 + 2 / 4) / 2
+    assert ev["gauntlet"]["categories"] == pytest.approx({"choice": choice, "free": free})
+    assert ev["gauntlet"]["average"] == pytest.approx((choice + free) / 2)
+    # held-out: one batch of 2 samples of 40 words, 39 predicted tokens each; loss log(e^(s*d) + V - 1) - s*d
+    vocab = len(SPECIAL) + len(WORDS)
+    assert ev["val"]["tokens"] == 2 * 39
+    assert ev["val"]["loss"] == pytest.approx(math.log(math.exp(SCALE * DIM) + vocab - 1) - SCALE * DIM, rel=0.05)
+    assert ev["val"]["token_accuracy"] == 1.0
+    assert ev["harness"].startswith("llm-foundry 0.22")
+    json.dumps(ev, allow_nan=False)  # nothing NaN or infinite
+
+
+# ------------------------------------------------------------------------------------------- scores and average
+
+def metric(correct, total):
+    return {"InContextLearningMultipleChoiceAccuracy": SimpleNamespace(correct=correct, total=total)}
+
+
+def test_task_scores_count_items_and_refuse_missing_or_empty_ones():
+    info = {"mmlu": {"items": 5, "file": "m.jsonl"}, "piqa": {"items": 4, "file": "p.jsonl"}}
+    scores = eval_tasks.task_scores({"mmlu/5-shot/astronomy": metric(3, 3), "mmlu/5-shot/law": metric(0, 2),
+                                     "piqa/0-shot": metric(1, 4), "eval": {}}, info)
+    assert scores["mmlu"]["5-shot"]["items"] == 5 and scores["mmlu"]["5-shot"]["correct"] == 3
+    assert scores["mmlu"]["5-shot"]["accuracy"] == pytest.approx((1.0 + 0.0) / 2)  # mean of the categories
+    assert scores["piqa"]["0-shot"]["accuracy"] == 0.25
+    with pytest.raises(ValueError, match=r"piqa \(0-shot\) scored 3 items but its data has 4"):
+        eval_tasks.task_scores({"mmlu/5-shot": metric(1, 5), "piqa/0-shot": metric(1, 3)}, info)
+    with pytest.raises(ValueError, match=r"piqa \(0-shot\) scored no item"):
+        eval_tasks.task_scores({"mmlu/5-shot": metric(1, 5), "piqa/0-shot": metric(0, 0)}, info)
+    with pytest.raises(ValueError, match="piqa have no score"):
+        eval_tasks.task_scores({"mmlu/5-shot": metric(1, 5)}, info)
+
+
+def test_gauntlet_average_arithmetic():
+    scores = {"copa": {"0-shot": {"accuracy": 0.75}}, "piqa": {"0-shot": {"accuracy": 0.5}},
+              "lambada": {"0-shot": {"accuracy": 0.4}}, "arc": {"3-shot": {"accuracy": 0.25}}}
+    g = {"categories": [
+        {"name": "commonsense", "benchmarks": [{"name": "copa", "num_fewshot": 0, "random_baseline": 0.5},
+                                               {"name": "piqa", "num_fewshot": 0, "random_baseline": 0.5}]},
+        {"name": "language", "benchmarks": [{"name": "lambada", "num_fewshot": 0, "random_baseline": 0.0}]},
+        {"name": "knowledge", "benchmarks": [{"name": "arc", "num_fewshot": 3, "random_baseline": 0.25},
+                                             {"name": "mmlu", "num_fewshot": 5, "random_baseline": 0.25}]}]}
+    out = eval_tasks.gauntlet_average(scores, g)
+    assert out["benchmarks"] == pytest.approx({"copa/0-shot": 0.5, "piqa/0-shot": 0.0, "lambada/0-shot": 0.4,
+                                              "arc/3-shot": 0.0})
+    assert out["categories"] == pytest.approx({"commonsense": 0.25, "language": 0.4})
+    assert out["categories_left_out"] == ["knowledge"]  # mmlu has no score
+    assert out["average"] == pytest.approx((0.25 + 0.4) / 2)
+    g["averages"] = {"core_average": ["language"]}
+    assert eval_tasks.gauntlet_average(scores, g)["average"] == pytest.approx(0.4)
+    assert eval_tasks.gauntlet_average(scores, None) is None
+
+
+def test_subset_file_and_fewshot_checks(tmp_path):
+    f = write_jsonl(tmp_path / "t.jsonl", [{"context": f"c{i}", "continuation": "x"} for i in range(4)])
+    tasks, info = eval_tasks.foundry_tasks(
+        [{"label": "t", "dataset_uri": f, "icl_task_type": "language_modeling", "num_fewshot": [0, 1],
+          "subset_items": 2}], {"t": f}, str(tmp_path / "scratch"))
+    assert info["t"] == {"items": 2, "items_in_file": 4, "subset": True, "file": f,
+                         "icl_task_type": "language_modeling"}
+    assert len(open(tasks[0]["dataset_uri"]).readlines()) == 2 and tasks[0]["num_fewshot"] == [0, 1]
+    with pytest.raises(ValueError, match="2 shots need 3 items, the file has 2"):
+        eval_tasks.foundry_tasks([{"label": "t", "dataset_uri": f, "icl_task_type": "language_modeling",
+                                   "num_fewshot": [2], "subset_items": 2}], {"t": f}, str(tmp_path / "s2"))
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    with pytest.raises(ValueError, match="has 0 items"):
+        eval_tasks.foundry_tasks([{"label": "e", "dataset_uri": str(empty), "icl_task_type": "schema"}],
+                                 {"e": str(empty)}, str(tmp_path / "s3"))
+
+
+# ------------------------------------------------------------------------------------------- task data download
+
+class FlakyFiles(http.server.BaseHTTPRequestHandler):
+    """Serves ``files`` (URL path -> bytes) with Range support; ``fail_first`` paths answer 503 once."""
+
+    files: dict[str, bytes] = {}
+    fail_first: set[str] = set()
+    requests: list[tuple[str, str | None]] = []
+
+    def do_GET(self):  # noqa: N802 - http.server's name
+        type(self).requests.append((self.path, self.headers.get("Range")))
+        if self.path in self.fail_first:
+            self.fail_first.discard(self.path)
+            self.send_error(503)
+            return
+        data = self.files.get(self.path)
+        if data is None:
+            self.send_error(404)
+            return
+        start = int(self.headers["Range"].split("=")[1].split("-")[0]) if self.headers.get("Range") else 0
+        self.send_response(206 if start else 200)
+        self.send_header("Content-Length", str(len(data) - start))
+        self.end_headers()
+        self.wfile.write(data[start:])
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.fixture
+def server():
+    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), FlakyFiles)
+    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
+    thread.start()
+    yield httpd
+    httpd.shutdown()
+    httpd.server_close()
+
+
+def test_download_retries_resumes_checksums_and_skips_finished_files(server, tmp_path):
+    rev = "0123abcd"
+    piqa = b"".join(json.dumps({"query": f"q{i}", "choices": ["a", "b"], "gold": i % 2}).encode() + b"\n"
+                    for i in range(50))
+    copa = b'{"query": "q", "choices": ["a", "b"], "gold": 0}\n' * 3
+    FlakyFiles.files = {f"/{rev}/scripts/eval/local_data/commonsense_reasoning/piqa.jsonl": piqa,
+                        f"/{rev}/scripts/eval/local_data/commonsense_reasoning/copa.jsonl": copa}
+    FlakyFiles.fail_first = {f"/{rev}/scripts/eval/local_data/commonsense_reasoning/copa.jsonl"}
+    FlakyFiles.requests = []
+    files = ["eval/local_data/commonsense_reasoning/copa.jsonl", "eval/local_data/commonsense_reasoning/piqa.jsonl"]
+    dest = tmp_path / "eval-tasks" / "standard"
+    (dest / "eval/local_data/commonsense_reasoning").mkdir(parents=True)
+    (dest / "eval/local_data/commonsense_reasoning/piqa.jsonl.part").write_bytes(piqa[:100])  # an interrupted one
+    settings = {"source": "github", "base_url": f"http://127.0.0.1:{server.server_address[1]}", "revision": rev,
+                "retries": 3}
+    m = fetch_task_files(files, str(dest), settings, wait_s=0.01)
+    assert (dest / files[1]).read_bytes() == piqa and (dest / files[0]).read_bytes() == copa
+    assert m["files"][files[1]] == {"bytes": len(piqa), "items": 50, "sha256": hashlib.sha256(piqa).hexdigest(),
+                                    "url": f"{settings['base_url']}/{rev}/scripts/{files[1]}"}
+    assert m["files"][files[0]]["items"] == 3 and m["revision"] == rev
+    assert json.loads((dest / "manifest.json").read_text()) == m
+    paths = [p for p, _ in FlakyFiles.requests]
+    assert paths.count(f"/{rev}/scripts/{files[0]}") == 2  # 503, then the retry
+    assert (f"/{rev}/scripts/{files[1]}", "bytes=100-") in FlakyFiles.requests  # resumed
+    assert not list(dest.rglob("*.part"))
+    FlakyFiles.requests = []
+    fetch_task_files(files, str(dest), settings, wait_s=0.01)
+    assert FlakyFiles.requests == []  # complete files (size and checksum as recorded) are not fetched again
+    (dest / files[0]).write_bytes(b"changed\n")
+    with pytest.raises(TaskDataError, match="not a JSON object"):  # a damaged file is fetched again, then read
+        FlakyFiles.files[f"/{rev}/scripts/{files[0]}"] = b"not json\n"
+        fetch_task_files(files, str(dest), settings, wait_s=0.01)
+    with pytest.raises(TaskDataError, match="does not exist \\(404\\)"):
+        fetch_task_files(["eval/local_data/x/missing.jsonl"], str(dest), settings, wait_s=0.01)
+    FlakyFiles.fail_first = {f"/{rev}/scripts/{files[1]}"}
+    (dest / "manifest.json").unlink()
+    with pytest.raises(TaskDataError, match="after 1 attempt"):
+        fetch_task_files(files[1:], str(dest), dict(settings, retries=1), wait_s=0.01)
+
+
+def test_local_mirror_copy_and_missing_file(tmp_path):
+    mirror = tmp_path / "llm-foundry-scripts"
+    (mirror / "eval/local_data/language_understanding").mkdir(parents=True)
+    data = b'{"context": "a b", "continuation": "c"}\n' * 2
+    (mirror / "eval/local_data/language_understanding/lambada_openai.jsonl").write_bytes(data)
+    files = ["eval/local_data/language_understanding/lambada_openai.jsonl"]
+    m = fetch_task_files(files, str(tmp_path / "out"), {"source": "local", "local_dir": str(mirror),
+                                                         "revision": "r"})
+    assert m["files"][files[0]]["sha256"] == hashlib.sha256(data).hexdigest() and m["files"][files[0]]["items"] == 2
+    assert (tmp_path / "out" / files[0]).read_bytes() == data
+    with pytest.raises(TaskDataError, match="local_dir must hold llm-foundry's layout"):
+        fetch_task_files(["eval/local_data/x/y.jsonl"], str(tmp_path / "out"), {"source": "local",
+                                                                                 "local_dir": str(mirror)})
+
+
+# ------------------------------------------------------------------------------------------- dry-run checks
+
+def config_with(tasks=None, gauntlet=None, **task_over):
+    cfg = copy.deepcopy(project_config())
+    if tasks is not None:
+        cfg["eval"]["icl_tasks"] = tasks
+        cfg["eval"]["eval_gauntlet"] = gauntlet
+    return cfg
+
+
+@pytest.mark.parametrize("task,message", [
+    ({"label": "x", "kind": "cloze", "num_items": 3, "num_fewshot": [3]},
+     r"eval\.icl_tasks\[0\]\.num_fewshot has 3 shots but the task has 3 items"),
+    ({"label": "x", "dataset_uri": "hf://datasets/piqa", "icl_task_type": "multiple_choice"},
+     r"eval\.icl_tasks\[0\]\.dataset_uri is 'hf://datasets/piqa': evaluation reads local files only"),
+    ({"label": "x", "dataset_uri": "eval/local_data/a/b.jsonl", "icl_task_type": "multiple_choice",
+      "cot_delimiter": "A:"}, r"eval\.icl_tasks\[0\]\.cot_delimiter is not taken by a multiple_choice task"),
+    ({"label": "x", "dataset_uri": "eval/local_data/a/b.jsonl"}, r"icl_task_type is None; it must be one of"),
+    ({"label": "x"}, r"eval\.icl_tasks\[0\] \(x\) has no data"),
+    ({"label": "eval", "kind": "cloze"}, r"eval\.icl_tasks\[0\]\.label is 'eval', llm-foundry's name for the held"),
+    ({"label": "x", "dataset_uri": "/nonexistent/t.jsonl", "icl_task_type": "schema"}, r"is not a file"),
+    ({"label": "x", "dataset_uri": "eval/local_data/a/b.jsonl", "icl_task_type": "schema", "num_items": 5},
+     r"num_items and seed are settings of a task the project builds"),
+])
+def test_suite_checks(task, message):
+    with pytest.raises(ConfigError, match=message):
+        eval_tasks.check_suite(config_with([task]), "mpt-tiny")
+
+
+def test_suite_checks_on_files_and_gauntlet(tmp_path):
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("\n")
+    with pytest.raises(ConfigError, match="has no items"):
+        eval_tasks.check_suite(config_with([{"label": "e", "dataset_uri": str(empty), "icl_task_type": "schema"}]),
+                               "mpt-tiny")
+    two = write_jsonl(tmp_path / "two.jsonl", [{"context": "a", "continuation": "b"}] * 2)
+    with pytest.raises(ConfigError, match="subset_items is 3 but the task has 2 items"):
+        eval_tasks.check_suite(config_with([{"label": "t", "dataset_uri": two, "icl_task_type": "language_modeling",
+                                             "subset_items": 3}]), "mpt-tiny")
+    task = {"label": "t", "dataset_uri": two, "icl_task_type": "language_modeling", "num_fewshot": [0]}
+    bad = {"categories": [{"name": "c", "benchmarks": [{"name": "t", "num_fewshot": 5, "random_baseline": 0}]}]}
+    with pytest.raises(ConfigError, match=r"eval\.eval_gauntlet\.categories\[0\]\.benchmarks\[0\] is t at 5 shots"):
+        eval_tasks.check_suite(config_with([task], bad), "mpt-tiny")
+    cfg = config_with()
+    cfg["models"]["mpt-tiny"]["eval_suite"] = "nope"
+    with pytest.raises(ConfigError, match="eval suite 'nope' is not defined"):
+        eval_tasks.check_suite(cfg, "mpt-tiny")
+
+
+def test_local_task_data_folder_is_checked(tmp_path):
+    files = ["eval/local_data/commonsense_reasoning/copa.jsonl"]
+    cfg = {"eval": {"task_data": {"source": "local", "local_dir": str(tmp_path / "nowhere")}}}
+    with pytest.raises(ConfigError, match=r"eval\.task_data\.local_dir is .*nowhere', not a folder"):
+        eval_tasks.check_task_data(cfg, files)
+    cfg["eval"]["task_data"]["local_dir"] = str(tmp_path)
+    with pytest.raises(ConfigError, match="lacks 1 of the suite's files, e.g. eval/local_data/commonsense_reas"):
+        eval_tasks.check_task_data(cfg, files)
+    (tmp_path / files[0]).parent.mkdir(parents=True)
+    (tmp_path / files[0]).write_text("{}\n")
+    eval_tasks.check_task_data(cfg, files)
+
+
+def test_project_suites():
+    """The tiny model's suite is built offline from held-out text; MPT-1B's is llm-foundry's gauntlet v0.3, every
+    benchmark of its gauntlet a task of the suite, all data under eval/local_data/."""
+    cfg = project_config()
+    name, s = eval_tasks.check_suite(cfg, "mpt-tiny")
+    assert name == "default" and {eval_tasks.data_source(t) for t in s["icl_tasks"]} == {"built"}
+    name, s = eval_tasks.check_suite(cfg, "mpt-1b")
+    assert name == "standard" and {eval_tasks.data_source(t) for t in s["icl_tasks"]} == {"foundry"}
+    labels = {t["label"] for t in s["icl_tasks"]}
+    assert {"hellaswag", "piqa", "lambada_openai", "arc_easy", "arc_challenge", "winogrande", "copa", "boolq",
+            "openbook_qa", "mmlu"} <= labels
+    assert len(s["eval_gauntlet"]["categories"]) == 5
+    assert eval_tasks.suite_name(cfg, "mpt-tiny-sft") == "default" and eval_tasks.suite_name(cfg, "mpt-7b-dolly") \
+        == "standard"
+
+
+def test_dry_run_refuses_too_many_shots(workdir):
+    proc = snakemake(workdir, "-n", "--config", "eval={'icl_tasks': [{'label': 'c', 'kind': 'cloze', "
+                     "'num_items': 4, 'num_fewshot': [0, 4]}], 'eval_gauntlet': null}", check=False)
+    assert proc.returncode != 0
+    assert "eval.icl_tasks[0].num_fewshot has 4 shots but the task has 4 items" in proc.stdout + proc.stderr
