@@ -26,6 +26,7 @@ import os
 from collections.abc import Iterable
 
 from llmpipe.fp8 import check_fp8
+from llmpipe.lora import check_lora
 from llmpipe.schema import check_named_arguments, closest, deep_merge, speed_only_keys
 # ConfigError lives in llmpipe.settings (imported by this module and by llmpipe.schema, never the reverse);
 # llmpipe.config.ConfigError is the same class.
@@ -584,4 +585,5 @@ def _validated_finetune(config: dict, run: str, node_counts: Iterable[int], coun
     check_named_arguments(train, functools.partial(written_at, config, run))
     compile_settings(train, f"{where}.train")
     check_fp8(train, f"{where}.train", rs.resources.gpus_per_node, rs.resources.at("gpus_per_node"))
+    check_lora(rc.get("lora"), rc["arch"], written_at(config, run, "lora"))  # target modules exist in the model
     return rc, rs

@@ -50,13 +50,14 @@ def load_composer_weights(ckpt_path: str, dtype=None) -> dict:
     return load_model_weights(ckpt_path, dtype or torch.float32)
 
 
-def build_hf_model(rc: dict, ckpt_path: str, dtype=None):
+def build_hf_model(rc: dict, ckpt_path: str, dtype=None, merge_report: dict | None = None):
     """Instantiate llm-foundry's ``MPTForCausalLM`` for a run and load the checkpoint's weights in ``dtype``
     (None: float32). The model is built on the meta device and takes the loaded tensors as its parameters, so the
     host holds one copy of the weights.
 
     A finetune's checkpoint holds an HF-wrapped model (``hf_causal_lm``): its config comes from the checkpoint
-    and LoRA adapters are merged (:func:`llmpipe.finetune.build_finetuned_mpt`).
+    and LoRA adapters are merged (:func:`llmpipe.finetune.build_finetuned_mpt`; ``merge_report``: a dict that
+    receives the merge check of :func:`llmpipe.lora.merge_adapters`).
 
     Args:
         rc: the run's merged settings (:func:`llmpipe.config.run_config`; ``kind: finetune`` for a finetune).
@@ -67,7 +68,7 @@ def build_hf_model(rc: dict, ckpt_path: str, dtype=None):
     run = rc["name"]
     if rc.get("kind") == "finetune":
         from llmpipe.finetune import build_finetuned_mpt
-        return build_finetuned_mpt(ckpt_path)  # a finetune's checkpoint is full or sharded; fp32
+        return build_finetuned_mpt(ckpt_path, merge_report)  # a finetune's checkpoint is full or sharded; fp32
     from llmfoundry.models.mpt import MPTConfig, MPTForCausalLM
 
     from llmpipe.train import register_extensions
@@ -114,7 +115,8 @@ def convert_checkpoint(rc: dict, ckpt_path: str, tokenizer_dir: str, out_dir: st
     a GPU, straight into ``dtype`` (:func:`llmpipe.checkpoints.load_model_weights`), so the peak host memory
     before verification is about one ``dtype`` copy of the weights; the manifest records it
     (``peak_rss_gib_export``, the process's peak resident set, interpreter and libraries included) beside the
-    weights' size (``weights_gib``) and the time.
+    weights' size (``weights_gib``) and the time. A LoRA finetune's adapters are merged into the exported weights;
+    ``lora`` in the manifest holds the merge check (:func:`llmpipe.lora.merge_adapters`).
 
     Raises:
         ValueError: unknown dtype.
@@ -129,7 +131,8 @@ def convert_checkpoint(rc: dict, ckpt_path: str, tokenizer_dir: str, out_dir: st
         raise ValueError(f"convert.dtype is {dtype!r}; it must be one of {', '.join(dtypes)}.")
     t0 = time.time()
     run = rc["name"]
-    model = build_hf_model(rc, ckpt_path, dtypes[dtype])
+    lora_report: dict = {}
+    model = build_hf_model(rc, ckpt_path, dtypes[dtype], merge_report=lora_report if rc.get("lora") else None)
     from llmpipe.attention import stock_attn_config
     model.config.attn_config = stock_attn_config(model.config.attn_config)  # sdpa_* class -> stock class
     if model.config.attn_config.get("attn_impl") not in STOCK_ATTN_IMPLS:
@@ -170,6 +173,8 @@ def convert_checkpoint(rc: dict, ckpt_path: str, tokenizer_dir: str, out_dir: st
         "export_seconds": round(time.time() - t0, 2),
         "seconds": None,
     }
+    if lora_report:  # LoRA: merged by peft, checked against the adapter-applied model (llmpipe.lora.merge_adapters)
+        manifest["lora"] = lora_report
     del model, export
     if verify:
         manifest["verify_max_abs_logit_diff"] = verify_export(out_dir, build_hf_model(rc, ckpt_path), dtype)

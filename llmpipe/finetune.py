@@ -4,12 +4,12 @@ A finetune (``finetunes:`` in the config, see :func:`llmpipe.config.finetune_run
 weights through llm-foundry's ``hf_causal_lm`` model: hub weights (``mosaicml/mpt-7b``) or one of our own exports
 (``results/mpt-tiny/hf``), and trains on a prepared instruction set (:mod:`llmpipe.data.instructions`) through
 llm-foundry's ``finetuning`` dataloader (prompt tokens masked out of the loss, ``decoder_only_format``, optional
-packing). LoRA is llm-foundry's ``peft_config`` and needs the ``peft`` package.
+packing). LoRA is llm-foundry's ``peft_config`` (:mod:`llmpipe.lora`) and needs the ``peft`` package.
 
 Everything after training is shared with pretraining: ``train.json`` has the same fields (via
 :func:`llmpipe.train.summarize`, MFU included), conversion writes ``results/<run>/hf`` (the checkpoint holds an
 HF-wrapped model: :func:`build_finetuned_mpt` reads the model config stored in the checkpoint and merges LoRA
-adapters), generation is the shared step, and :func:`evaluate_finetune` reports loss, perplexity and token
+adapters with peft), generation is the shared step, and :func:`evaluate_finetune` reports loss, perplexity and token
 accuracy on the response tokens of the held-out split plus the ICL tasks.
 
 This module imports nothing heavy at import time (the Snakefile's login node must not need torch).
@@ -19,12 +19,12 @@ from __future__ import annotations
 
 import copy
 import importlib.util
-import math
 import os
 from typing import Any
 
 from llmpipe.config import ConfigError
 from llmpipe.data.instructions import SPLIT_FILES
+from llmpipe.lora import lora_settings, merge_adapters, peft_config
 from llmpipe.train import TrainTask, foundry_train_config
 
 #: Attention implementations a Hugging Face MPT (hub code or our export) knows; ours (sdpa) map to ``torch``.
@@ -46,8 +46,9 @@ def require_peft(rc: dict) -> None:
     if rc.get("lora") and importlib.util.find_spec("peft") is None:
         raise ConfigError(
             f"finetunes.{run}.lora is set, but the `peft` package is not installed in this environment "
-            f"(llm-foundry's LoRA support needs it). Fix: `pip install peft` (or `pip install llm-foundry[peft]`) "
-            f"in the environment the jobs run in, or set finetunes.{run}.lora: null for full finetuning.")
+            f"(llm-foundry's LoRA support needs it). Fix: `pip install peft` (the version envs/requirements.lock pins; "
+            f"`make install` installs it) in the environment the jobs run in, or set finetunes.{run}.lora: null for "
+            f"full finetuning.")
 
 
 def base_model_path(rc: dict, *, results_dir: str) -> str:
@@ -112,12 +113,8 @@ def foundry_finetune_config(rc: dict, *, instructions_dir: str | None, base_path
         "use_train_metrics": bool(train.get("train_metrics", False)),
         "config_overrides": overrides,
     }
-    lora = rc.get("lora")
-    if lora:
-        model["peft_config"] = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": int(lora["r"]),
-                                "lora_alpha": int(lora.get("alpha", 2 * int(lora["r"]))),
-                                "lora_dropout": float(lora.get("dropout", 0.0)),
-                                "target_modules": list(lora["target_modules"])}
+    if rc.get("lora"):
+        model["peft_config"] = peft_config(rc["lora"])  # llm-foundry builds the adapters with peft.get_peft_model
         model["should_save_peft_only"] = False  # full weights in the checkpoint: conversion merges the adapters
     cfg["model"] = model
     cfg["max_seq_len"] = seq
@@ -222,7 +219,7 @@ class FinetuneTask(TrainTask):
         result["kind"] = "finetune"
         result["base"] = self.base_path if not os.path.isabs(self.base_path) else os.path.relpath(
             self.base_path, self.submit_dir)
-        result["lora"] = self.rc.get("lora")
+        result["lora"] = lora_settings(self.rc.get("lora"))
         return result
 
 
@@ -281,48 +278,35 @@ def composer_hf_metadata(state: dict) -> dict:
     return {"config": hf["config"]["content"], "peft_config": (hf.get("peft_config") or {}).get("content")}
 
 
-def hf_weights(model_sd: dict, peft_config: dict | None = None) -> dict:
-    """``state.model`` of an ``hf_causal_lm`` checkpoint as a plain MPT state dict.
+def hf_weights(model_sd: dict) -> dict:
+    """``state.model`` of a full finetune's ``hf_causal_lm`` checkpoint as a plain MPT state dict: keys
+    ``model.<hf key>`` become ``<hf key>``.
 
-    Keys are ``model.<hf key>`` (``model.base_model.model.<hf key>`` with LoRA); LoRA adapters are merged
-    into their base weights: ``W + (B @ A) * lora_alpha / r`` (``/ sqrt(r)`` with ``use_rslora``).
+    Raises:
+        KeyError: the weights hold LoRA adapters (those are merged by :func:`llmpipe.lora.merge_adapters`).
     """
-    out, lora_a = {}, {}
+    out = {}
     for key, value in model_sd.items():
         k = key[len("model."):] if key.startswith("model.") else key
-        if k.startswith("base_model.model."):
-            k = k[len("base_model.model."):]
-        if ".lora_A." in k:
-            lora_a[k] = value
-        elif ".lora_B." in k or ".lora_embedding_" in k or ".lora_dropout." in k:
-            continue
-        else:
-            out[k.replace(".base_layer.", ".")] = value
-    if lora_a:
-        if not peft_config:
-            raise KeyError("the checkpoint has LoRA weights but no peft_config metadata: cannot merge them")
-        r = int(peft_config["r"])
-        scaling = float(peft_config.get("lora_alpha", r)) / (math.sqrt(r) if peft_config.get("use_rslora") else r)
-        for k, a in lora_a.items():
-            module, _, rest = k.partition(".lora_A.")
-            b_key = f"{module}.lora_B.{rest}"
-            b = next(v for kk, v in model_sd.items() if kk.endswith(b_key))
-            w = out[f"{module}.weight"]
-            out[f"{module}.weight"] = (w.float() + (b.float() @ a.float()) * scaling).to(w.dtype)
+        if ".lora_" in k or k.startswith("base_model."):
+            raise KeyError(f"{key} is a weight of a LoRA model: merge it with llmpipe.lora.merge_adapters")
+        out[k] = value
     return out
 
 
-def build_finetuned_mpt(ckpt_path: str):
+def build_finetuned_mpt(ckpt_path: str, merge_report: dict | None = None):
     """Instantiate llm-foundry's ``MPTForCausalLM`` from a finetune's composer checkpoint (a full file or an FSDP
     sharded folder; fp32, eval mode).
 
     The architecture is the model config stored in the checkpoint (the base's own config.json, with the
-    finetune's overrides), so hub and own bases convert alike; LoRA adapters are merged (:func:`hf_weights`).
+    finetune's overrides), so hub and own bases convert alike. LoRA adapters (the checkpoint's ``peft_config``) are
+    merged by peft (:func:`llmpipe.lora.merge_adapters`); with ``merge_report`` (a dict, filled in place) the merge
+    is checked against the adapter-applied model and its figures recorded there.
 
     Raises:
         FileNotFoundError: the checkpoint is missing.
         KeyError: not an ``hf_causal_lm`` checkpoint, or its weights do not match its config.
-        ValueError: the base is not an MPT model.
+        ValueError: the base is not an MPT model, or the merged model does not reproduce the adapter-applied one.
     """
     import torch
     from llmfoundry.models.mpt import MPTConfig, MPTForCausalLM
@@ -344,7 +328,10 @@ def build_finetuned_mpt(ckpt_path: str):
     kwargs = {k: v for k, v in hf_cfg.items() if k not in _HF_ONLY_KEYS}
     kwargs["init_device"] = "cpu"
     model = MPTForCausalLM(MPTConfig(**kwargs))
-    sd = hf_weights(state["state"]["model"], meta["peft_config"])
+    if meta["peft_config"]:
+        return merge_adapters(model, state["state"]["model"], meta["peft_config"], source=ckpt_path,
+                              report=merge_report).float().eval()
+    sd = hf_weights(state["state"]["model"])
     missing, unexpected = model.load_state_dict(sd, strict=False)
     missing = [k for k in missing if not k.endswith("lm_head.weight")]
     if missing or unexpected:

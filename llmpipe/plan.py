@@ -6,7 +6,10 @@ Memory per GPU, in GiB (2**30 bytes), for training (``train_memory``) and infere
   trained parameter (ZeRO paper, Rajbhandari et al. 2020, section 3.1: 2+2+12 bytes for mixed precision; composer
   keeps fp32 weights and fp32 gradients under ``amp_bf16``, so 4+4+8). FSDP ``FULL_SHARD`` divides them by the
   world size, ``HYBRID_SHARD`` by the GPUs of a node, ``SHARD_GRAD_OP`` shards gradients and moments only. A
-  LoRA finetune trains almost nothing: its frozen weights count 4 bytes each. Under FSDP the gathered bf16
+  LoRA finetune trains only its adapters (``r x (in + out)`` per adapted linear layer,
+  :func:`llmpipe.lora.adapter_param_count`), 16 bytes each; its frozen weights count 4 bytes each (llm-foundry
+  wraps the adapter layers in FSDP units of their own, so no frozen weight gets a gradient or Adam moments, and
+  the optimizer holds state only for parameters with a gradient). Under FSDP the gathered bf16
   weights and bf16 gradients of two transformer blocks (the one computing and the one prefetched) are added.
 * **Activations**: 32 bytes per layer x token x ``d_model`` (Korthikanti et al. 2022, "Reducing Activation
   Recomputation in Large Transformer Models", section 4.1: ``sbh(34 + 5as/h)`` per layer, without the ``5as/h``
@@ -27,7 +30,9 @@ measured on one H200 (README, "Large models"), so only a step that clearly canno
 
 Time (``train_time``): the committed benchmark's measured bf16 MFU (``benchmarks/train-throughput.csv``) times the
 planned GPU's dense peak, divided by the run's model FLOPs per token (:func:`llmpipe.mfu.flops_per_token`), gives
-tokens/s per GPU; with activation checkpointing the forward is computed twice (x 3/4). It is a projection: it
+tokens/s per GPU; with activation checkpointing the forward is computed twice (x 3/4). A LoRA finetune computes no
+weight gradients of its frozen base: ``4 P + 12 n_layers d_model L`` instead of ``6 P + ...`` FLOPs per token (the
+input gradients and attention are still computed; the adapters' own FLOPs are negligible). It is a projection: it
 assumes the single-GPU MFU holds at every scale (no communication or restart costs).
 
 This module imports without torch (the Snakefile imports it) and takes explicit arguments, never the workflow config.
@@ -39,6 +44,7 @@ import csv
 import os
 from collections.abc import Mapping
 
+from llmpipe.lora import adapter_param_count
 from llmpipe.mfu import flops_per_token, mpt_param_count, peak_flops_for_name
 from llmpipe.settings import ConfigError
 
@@ -136,8 +142,9 @@ def train_memory(rc: Mapping, *, nodes: int, gpus_per_node: int, activation_chec
         activation_checkpointing, microbatch_size: override the run's settings (to say what a change would give).
 
     Returns:
-        ``{'params': P, 'world_size', 'fsdp': sharding strategy or None, 'activation_checkpointing': bool,
-        'microbatch_size', 'seq_len', 'states_gb', 'fsdp_buffers_gb', 'activations_gb', 'logits_gb', 'total_gb'}``.
+        ``{'params': P, 'trained_params': P, or the LoRA adapters' count, 'lora': bool, 'world_size', 'fsdp':
+        sharding strategy or None, 'activation_checkpointing': bool, 'microbatch_size', 'seq_len', 'states_gb',
+        'fsdp_buffers_gb', 'activations_gb', 'logits_gb', 'total_gb'}``.
     """
     arch = rc['arch']
     world = max(1, int(nodes) * max(1, int(gpus_per_node)))
@@ -154,8 +161,9 @@ def train_memory(rc: Mapping, *, nodes: int, gpus_per_node: int, activation_chec
     seq = int(rc['data']['concat_tokens'])
     tokens = mb * seq
 
-    trained = 0 if rc.get('lora') else params   # LoRA adapters are a rounding error next to the base
-    weights, rest = 4 * params, 12 * trained    # fp32 weights; fp32 gradients + two fp32 Adam moments
+    adapters = adapter_param_count(arch, rc.get('lora'))
+    trained = adapters if rc.get('lora') else params   # LoRA: only the adapters get gradients and moments
+    weights, rest = 4 * (params + adapters), 12 * trained    # fp32 weights; fp32 gradients + two fp32 Adam moments
     shard = {None: 1, 'NO_SHARD': 1, 'FULL_SHARD': world, 'SHARD_GRAD_OP': world,
              'HYBRID_SHARD': max(1, int(gpus_per_node)), '_HYBRID_SHARD_ZERO2': max(1, int(gpus_per_node))}
     n = shard.get(strategy, world)
@@ -167,7 +175,8 @@ def train_memory(rc: Mapping, *, nodes: int, gpus_per_node: int, activation_chec
         acts = ACT_BYTES * tokens * d * n_layers
     logits = _logits_bytes(rc, tokens, vocab)
     total = states + buffers + acts + logits
-    return {'params': params, 'world_size': world, 'fsdp': strategy, 'activation_checkpointing': ac,
+    return {'params': params, 'trained_params': trained, 'lora': bool(rc.get('lora')), 'world_size': world,
+            'fsdp': strategy, 'activation_checkpointing': ac,
             'microbatch_size': mb, 'seq_len': seq, 'states_gb': states / GB, 'fsdp_buffers_gb': buffers / GB,
             'activations_gb': acts / GB, 'logits_gb': logits / GB, 'total_gb': total / GB}
 
@@ -238,7 +247,9 @@ def train_time(rc: Mapping, *, nodes: int, gpus_per_node: int, gpu_type: str, ba
 
     tokens/s per GPU = ``basis['mfu']`` x bf16 peak of ``gpu_type`` / the run's FLOPs per token, i.e. the
     benchmark's throughput scaled by the ratio of FLOPs per token (and of peaks when the GPU differs); x 3/4 with
-    activation checkpointing (one more forward, 8 instead of 6 FLOPs per parameter and token).
+    activation checkpointing (one more forward, 8 instead of 6 FLOPs per parameter and token); a LoRA finetune
+    (``rc['lora']``) needs ``4 P + 12 n_layers d_model L`` FLOPs per token instead of ``6 P + ...``, its frozen base
+    computing no weight gradients (``flops_per_token`` in the result stays the full count, the MFU convention).
 
     Returns ``{'tokens', 'flops_per_token', 'tokens_per_s', 'seconds', 'days', 'basis': text}``, or None for a
     CPU job (no GPUs) or a GPU type without a known peak.
@@ -249,13 +260,20 @@ def train_time(rc: Mapping, *, nodes: int, gpus_per_node: int, gpu_type: str, ba
         return None
     seq = int(rc['data']['concat_tokens'])
     fpt = flops_per_token(rc['arch'], seq)
-    tps_gpu = float(basis['mfu']) * peak / fpt * (0.75 if activation_checkpointing else 1.0)
+    recompute = 4 / 3 if activation_checkpointing else 1.0   # the forward once more: 8 instead of 6 per parameter
+    work = fpt * recompute   # FLOPs computed per token
+    lora = 1.0
+    if rc.get('lora'):  # no weight gradients of the frozen base: 4 (6 with recompute) instead of 6 (8) per parameter
+        attention = 12.0 * int(rc['arch']['n_layers']) * int(rc['arch']['d_model']) * seq
+        lora = ((fpt - attention) * (6 if activation_checkpointing else 4) / 6 + attention * recompute) / work
+    tps_gpu = float(basis['mfu']) * peak / (work * lora)
     tokens = int(rc['train']['max_duration_batches']) * int(rc['train']['global_batch_size']) * seq
     seconds = tokens / (tps_gpu * gpus)
     med = f"median of {basis['repeats']} runs, " if int(basis.get('repeats') or 1) > 1 else ""
     text = (f"projection: MFU {float(basis['mfu']):.3f} of {basis['model']} ({basis['variant']}, {med}"
             f"{basis['gpu']}, benchmarks/train-throughput.csv {basis['timestamp'][:10]}) x {gpu_type} bf16 peak"
             + (", x 3/4 for activation recompute" if activation_checkpointing else "")
+            + (f", LoRA: x {lora:.2f} the FLOPs (no weight gradients of the frozen base)" if rc.get('lora') else "")
             + "; no communication or restart costs")
     return {'tokens': tokens, 'flops_per_token': fpt, 'tokens_per_s': tps_gpu * gpus, 'seconds': seconds,
             'days': seconds / 86400, 'basis': text}
@@ -282,7 +300,9 @@ def plan_line(step: str, run: str, plan: Mapping, capacity_gb: float, gpu_type: 
                  f"{plan['activations_gb']:.1f} + logits {plan['logits_gb']:.1f}; "
                  f"{plan['fsdp'] or 'no FSDP'} over {plan['world_size']} GPU(s), microbatch "
                  f"{plan['microbatch_size']} x {plan['seq_len']}, activation checkpointing "
-                 f"{'on' if plan['activation_checkpointing'] else 'off'}")
+                 f"{'on' if plan['activation_checkpointing'] else 'off'}"
+                 + (f", LoRA: {plan['trained_params']:,} trained of {plan['params']:,} parameters"
+                    if plan.get('lora') else ""))
     else:
         n = int(plan.get('gpus', 1))
         where = ('one GPU' if n == 1 else f"1 node x {n} GPUs, "

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import time
 
 import pytest
@@ -98,33 +99,27 @@ def test_finetune_rerun_scope(sft_run, tmp_path, change, expected):
     assert planned_jobs(snakemake(wd, "-n", *SFT_TARGETS, *args)) == expected
 
 
-@pytest.mark.slow
-def test_lora_without_peft_fails_clearly(sft_run, tmp_path):
-    pytest.importorskip("torch")
-    try:
-        import peft  # noqa: F401
-        pytest.skip("peft is installed here")
-    except ImportError:
-        pass
-    wd = copy_run(sft_run, tmp_path / "wd")
-    lora = "finetunes={'mpt-tiny-sft': {'lora': {'r': 4, 'alpha': 8, 'target_modules': ['Wqkv']}}}"
-    assert planned_jobs(snakemake(wd, "-n", f"results/{SFT}/train.json", "--config", lora)) == {"finetune": 1}
-    proc = snakemake(wd, "--cores", "1", f"results/{SFT}/train.json", "--config", lora, check=False)
-    out = proc.stdout + proc.stderr
-    assert proc.returncode != 0 and "pip install peft" in out and f"finetunes.{SFT}.lora" in out, out[-3000:]
-    assert (wd / f"results/{SFT}/train.json").exists() is False
-
-
 # ------------------------------------------------------------------------------------------- 7B / 30B: dry runs
 
-@pytest.mark.parametrize("run,nodes", [("mpt-7b-dolly", 1), ("mpt-7b-dolly-lora", 1), ("mpt-30b-instruct", 8)])
-def test_dry_run_plans_hub_finetune_with_resources(workdir, run, nodes):
+LORA_30B = {"r": 16, "target_modules": ["Wqkv", "out_proj"]}  # MPT-30B-Instruct with LoRA (not in the config)
+
+
+@pytest.mark.parametrize("run,nodes,extra", [("mpt-7b-dolly", 1, None), ("mpt-7b-dolly-lora", 1, None),
+                                             ("mpt-30b-instruct", 8, None), ("mpt-30b-instruct", 8, LORA_30B)],
+                         ids=["7b", "7b-lora", "30b", "30b-lora"])
+def test_dry_run_plans_hub_finetune_with_resources(workdir, run, nodes, extra):
+    """The 7B and 30B finetunes, full and LoRA, plan their jobs with their resources, memory and time, without
+    importing torch."""
+    from llmpipe import config as cfg
+    from llmpipe import plan
+
     blocked = workdir / "blocked"
     blocked.mkdir()
     for name in ("torch", "transformers", "llmfoundry", "composer", "peft"):
         (blocked / f"{name}.py").write_text(f"raise ImportError('{name} must not be imported by a dry run')\n")
     t0 = time.time()
     proc = snakemake(workdir, "-n", f"results/{run}/eval.json", f"results/{run}/generate.json",
+                     *(["--config", f"finetunes={{'{run}': {{'lora': {extra!r}}}}}"] if extra else []),
                      env={"PYTHONPATH": os.pathsep.join([str(blocked), str(REPO)])})
     elapsed = time.time() - t0
     jobs = planned_jobs(proc)
@@ -138,6 +133,23 @@ def test_dry_run_plans_hub_finetune_with_resources(workdir, run, nodes):
     block = out[out.index("rule finetune:"):]
     block = block[: block.index("\n\n")] if "\n\n" in block else block
     assert f"nodes={nodes}," in block and "gpus_per_node=8" in block and "runtime=1440" in block, block
+    # the memory and time plan of the finetune (llmpipe.plan), as for pretraining; LoRA: adapters trained only
+    out = proc.stdout + proc.stderr
+    config = load_config()
+    if extra:
+        config = cfg.deep_merge(config, {"finetunes": {run: {"lora": extra}}})
+    rc = cfg.run_config(config, run)
+    mem = plan.train_memory(rc, nodes=nodes, gpus_per_node=8)
+    m = re.search(rf"plan train {run}: ([\d.]+) GiB per GPU of 141 GiB \(h200\) = states ([\d.]+) .*"
+                  rf"FULL_SHARD over {nodes * 8} GPU\(s\).*activation checkpointing on(, LoRA: ([\d,]+) trained)?"
+                  r".*; time ([\d.]+) (hours|days) \(projection: MFU", out)
+    assert m, out[-3000:]
+    assert float(m.group(1)) == pytest.approx(mem["total_gb"], abs=0.05)
+    assert float(m.group(2)) == pytest.approx(mem["states_gb"], abs=0.05)
+    assert bool(m.group(3)) == bool(rc["lora"]) and (not rc["lora"] or int(m.group(4).replace(",", "")) ==
+                                                      mem["trained_params"] < mem["params"] / 100)
+    for step in ("eval", "generate"):
+        assert re.search(rf"plan {step} {run}: [\d.]+ GiB per GPU", out), out[-3000:]
 
 
 @pytest.mark.parametrize("run,gbs,bad_nodes", [("mpt-7b-dolly", 48, 4), ("mpt-30b-instruct", 72, 2)])
@@ -286,28 +298,7 @@ def test_lora_config_and_peft_requirement():
     assert peft_cfg == {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": 8, "lora_alpha": 16, "lora_dropout": 0.05,
                         "target_modules": ["Wqkv"]}
     assert fcfg["model"]["should_save_peft_only"] is False
-    try:
-        import peft  # noqa: F401
-    except ImportError:
-        with pytest.raises(cfg.ConfigError, match=r"pip install peft"):
-            require_peft(rc)
-
-
-def test_lora_merge_and_prefixes():
-    torch = pytest.importorskip("torch")
-    from llmpipe.finetune import hf_weights
-
-    g = torch.Generator().manual_seed(0)
-    w, a, b = (torch.randn(6, 4, generator=g), torch.randn(2, 4, generator=g), torch.randn(6, 2, generator=g))
-    sd = {"model.base_model.model.transformer.blocks.0.attn.Wqkv.base_layer.weight": w,
-          "model.base_model.model.transformer.blocks.0.attn.Wqkv.lora_A.default.weight": a,
-          "model.base_model.model.transformer.blocks.0.attn.Wqkv.lora_B.default.weight": b,
-          "model.base_model.model.transformer.wte.weight": torch.ones(3, 4)}
-    out = hf_weights(sd, {"r": 2, "lora_alpha": 8})
-    assert set(out) == {"transformer.blocks.0.attn.Wqkv.weight", "transformer.wte.weight"}
-    assert torch.allclose(out["transformer.blocks.0.attn.Wqkv.weight"], w + (b @ a) * 4.0)
-    plain = hf_weights({"model.transformer.wte.weight": torch.ones(3, 4)})
-    assert list(plain) == ["transformer.wte.weight"]
+    require_peft(rc)  # peft is installed (envs/requirements.lock); tests/test_lora.py: the message without it
 
 
 def test_builtin_instructions_are_deterministic():

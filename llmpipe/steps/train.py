@@ -14,6 +14,7 @@ import os
 from llmpipe.config import (SPEED_ONLY_FINETUNE_DATA_KEYS, SPEED_ONLY_TRAIN_KEYS, is_finetune, run_config,
                             step_resources, world_size)
 from llmpipe.fp8 import fp8_settings
+from llmpipe.lora import lora_settings
 from llmpipe.steps.context import StepContext, read_json
 from llmpipe.steps.convert import convert_identity
 from llmpipe.steps.data import instructions_identity, mds_identity, tokenizer_identity
@@ -64,7 +65,7 @@ def finetune_identity(config: dict, run: str) -> dict:
     data["tokenizer"] = tokenizer_identity(config, d["tokenizer"])
     train = _train_identity(rc["train"])
     return {"step": "finetune", "version": VERSIONS["finetune"], "base": base_id, "data": data, "train": train,
-            "lora": rc["lora"]}
+            "lora": lora_settings(rc["lora"])}
 
 
 def _train_identity(train: dict) -> dict:
