@@ -3,6 +3,7 @@ the tolerant read of such a file (:func:`read_json`)."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import tempfile
@@ -64,3 +65,12 @@ def remove_if_exists(path: str) -> None:
         os.unlink(path)
     except FileNotFoundError:
         pass
+
+
+def sha256_file(path: str) -> str:
+    """Hex SHA-256 of a file's bytes, read in 1 MiB blocks. Raises OSError when the file cannot be read."""
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for block in iter(lambda: fh.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()

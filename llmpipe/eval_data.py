@@ -20,7 +20,6 @@ looks complete.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import shutil
@@ -28,7 +27,7 @@ import time
 import urllib.error
 import urllib.request
 
-from llmpipe.atomic import atomic_write_json, read_json
+from llmpipe.atomic import atomic_write_json, read_json, sha256_file
 
 #: llm-foundry's task-list paths of standard task data start with this (relative to its ``scripts/`` folder).
 FOUNDRY_PREFIX = "eval/local_data/"
@@ -39,15 +38,6 @@ FOUNDRY_BASE_URL = "https://raw.githubusercontent.com/mosaicml/llm-foundry"
 
 class TaskDataError(RuntimeError):
     """A task file could not be fetched, copied or read; the message names the file and the fix."""
-
-
-def sha256_of(path: str) -> str:
-    """Hex sha256 of a file's bytes."""
-    h = hashlib.sha256()
-    with open(path, "rb") as fh:
-        for block in iter(lambda: fh.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 def count_items(path: str) -> int:
@@ -158,7 +148,7 @@ def fetch_task_files(files: list[str], dest: str, settings: dict, *, wait_s: flo
             url = file_url(settings.get("base_url") or FOUNDRY_BASE_URL, settings["revision"], rel)
             old = previous.get(rel)
             done = (old and os.path.isfile(out) and os.path.getsize(out) == old.get("bytes")
-                    and sha256_of(out) == old.get("sha256"))
+                    and sha256_file(out) == old.get("sha256"))
             if not done:
                 _download(url, out, retries=max(1, int(settings.get("retries", 5))), wait_s=wait_s,
                           timeout_s=timeout_s)
@@ -167,7 +157,7 @@ def fetch_task_files(files: list[str], dest: str, settings: dict, *, wait_s: flo
         if items == 0:
             raise TaskDataError(f"{out} (from {rel}) has no items: a task scored on no items has no accuracy. "
                                 f"Fix: check the file at its source, or drop the task from the suite.")
-        out_files[rel] = {"bytes": os.path.getsize(out), "items": items, "sha256": sha256_of(out), **entry}
+        out_files[rel] = {"bytes": os.path.getsize(out), "items": items, "sha256": sha256_file(out), **entry}
     manifest = {"source": source, "revision": settings.get("revision"), "files": out_files}
     if source == "local":
         manifest["local_dir"] = os.path.abspath(settings["local_dir"])

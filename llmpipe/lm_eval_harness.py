@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import contextlib
 import glob
-import hashlib
 import math
 import os
 import re
@@ -32,6 +31,7 @@ import tempfile
 import time
 from importlib import metadata
 
+from llmpipe.atomic import sha256_file
 from llmpipe.settings import ConfigError
 
 HARNESS = "lm-evaluation-harness"
@@ -106,15 +106,6 @@ def check_inputs(tasks: list[str], data_dir: str, *, version: str | None) -> lis
                           f"{sorted(known) or 'none'}). Fix: add their YAMLs there or drop them from lm_eval.tasks "
                           f"(lm_eval's built-in registry is not used: its tasks read the hub).")
     return local_files(data_dir)
-
-
-def sha256_file(path: str) -> str:
-    """Hex SHA-256 of a file's bytes."""
-    h = hashlib.sha256()
-    with open(path, "rb") as fh:
-        for block in iter(lambda: fh.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 def _file_record(path: str, data_dir: str) -> dict:
