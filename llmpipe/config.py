@@ -405,6 +405,12 @@ def inference_plan(config: dict, step: str, run: str) -> dict | None:
     rc = run_config(config, run)
     if "d_model" not in (rc.get("arch") or {}):
         return None
+    node = int(rc["resources"].get("gpus_per_node", 0) or 0)
+    if override.get("gpus_per_node") is not None and node and int(override["gpus_per_node"]) > node:
+        where = f"{'finetunes' if is_finetune(config, run) else 'models'}.{run}"
+        raise ConfigError(f"{where}.step_resources.{step}.gpus_per_node is {override['gpus_per_node']}, more than "
+                          f"the {node} GPUs of one node of {run} ({where}.resources.gpus_per_node): inference runs "
+                          f"on one node. Fix: at most {node}.")
     from llmpipe import inference_placement, plan
     return inference_placement.plan_gpus(
         rc, step, capacity_gb=plan.gpu_memory_gb(config["gpu_type"], config.get("gpu_memory_gb")),

@@ -89,10 +89,66 @@ def suite(config: Mapping, name: str) -> dict:
             "where": f"eval.suites.{name}.icl_tasks"}
 
 
+def suite_setting(config: Mapping, run: str) -> str:
+    """The config path that chooses a run's suite (see :func:`suite_name`), for error messages."""
+    fts = config.get("finetunes") or {}
+    if run in fts:
+        sections = [(f"finetunes.{run}", fts.get(run) or {}), ("finetune_defaults", config.get("finetune_defaults"))]
+    else:
+        sections = [(f"models.{run}", (config.get("models") or {}).get(run) or {}),
+                    ("model_defaults", config.get("model_defaults"))]
+    for at, sec in sections:
+        if (sec or {}).get("eval_suite"):
+            return f"{at}.eval_suite"
+    return "eval.suite"
+
+
 def run_suite(config: Mapping, run: str) -> tuple[str, dict]:
-    """(suite name, :func:`suite`) of a run."""
+    """(suite name, :func:`suite`) of a run.
+
+    Raises:
+        ConfigError: the suite is not defined, naming the setting that chose it.
+    """
     name = suite_name(config, run)
-    return name, suite(config, name)
+    try:
+        return name, suite(config, name)
+    except ConfigError as e:
+        raise ConfigError(f"{suite_setting(config, run)} is {name!r}: {e}") from None
+
+
+def known_items(config: Mapping, task: Mapping, suite_name_: str) -> int | None:
+    """The items of a task's file as far as the dry run can know them: a built task's ``num_items``; a local
+    file's; a standard file in the local mirror (``eval.task_data.source: local``) or in the suite's manifest of an
+    earlier fetch. None when unknown (a standard file not fetched yet)."""
+    src = data_source(task)
+    if src == "built":
+        return int(task.get("num_items", 200))
+    uri = str(task.get("dataset_uri") or "")
+    if src == "local":
+        return count_items(uri) if os.path.isfile(uri) else None
+    td = (config.get("eval") or {}).get("task_data") or {}
+    if td.get("source") == "local" and td.get("local_dir") and os.path.isfile(os.path.join(td["local_dir"], uri)):
+        return count_items(os.path.join(td["local_dir"], uri))
+    manifest = os.path.join(task_data_dir(str(config.get("results_dir", "results")), suite_name_), "manifest.json")
+    try:
+        with open(manifest) as fh:
+            rec = (json.load(fh).get("files") or {}).get(uri) or {}
+    except (OSError, ValueError):
+        return None
+    return int(rec["items"]) if rec.get("items") is not None else None
+
+
+def suite_items(config: Mapping, run: str) -> list[tuple[str, int | None, int]]:
+    """(label, items scored or None when unknown, number of shot counts) of each task of a run's suite: what an
+    evaluation runs forward (:func:`llmpipe.inference_placement.eval_tokens`)."""
+    name, s = run_suite(config, run)
+    out = []
+    for t in s["icl_tasks"]:
+        items = known_items(config, t, name)
+        if t.get("subset_items") is not None:
+            items = int(t["subset_items"]) if items is None else min(items, int(t["subset_items"]))
+        out.append((t["label"], items, len(t.get("num_fewshot", [0]))))
+    return out
 
 
 # ------------------------------------------------------------------------------------------- where the data is
@@ -181,7 +237,7 @@ def check_suite(config: Mapping, run: str) -> tuple[str, dict]:
         seen[label] = i
         if label == "eval":
             raise ConfigError(f"{at}.label is 'eval', llm-foundry's name for the held-out loader. Fix: rename it.")
-        check_task(t, at)
+        check_task(t, at, known_items(config, t, name) if data_source(t) == "foundry" else None)
         shots[label] = {int(n) for n in t.get("num_fewshot", [0])}
     g = s.get("eval_gauntlet")
     for c, cat in enumerate((g or {}).get("categories") or []):
@@ -217,8 +273,9 @@ def check_task_data(config: Mapping, files: list[str]) -> None:
                           f"{missing[0]}. Fix: mirror llm-foundry's scripts/eval/local_data there (README).")
 
 
-def check_task(t: Mapping, at: str) -> None:
-    """The checks of :func:`check_suite` on one task at config path ``at``."""
+def check_task(t: Mapping, at: str, foundry_items: int | None = None) -> None:
+    """The checks of :func:`check_suite` on one task at config path ``at``; ``foundry_items``: the items of a
+    standard file when known (:func:`known_items`)."""
     src = data_source(t)
     if t.get("kind") and t.get("dataset_uri"):
         raise ConfigError(f"{at} sets both kind (a task the project builds) and dataset_uri. Fix: keep one.")
@@ -246,7 +303,7 @@ def check_task(t: Mapping, at: str) -> None:
     fewshot = [int(n) for n in t.get("num_fewshot", [0])]
     if not fewshot:
         raise ConfigError(f"{at}.num_fewshot is empty. Fix: list the shot counts, e.g. [0].")
-    items = None
+    items = foundry_items if src == "foundry" else None
     if src == "built":
         items = int(t.get("num_items", 200))
     elif src == "local":

@@ -102,14 +102,18 @@ def inference_time(rc: Mapping, step: str, *, gpus: int, gpu_type: str, basis: M
                                          f"{float(basis['mfu']):.3f} (benchmark) x {gpu_type} bf16 peak x {gpus}"}
 
 
-def eval_tokens(eval_settings: Mapping, seq_len: int) -> int:
-    """Tokens one evaluation runs forward: ``val_batches x batch_size`` sequences (none counted for ``-1``, the
-    split's size is unknown before it is built) plus every ICL item at each few-shot count, as full sequences."""
+def eval_tokens(eval_settings: Mapping, seq_len: int, tasks: list[tuple[str, int | None, int]]) -> tuple[int, list[str]]:
+    """Tokens one evaluation runs forward, and the tasks whose size is unknown before their data is fetched.
+
+    ``val_batches x batch_size`` held-out sequences (none counted for ``-1``: the split's size is unknown before it
+    is built) plus, for each task of the run's suite (``tasks``: :func:`llmpipe.eval_tasks.suite_items`), its items
+    at each few-shot count, each as one full sequence: a lower bound for multiple-choice tasks, which run one
+    sequence per choice.
+    """
     bs = int(eval_settings.get('batch_size', 8))
     val = max(0, int(eval_settings.get('val_batches', 0))) * bs
-    icl = sum(int(t.get('num_items', 200)) * len(t.get('num_fewshot', [0]))
-              for t in eval_settings.get('icl_tasks') or [])
-    return (val + icl) * int(seq_len)
+    icl = sum(items * shots for _, items, shots in tasks if items is not None)
+    return (val + icl) * int(seq_len), [label for label, items, _ in tasks if items is None]
 
 
 # ------------------------------------------------------------------------------------------- in the job (torch)

@@ -366,7 +366,11 @@ def check_inference_fits(step: str, run: str, placement: Mapping, capacity_gb: f
     if placement['source'] == 'override':
         raise ConfigError(f"{head} The {n} GPU(s) come from {setting}. Fix: raise {setting} (the weights, "
                           f"{mem['weights_gb'] * n:.0f} GiB in all, are split over the GPUs), or remove it to let "
-                          f"the plan choose, or set gpu_type to a GPU with more memory.")
+                          f"the plan choose, or set gpu_type to a GPU with more memory"
+                          + (", or lower eval.batch_size." if step == 'eval' else "."))
+    batch = (f", or a smaller eval.batch_size (activations and logits {mem['activations_gb'] + mem['logits_gb']:.0f}"
+             f" GiB per GPU)" if step == 'eval' else "")
     raise ConfigError(f"{head} Inference runs on one node at most, and {n} GPU(s) are all of the node's "
                       f"({where}.resources.gpus_per_node). Fix: a node with more GPUs ({setting}), or set gpu_type "
-                      f"to a GPU with more memory (or gpu_memory_gb), or leave {step} of {run} out of the targets.")
+                      f"to a GPU with more memory (or gpu_memory_gb){batch}, or leave {step} of {run} out of the "
+                      f"targets.")

@@ -191,9 +191,10 @@ def inference_time(step, rc, placed, gpu_type):
 
     mem, n = placed["memory"], placed["gpus"]
     if step == "eval":
-        tokens = ip.eval_tokens(config["eval"], int(rc["data"]["concat_tokens"]))
+        tasks = eval_tasks.suite_items(config, rc["name"])
+        tokens, unknown = ip.eval_tokens(config["eval"], int(rc["data"]["concat_tokens"]), tasks)
         basis = plan_mod.benchmark_basis(plan_mod.BENCHMARK_CSV)
-        return ip.inference_time(
+        proj = ip.inference_time(
             rc,
             step,
             gpus=n,
@@ -202,6 +203,9 @@ def inference_time(step, rc, placed, gpu_type):
             eval_tokens=tokens,
             peak_overrides=config.get("gpu_peak_flops"),
         )
+        if proj and unknown:
+            proj["basis"] += f"; without {len(unknown)} of {len(tasks)} tasks, not fetched yet"
+        return proj
     g = config["generate"]
     new = len(g["prompts"]) * int(g["max_new_tokens"])
     return ip.inference_time(

@@ -296,7 +296,7 @@ def test_suite_checks_on_files_and_gauntlet(tmp_path):
         eval_tasks.check_suite(config_with([task], bad), "mpt-tiny")
     cfg = config_with()
     cfg["models"]["mpt-tiny"]["eval_suite"] = "nope"
-    with pytest.raises(ConfigError, match="eval suite 'nope' is not defined"):
+    with pytest.raises(ConfigError, match="^models.mpt-tiny.eval_suite is 'nope': eval suite 'nope' is not defined"):
         eval_tasks.check_suite(cfg, "mpt-tiny")
 
 
@@ -311,6 +311,37 @@ def test_local_task_data_folder_is_checked(tmp_path):
     (tmp_path / files[0]).parent.mkdir(parents=True)
     (tmp_path / files[0]).write_text("{}\n")
     eval_tasks.check_task_data(cfg, files)
+
+
+def test_standard_files_are_counted_from_the_mirror_or_the_manifest(tmp_path):
+    """A standard file's items are known in the dry run when it is in the local mirror or an earlier fetch's
+    manifest: subsets and shot counts are checked against them, and the evaluation's time plan counts them."""
+    from llmpipe.inference_placement import eval_tokens
+
+    rel = "eval/local_data/commonsense_reasoning/copa.jsonl"
+    (tmp_path / "mirror" / rel).parent.mkdir(parents=True)
+    write_jsonl(tmp_path / "mirror" / rel, [{"query": "q", "choices": ["a", "b"], "gold": 0}] * 3)
+    task = {"label": "copa", "dataset_uri": rel, "icl_task_type": "multiple_choice", "num_fewshot": [0, 1]}
+    cfg = config_with()
+    cfg["results_dir"] = str(tmp_path / "results")
+    cfg["eval"]["suites"] = {"mine": {"icl_tasks": [dict(task, subset_items=5)]}}
+    cfg["models"]["mpt-tiny"]["eval_suite"] = "mine"
+    assert eval_tasks.suite_items(cfg, "mpt-tiny") == [("copa", 5, 2)]  # not fetched: the subset is all we know
+    cfg["eval"]["task_data"] = {"source": "local", "local_dir": str(tmp_path / "mirror")}
+    with pytest.raises(ConfigError, match=r"eval\.suites\.mine\.icl_tasks\[0\]\.subset_items is 5 but the task has 3"):
+        eval_tasks.check_suite(cfg, "mpt-tiny")
+    cfg["eval"]["suites"]["mine"]["icl_tasks"] = [dict(task, num_fewshot=[3])]
+    with pytest.raises(ConfigError, match=r"num_fewshot has 3 shots but the task has 3 items"):
+        eval_tasks.check_suite(cfg, "mpt-tiny")
+    # from the manifest of an earlier fetch (no mirror)
+    cfg["eval"]["task_data"] = {"source": "github"}
+    cfg["eval"]["suites"]["mine"]["icl_tasks"] = [task]
+    manifest = tmp_path / "results/data/eval-tasks/mine/manifest.json"
+    manifest.parent.mkdir(parents=True)
+    manifest.write_text(json.dumps({"files": {rel: {"items": 7}}}))
+    assert eval_tasks.suite_items(cfg, "mpt-tiny") == [("copa", 7, 2)]
+    tokens, unknown = eval_tokens({"batch_size": 4, "val_batches": 2}, 128, [("copa", 7, 2), ("x", None, 1)])
+    assert tokens == (2 * 4 + 7 * 2) * 128 and unknown == ["x"]
 
 
 def test_project_suites():

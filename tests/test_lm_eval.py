@@ -37,6 +37,20 @@ def write_jsonl(path, rows):
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
 
 
+def test_a_model_too_large_for_one_gpu_is_refused_in_the_dry_run():
+    """lm_eval runs the model in one process on one GPU: MPT-70B (about 250 GiB to evaluate) on an 80 GB GPU is
+    refused before anything is queued, naming the target to leave out; MPT-1B passes."""
+    from llmpipe.steps.lm_eval_harness import check_fits_one_gpu
+    from tests.conftest import project_config
+
+    config = project_config()
+    config["gpu_type"] = "h100"
+    with pytest.raises(ConfigError, match=r"^models\.mpt-70b: lm_eval scores mpt-70b in one process on one GPU.*"
+                                          r"Fix: leave results/mpt-70b/eval-lm_eval\.json out of the targets"):
+        check_fits_one_gpu(config, "mpt-70b")
+    check_fits_one_gpu(config, "mpt-1b")
+
+
 CHOICE_YAML = """\
 task: standin_choice
 dataset_path: json

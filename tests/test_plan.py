@@ -203,6 +203,29 @@ def test_dry_run_refuses_an_inference_override_that_cannot_fit(workdir):
     assert "rule eval:" not in proc.stdout
 
 
+def test_inference_override_beyond_one_node_is_refused():
+    """Inference never spans nodes: more GPUs than one node of the run has is refused, naming the setting."""
+    from llmpipe.config import inference_plan
+
+    config = project_config()
+    config["gpu_type"] = "h100"
+    config["models"]["mpt-70b"]["step_resources"] = {"eval": {"gpus_per_node": 16}}
+    with pytest.raises(ConfigError, match=r"^models\.mpt-70b\.step_resources\.eval\.gpus_per_node is 16, more than "
+                                          r"the 8 GPUs of one node of mpt-70b .* Fix: at most 8\."):
+        inference_plan(config, "eval", "mpt-70b")
+    config["models"]["mpt-70b"]["step_resources"] = {"eval": {"gpus_per_node": 8}}
+    assert inference_plan(config, "eval", "mpt-70b")["gpus"] == 8
+
+
+def test_the_fix_for_an_evaluation_that_cannot_fit_names_the_batch_size():
+    from llmpipe.inference_placement import plan_gpus
+
+    rc = run_config(project_config(), "mpt-70b")
+    placed = plan_gpus(rc, "eval", capacity_gb=80, section_gpus=1, node_gpus=8, batch_size=512)
+    with pytest.raises(ConfigError, match=r"or a smaller eval\.batch_size \(activations and logits \d+ GiB per GPU\)"):
+        plan.check_inference_fits("eval", "mpt-70b", placed, 80, "h100", "models.mpt-70b")
+
+
 def test_a_model_too_large_for_one_node_is_refused():
     """No node of 8 GPUs holds a model of 300 GiB of bf16 weights per 80 GB GPU: refused, naming the node's GPUs."""
     from llmpipe.inference_placement import plan_gpus

@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 
 from llmpipe import lm_eval_harness as harness
-from llmpipe.config import step_resources
+from llmpipe.config import ConfigError, is_finetune, run_config, step_resources
 from llmpipe.steps.context import StepContext
 
 #: Bump when a change in our code changes eval-lm_eval.json (reruns the harness).
@@ -33,7 +33,32 @@ def lm_eval_inputs(config: dict, run: str) -> list[str]:
     """The files of ``lm_eval.data_dir``, after checking the settings (:func:`llmpipe.lm_eval_harness.check_inputs`:
     a ConfigError naming the setting when the harness is off, lm_eval is missing or a task has no YAML)."""
     s = config["lm_eval"]
-    return harness.check_inputs(s["tasks"], s["data_dir"], version=harness.installed_version())
+    files = harness.check_inputs(s["tasks"], s["data_dir"], version=harness.installed_version())
+    check_fits_one_gpu(config, run)
+    return files
+
+
+def check_fits_one_gpu(config: dict, run: str) -> None:
+    """The harness runs the model in one process on at most one GPU: refuse, in the dry run, a model whose
+    evaluation plan (:func:`llmpipe.plan.inference_memory`, ``lm_eval.batch_size`` sequences) exceeds one GPU of
+    ``gpu_type`` by more than :data:`llmpipe.plan.MARGIN`.
+
+    Raises:
+        ConfigError: naming the estimate, the GPU and the fix.
+    """
+    from llmpipe import plan
+    res = step_resources(config, "eval", run)
+    rc = run_config(config, run)
+    if int(res["gpus_per_node"]) <= 0 or not config.get("gpu_type") or "d_model" not in (rc.get("arch") or {}):
+        return
+    capacity = plan.gpu_memory_gb(config["gpu_type"], config.get("gpu_memory_gb"))
+    need = plan.inference_memory(rc, step="eval", batch_size=int(config["lm_eval"]["batch_size"]))["total_gb"]
+    if need > capacity * (1 + plan.MARGIN):
+        where = f"{'finetunes' if is_finetune(config, run) else 'models'}.{run}"
+        raise ConfigError(f"{where}: lm_eval scores {run} in one process on one GPU, and its evaluation needs about "
+                          f"{need:.0f} GiB (llmpipe.plan), more than the {capacity:.0f} GiB of one {config['gpu_type']} "
+                          f"GPU (gpu_type). Fix: leave results/{run}/eval-lm_eval.json out of the targets (eval.json "
+                          f"evaluates it across the node's GPUs), or a GPU with more memory.")
 
 
 def lm_eval_resources(config: dict, wildcards) -> dict:
