@@ -249,6 +249,14 @@ def check_suite(config: Mapping, run: str) -> tuple[str, dict]:
             if not 0 <= float(bench["random_baseline"]) < 1:
                 raise ConfigError(f"{at}.random_baseline is {bench['random_baseline']}; it must be in [0, 1) "
                                   f"(chance accuracy). Fix: e.g. 0.25 for 4 choices, 0 for free answers.")
+    averages = (g or {}).get("averages") or {}
+    core = averages.get("core_average") if isinstance(averages, Mapping) else None
+    known = {c.get("name") for c in (g or {}).get("categories") or []}
+    unknown = [c for c in core or [] if c not in known]
+    if unknown:
+        raise ConfigError(f"{where[:-len('icl_tasks')]}eval_gauntlet.averages.core_average names {unknown}, which "
+                          f"no category of the gauntlet is (categories: {sorted(known)}); the average would cover "
+                          f"a silent subset. Fix: name existing categories.")
     return name, s
 
 
@@ -260,6 +268,10 @@ def check_task_data(config: Mapping, files: list[str]) -> None:
         ConfigError: naming the setting, the first missing file and the fix.
     """
     td = (config.get("eval") or {}).get("task_data") or {}
+    if td.get("local_dir") and td.get("source") != "local" and files:
+        raise ConfigError(f"eval.task_data.local_dir is set but eval.task_data.source is {td.get('source')!r}, so "
+                          f"the files would be fetched from the network and the folder ignored. Fix: set "
+                          f"eval.task_data.source: local (or drop local_dir).")
     if td.get("source") != "local" or not files:
         return
     root = td.get("local_dir")

@@ -294,6 +294,10 @@ def test_suite_checks_on_files_and_gauntlet(tmp_path):
     bad = {"categories": [{"name": "c", "benchmarks": [{"name": "t", "num_fewshot": 5, "random_baseline": 0}]}]}
     with pytest.raises(ConfigError, match=r"eval\.eval_gauntlet\.categories\[0\]\.benchmarks\[0\] is t at 5 shots"):
         eval_tasks.check_suite(config_with([task], bad), "mpt-tiny")
+    good = {"categories": [{"name": "c", "benchmarks": [{"name": "t", "num_fewshot": 0, "random_baseline": 0}]}]}
+    eval_tasks.check_suite(config_with([task], good), "mpt-tiny")
+    with pytest.raises(ConfigError, match=r"eval\.eval_gauntlet\.averages\.core_average names \['d'\]"):
+        eval_tasks.check_suite(config_with([task], {**good, "averages": {"core_average": ["c", "d"]}}), "mpt-tiny")
     cfg = config_with()
     cfg["models"]["mpt-tiny"]["eval_suite"] = "nope"
     with pytest.raises(ConfigError, match="^models.mpt-tiny.eval_suite is 'nope': eval suite 'nope' is not defined"):
@@ -311,6 +315,10 @@ def test_local_task_data_folder_is_checked(tmp_path):
     (tmp_path / files[0]).parent.mkdir(parents=True)
     (tmp_path / files[0]).write_text("{}\n")
     eval_tasks.check_task_data(cfg, files)
+    cfg["eval"]["task_data"]["source"] = "github"  # a mirror named but not used: refused, not silently ignored
+    with pytest.raises(ConfigError, match=r"eval\.task_data\.local_dir is set but eval\.task_data\.source is "
+                                          r"'github'.*Fix: set eval\.task_data\.source: local"):
+        eval_tasks.check_task_data(cfg, files)
 
 
 def test_standard_files_are_counted_from_the_mirror_or_the_manifest(tmp_path):
