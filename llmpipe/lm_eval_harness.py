@@ -76,6 +76,47 @@ def local_files(data_dir: str) -> list[str]:
     return out
 
 
+def _tolerant_yaml(path: str) -> dict:
+    """A task YAML as a mapping, lm_eval's ``!function`` and other tags read as None (nothing imported)."""
+    import yaml
+
+    class Loader(yaml.SafeLoader):
+        pass
+
+    Loader.add_multi_constructor("!", lambda loader, suffix, node: None)
+    with open(path, encoding="utf-8") as fh:
+        doc = yaml.load(fh, Loader=Loader)  # noqa: S506 - a SafeLoader subclass
+    return doc if isinstance(doc, dict) else {}
+
+
+def check_task_yaml(task: str, path: str, data_dir: str) -> None:
+    """A task's YAML reads local files only: its ``dataset_path`` is one of datasets' file builders
+    (:data:`LOCAL_BUILDERS`) and every ``dataset_kwargs.data_files`` entry (a path or glob pattern) matches a file under ``data_dir``. A YAML without
+    ``dataset_path`` (a group, or one that ``include``s another) is not checked here.
+
+    Raises:
+        ConfigError: naming the task, its YAML, the field and the fix.
+    """
+    doc = _tolerant_yaml(path)
+    source = doc.get("dataset_path")
+    if source is None:
+        return
+    if str(source) not in LOCAL_BUILDERS:
+        raise ConfigError(f"lm_eval.tasks: {task!r} ({path}) has dataset_path {source!r}, which lm_eval would fetch "
+                          f"from the hub (evaluation runs offline). Fix: dataset_path: json with dataset_kwargs: "
+                          f"{{data_files: ...}} pointing at local files (README, 'Second harness').")
+    files = (doc.get("dataset_kwargs") or {}).get("data_files") or []
+    if isinstance(files, dict):
+        files = [f for v in files.values() for f in ([v] if isinstance(v, str) else v or [])]
+    elif isinstance(files, str):
+        files = [files]
+    missing = [f for f in files if not glob.glob(os.path.join(data_dir, f))]  # data_files may be glob patterns
+    if missing:
+        raise ConfigError(f"lm_eval.tasks: {task!r} ({path}) reads {missing[0]!r}, which matches no file under "
+                          f"{data_dir} (data_files are relative to lm_eval.data_dir). Fix: put the file there "
+                          f"(README, 'Second harness') or correct data_files.")
+
+
 def check_inputs(tasks: list[str], data_dir: str, *, version: str | None) -> list[str]:
     """Check the harness's settings while the DAG is built; return the local files the evaluation reads.
 
@@ -105,6 +146,8 @@ def check_inputs(tasks: list[str], data_dir: str, *, version: str | None) -> lis
         raise ConfigError(f"lm_eval.tasks: {missing} are defined by no YAML in {data_dir} (`task: <name>`; found: "
                           f"{sorted(known) or 'none'}). Fix: add their YAMLs there or drop them from lm_eval.tasks "
                           f"(lm_eval's built-in registry is not used: its tasks read the hub).")
+    for task in tasks:
+        check_task_yaml(task, known[task], data_dir)
     return local_files(data_dir)
 
 

@@ -37,6 +37,19 @@ def write_jsonl(path, rows):
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
 
 
+def test_task_yamls_must_read_local_files(tmp_path):
+    """A task YAML that would read the hub, or local data files that are not there, stops the dry run."""
+    (tmp_path / "hub.yaml").write_text("task: hub\ndataset_path: allenai/ai2_arc\noutput_type: multiple_choice\n")
+    with pytest.raises(ConfigError, match=r"'hub' .* has dataset_path 'allenai/ai2_arc', which lm_eval would fetch"):
+        harness.check_inputs(["hub"], str(tmp_path), version="0.4.13")
+    (tmp_path / "miss.yaml").write_text("task: miss\ndataset_path: json\ndataset_kwargs:\n  data_files:\n"
+                                        "    test: d/*.jsonl\nprocess_docs: !function utils.process\n")
+    with pytest.raises(ConfigError, match=r"'miss' .* reads 'd/\*\.jsonl', which matches no file under"):
+        harness.check_inputs(["miss"], str(tmp_path), version="0.4.13")
+    write_jsonl(tmp_path / "d" / "test.jsonl", [{"x": 1}])
+    assert str(tmp_path / "d" / "test.jsonl") in harness.check_inputs(["miss"], str(tmp_path), version="0.4.13")
+
+
 def test_a_model_too_large_for_one_gpu_is_refused_in_the_dry_run():
     """lm_eval runs the model in one process on one GPU: MPT-70B (about 250 GiB to evaluate) on an 80 GB GPU is
     refused before anything is queued, naming the target to leave out; MPT-1B passes."""
