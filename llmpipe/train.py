@@ -429,15 +429,18 @@ def export_dist_env() -> dict:
     """
     import submitit
     try:
-        env = submitit.helpers.TorchDistributedEnvironment().export(set_cuda_visible_devices=False)
         job = submitit.JobEnvironment()
+    except RuntimeError:  # not inside a submitit job
+        job = None
+    if job is not None:  # the job's own values win over any inherited from the submitting process
+        env = submitit.helpers.TorchDistributedEnvironment().export(set_cuda_visible_devices=False, overwrite=True)
         os.environ["NODE_RANK"] = str(job.node)
         os.environ["LOCAL_WORLD_SIZE"] = str(env.local_world_size)
         out = {"rank": env.rank, "world_size": env.world_size, "local_rank": env.local_rank,
                "local_world_size": env.local_world_size, "node_rank": job.node,
                "master_addr": env.master_addr, "master_port": env.master_port, "hostname": job.hostname,
                "job_id": job.job_id}
-    except RuntimeError:  # not inside a submitit job
+    else:
         for k, v in {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1",
                      "NODE_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}.items():
             os.environ.setdefault(k, v)

@@ -55,11 +55,16 @@ def standin_tasks(d):
 
 
 @pytest.mark.slow
-def test_standin_suite_is_scored_as_hand_computed(tmp_path):
+def test_standin_suite_is_scored_as_hand_computed(tmp_path, monkeypatch):
     """Every task type scores its hand-computed accuracy over every item (7 multiple-choice items need 7 batches of
     one question: more than val_batches, which caps the held-out loader only), the subset is recorded, and the
     held-out loss is the model's exact -log p(w | w)."""
     from streaming import MDSWriter
+
+    # evaluate() runs in this process here: the single-process torch.distributed variables it sets must not reach
+    # the jobs later tests start (they would inherit WORLD_SIZE=1)
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "NODE_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(key, raising=False)
 
     from llmpipe.evaluate import evaluate
 
