@@ -23,6 +23,22 @@ def project_config() -> dict:
     return load_config(REPO / "config" / "config.yaml")
 
 
+#: torch.distributed's variables: a test that trains or evaluates in the pytest process sets them; they must not
+#: reach the jobs of later tests (which inherit this process's environment).
+DIST_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "NODE_RANK", "MASTER_ADDR", "MASTER_PORT")
+
+
+@pytest.fixture(autouse=True)
+def _restore_dist_env():
+    saved = {k: os.environ.get(k) for k in DIST_VARS}
+    yield
+    for k, v in saved.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
+
+
 pytest_plugins = ["tests.slurm_cluster.fixture"] if (REPO / "tests/slurm_cluster/fixture.py").exists() else []
 
 

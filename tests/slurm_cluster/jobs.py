@@ -14,7 +14,8 @@ def where(out_dir: str) -> dict:
     """Export torch.distributed's variables from Slurm's (submitit's helper); write and return what this task sees."""
     from submitit.helpers import TorchDistributedEnvironment
 
-    dist = TorchDistributedEnvironment().export(set_cuda_visible_devices=False)
+    # the job's values win over any the submitting process exported (as llmpipe.train.export_dist_env does)
+    dist = TorchDistributedEnvironment().export(set_cuda_visible_devices=False, overwrite=True)
     seen = {
         "host": socket.gethostname(),
         "rank": dist.rank,
