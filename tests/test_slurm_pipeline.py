@@ -454,7 +454,7 @@ def test_step_failing_at_run_time_reports_job_state_and_log(two_node_run, site, 
     finally:
         cancel_jobs_of(slurm_cluster, wd)
     assert read_json(wd, "results/mpt-tiny/generate.json")["settings"]["do_sample"] is False
-    for name, n in (("generate_mpt-tiny", 1), ("train_mpt-tiny", 0), ("convert_mpt-tiny", 0), ("eval_mpt-tiny", 0)):
+    for name, n in (("generate_mpt-tiny", 1), ("train_mpt-tiny", 0), ("convert_mpt-tiny", 0), ("eval_mpt-tiny", 1)):
         assert len(slurm_jobs_since(slurm_cluster, t1, name)) == n, name
 
 
