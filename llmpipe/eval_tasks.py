@@ -24,6 +24,7 @@ import json
 import os
 from collections.abc import Mapping
 
+from llmpipe.atomic import read_json
 from llmpipe.eval_data import FOUNDRY_PREFIX, count_items
 from llmpipe.settings import ConfigError
 
@@ -130,11 +131,7 @@ def known_items(config: Mapping, task: Mapping, suite_name_: str) -> int | None:
     if td.get("source") == "local" and td.get("local_dir") and os.path.isfile(os.path.join(td["local_dir"], uri)):
         return count_items(os.path.join(td["local_dir"], uri))
     manifest = os.path.join(task_data_dir(str(config.get("results_dir", "results")), suite_name_), "manifest.json")
-    try:
-        with open(manifest) as fh:
-            rec = (json.load(fh).get("files") or {}).get(uri) or {}
-    except (OSError, ValueError):
-        return None
+    rec = ((read_json(manifest) or {}).get("files") or {}).get(uri) or {}
     return int(rec["items"]) if rec.get("items") is not None else None
 
 
