@@ -407,7 +407,7 @@ def inference_plan(config: dict, step: str, run: str) -> dict | None:
         return None
     node = int(rc["resources"].get("gpus_per_node", 0) or 0)
     if override.get("gpus_per_node") is not None and node and int(override["gpus_per_node"]) > node:
-        where = f"{'finetunes' if is_finetune(config, run) else 'models'}.{run}"
+        where = section_path(config, run)
         raise ConfigError(f"{where}.step_resources.{step}.gpus_per_node is {override['gpus_per_node']}, more than "
                           f"the {node} GPUs of one node of {run} ({where}.resources.gpus_per_node): inference runs "
                           f"on one node. Fix: at most {node}.")
@@ -445,6 +445,11 @@ INSTRUCTION_SOURCES = ("builtin", "hub", "local")
 def is_finetune(config: dict, run: str) -> bool:
     """True when ``run`` is a finetune (a key of ``finetunes:``), False for a pretraining run."""
     return run in (config.get("finetunes") or {})
+
+
+def section_path(config: dict, run: str) -> str:
+    """The config section a run is written in: ``finetunes.<run>`` or ``models.<run>`` (for error messages)."""
+    return f"{'finetunes' if is_finetune(config, run) else 'models'}.{run}"
 
 
 def _run_section(config: dict, run: str) -> dict:

@@ -155,7 +155,7 @@ def memory_plan(step, run):
     rc = cfg.run_config(config, run)
     if "d_model" not in (rc.get("arch") or {}):  # a hub base without its architecture: nothing to plan from
         return
-    where = f"{'finetunes' if cfg.is_finetune(config, run) else 'models'}.{run}"
+    where = cfg.section_path(config, run)
     gpu_type = config["gpu_type"]
     capacity = plan_mod.gpu_memory_gb(gpu_type, config.get("gpu_memory_gb"))
     proj = None

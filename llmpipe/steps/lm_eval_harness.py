@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 
 from llmpipe import lm_eval_harness as harness
-from llmpipe.config import ConfigError, is_finetune, run_config, step_resources
+from llmpipe.config import ConfigError, run_config, section_path, step_resources
 from llmpipe.steps.context import StepContext
 
 #: Bump when a change in our code changes eval-lm_eval.json (reruns the harness).
@@ -54,7 +54,7 @@ def check_fits_one_gpu(config: dict, run: str) -> None:
     capacity = plan.gpu_memory_gb(config["gpu_type"], config.get("gpu_memory_gb"))
     need = plan.inference_memory(rc, step="eval", batch_size=int(config["lm_eval"]["batch_size"]))["total_gb"]
     if need > capacity * (1 + plan.MARGIN):
-        where = f"{'finetunes' if is_finetune(config, run) else 'models'}.{run}"
+        where = section_path(config, run)
         raise ConfigError(f"{where}: lm_eval scores {run} in one process on one GPU, and its evaluation needs about "
                           f"{need:.0f} GiB (llmpipe.plan), more than the {capacity:.0f} GiB of one {config['gpu_type']} "
                           f"GPU (gpu_type). Fix: leave results/{run}/eval-lm_eval.json out of the targets (eval.json "
