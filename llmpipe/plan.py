@@ -49,6 +49,7 @@ from llmpipe.mfu import flops_per_token, mpt_param_count, peak_flops_for_name
 from llmpipe.settings import ConfigError
 
 __all__ = [
+    'AUTO_AC_SHARE',
     'BENCHMARK_CSV',
     'GPU_MEMORY_GB',
     'benchmark_basis',
@@ -58,6 +59,7 @@ __all__ = [
     'human_time',
     'inference_memory',
     'plan_line',
+    'resolve_activation_checkpointing',
     'train_memory',
     'train_time',
 ]
@@ -72,6 +74,9 @@ ACT_BYTES = 32
 MARGIN = 0.10
 #: Plans above this share of the GPU's memory are marked as tight (allocator fragmentation, CUDA context, NCCL).
 TIGHT = 0.9
+#: ``train.fsdp.activation_checkpointing: auto`` turns recomputation off when the plan without it stays within this
+#: share of the GPU's memory (the estimates run 0-6% above measured peaks; the rest is allocator and NCCL headroom).
+AUTO_AC_SHARE = 0.85
 
 #: Memory per GPU (datasheet GB, read as GiB) by ``gpu_type`` (vendor datasheets); the config's ``gpu_memory_gb``
 #: adds to or overrides it.
@@ -132,7 +137,7 @@ def _logits_bytes(rc: Mapping, tokens: int, vocab: int) -> float:
 
 
 def train_memory(rc: Mapping, *, nodes: int, gpus_per_node: int, activation_checkpointing: bool | None = None,
-                 microbatch_size: int | None = None) -> dict:
+                 microbatch_size: int | None = None, capacity_gb: float | None = None) -> dict:
     """Per-GPU memory plan of one training (see the module doc for each term and its source).
 
     Args:
@@ -140,11 +145,14 @@ def train_memory(rc: Mapping, *, nodes: int, gpus_per_node: int, activation_chec
             ``train`` (``microbatch_size``, ``fsdp``, ``fsdp_min_params``, ``fused_loss``), ``lora`` for finetunes.
         nodes, gpus_per_node: the job's GPUs (world size = their product).
         activation_checkpointing, microbatch_size: override the run's settings (to say what a change would give).
+        capacity_gb: one GPU's memory (:func:`gpu_memory_gb`); decides ``activation_checkpointing: auto`` (off when
+            the plan without it is at most :data:`AUTO_AC_SHARE` of it; on when not given).
 
     Returns:
         ``{'params': P, 'trained_params': P, or the LoRA adapters' count, 'lora': bool, 'world_size', 'fsdp':
-        sharding strategy or None, 'activation_checkpointing': bool, 'microbatch_size', 'seq_len', 'states_gb',
-        'fsdp_buffers_gb', 'activations_gb', 'logits_gb', 'total_gb'}``.
+        sharding strategy or None, 'activation_checkpointing': bool, 'activation_checkpointing_auto': bool (the
+        setting was ``auto``), 'microbatch_size', 'seq_len', 'states_gb', 'fsdp_buffers_gb', 'activations_gb',
+        'logits_gb', 'total_gb'}``.
     """
     arch = rc['arch']
     world = max(1, int(nodes) * max(1, int(gpus_per_node)))
@@ -154,9 +162,14 @@ def train_memory(rc: Mapping, *, nodes: int, gpus_per_node: int, activation_chec
     per_block = counts['non_embedding'] / n_layers
     fsdp = _fsdp(rc, world, gpus_per_node)
     strategy = str(fsdp.get('sharding_strategy', 'FULL_SHARD')).upper() if fsdp else None
+    auto = bool(fsdp) and fsdp.get('activation_checkpointing') == 'auto' and activation_checkpointing is None
     ac = bool(fsdp.get('activation_checkpointing')) if fsdp else False
     if activation_checkpointing is not None:
         ac = bool(activation_checkpointing) and fsdp is not None
+    elif auto:
+        without = train_memory(rc, nodes=nodes, gpus_per_node=gpus_per_node, activation_checkpointing=False,
+                               microbatch_size=microbatch_size)
+        ac = capacity_gb is None or without['total_gb'] > AUTO_AC_SHARE * float(capacity_gb)
     mb = int(microbatch_size or rc['train']['microbatch_size'])
     seq = int(rc['data']['concat_tokens'])
     tokens = mb * seq
@@ -176,9 +189,28 @@ def train_memory(rc: Mapping, *, nodes: int, gpus_per_node: int, activation_chec
     logits = _logits_bytes(rc, tokens, vocab)
     total = states + buffers + acts + logits
     return {'params': params, 'trained_params': trained, 'lora': bool(rc.get('lora')), 'world_size': world,
-            'fsdp': strategy, 'activation_checkpointing': ac,
+            'fsdp': strategy, 'activation_checkpointing': ac, 'activation_checkpointing_auto': auto,
             'microbatch_size': mb, 'seq_len': seq, 'states_gb': states / GB, 'fsdp_buffers_gb': buffers / GB,
             'activations_gb': acts / GB, 'logits_gb': logits / GB, 'total_gb': total / GB}
+
+
+def resolve_activation_checkpointing(rc: Mapping, *, nodes: int, gpus_per_node: int,
+                                     capacity_gb: float | None) -> dict:
+    """``rc`` with ``train.fsdp.activation_checkpointing: auto`` replaced by the boolean the training runs with:
+    :func:`train_memory`'s decision for ``nodes x gpus_per_node`` GPUs of ``capacity_gb`` GiB; off for a CPU job
+    (``gpus_per_node`` 0) or a run without FSDP, on for a base without a known architecture. Any other value, and ``rc`` itself, are left as they are (a copy is
+    returned when something changes)."""
+    fsdp = rc['train'].get('fsdp')
+    if not isinstance(fsdp, Mapping) or fsdp.get('activation_checkpointing') != 'auto':
+        return dict(rc)
+    if int(gpus_per_node) <= 0:
+        on = False
+    elif 'd_model' not in (rc.get('arch') or {}):  # a hub base without its architecture: nothing to plan from
+        on = True
+    else:
+        on = bool(train_memory(rc, nodes=nodes, gpus_per_node=gpus_per_node,
+                               capacity_gb=capacity_gb)['activation_checkpointing'])
+    return {**rc, 'train': {**rc['train'], 'fsdp': {**fsdp, 'activation_checkpointing': on}}}
 
 
 def inference_memory(rc: Mapping, *, step: str, batch_size: int = 1, context: int | None = None,
@@ -301,6 +333,8 @@ def plan_line(step: str, run: str, plan: Mapping, capacity_gb: float, gpu_type: 
                  f"{plan['fsdp'] or 'no FSDP'} over {plan['world_size']} GPU(s), microbatch "
                  f"{plan['microbatch_size']} x {plan['seq_len']}, activation checkpointing "
                  f"{'on' if plan['activation_checkpointing'] else 'off'}"
+                 + (f" (auto: off up to {AUTO_AC_SHARE:.0%} of the GPU)" if plan.get('activation_checkpointing_auto')
+                    else "")
                  + (f", LoRA: {plan['trained_params']:,} trained of {plan['params']:,} parameters"
                     if plan.get('lora') else ""))
     else:

@@ -376,8 +376,10 @@ def _benchmark_projection(config: dict, s: dict, basis: dict) -> list[dict]:
     for m in models:
         rc = run_config(config, m)
         per_node = int(step_resources(config, "train", m)["gpus_per_node"]) or 1
+        capacity = plan.gpu_memory_gb(config["gpu_type"], config.get("gpu_memory_gb"))
         for n in s["nodes"]:
-            ac = plan.train_memory(rc, nodes=int(n), gpus_per_node=per_node)["activation_checkpointing"]
+            ac = plan.train_memory(rc, nodes=int(n), gpus_per_node=per_node,
+                                   capacity_gb=capacity)["activation_checkpointing"]
             t = plan.train_time(rc, nodes=int(n), gpus_per_node=per_node, gpu_type=config["gpu_type"], basis=basis,
                                 activation_checkpointing=ac, peak_overrides=config.get("gpu_peak_flops"))
             if t is None:

@@ -32,6 +32,11 @@ DIST_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "NODE_RANK"
 def _restore_dist_env():
     saved = {k: os.environ.get(k) for k in DIST_VARS}
     yield
+    # composer's Trainer initializes a one-process group in this process and writes the variables above; the group
+    # and the variables go together (composer refuses an initialized group without NODE_RANK), so both are undone.
+    dist = sys.modules.get("torch.distributed")
+    if dist is not None and dist.is_available() and dist.is_initialized() and dist.get_world_size() == 1:
+        dist.destroy_process_group()
     for k, v in saved.items():
         if v is None:
             os.environ.pop(k, None)

@@ -35,16 +35,26 @@ def _measured_rows():
             if (r["status"] == "ok" and r["fused_loss"] == "chunk=8192,liger" and r["train_metrics"] == "False"
                     and r["mem_before_gb"] not in ("",) and float(r["mem_before_gb"]) == 0.0
                     and r["variant"] in ("default", "default_liger")):
-                rows.append((r["model"], int(r["microbatch"]), float(r["peak_mem_allocated_gb"]) * 1e9 / GIB))
+                rows.append((r["model"], int(r["microbatch"]), float(r["peak_mem_allocated_gb"]) * 1e9 / GIB,
+                             _row_ac(r)))
     return rows
+
+
+def _row_ac(row) -> bool:
+    """Whether a benchmark row trained with activation checkpointing: its column, or for rows written before the
+    column existed the shipped config of their time (on for MPT-3B only)."""
+    if row.get("activation_checkpointing"):
+        return row["activation_checkpointing"] == "True"
+    return row["model"] == "mpt-3b"
 
 
 def test_estimates_match_measured_h200_peaks():
     config = project_config()
     rows = _measured_rows()
-    assert {m for m, _, _ in rows} >= {"mpt-125m", "mpt-350m", "mpt-760m", "mpt-1b"}, rows
-    for model, mb, measured in rows:
-        est = plan.train_memory(_rc(config, model, microbatch_size=mb), nodes=1, gpus_per_node=1)
+    assert {m for m, _, _, _ in rows} >= {"mpt-125m", "mpt-350m", "mpt-760m", "mpt-1b"}, rows
+    for model, mb, measured, ac in rows:
+        est = plan.train_memory(_rc(config, model, microbatch_size=mb), nodes=1, gpus_per_node=1,
+                                activation_checkpointing=ac)
         # never below the measurement by more than 3%, never above it by more than the refusal margin; with
         # activation checkpointing (MPT-3B under FSDP) the estimate is known to be 10% high (README, Large models)
         high = 1 + plan.MARGIN + (0.05 if est["activation_checkpointing"] else 0.0)
@@ -53,7 +63,8 @@ def test_estimates_match_measured_h200_peaks():
     rec = json.loads((REPO / "benchmarks/checkpoints-h200-mpt-1b.json").read_text())
     tr = rec["overlay"]["models"]["mpt-1b"]["train"]
     assert rec["train"]["fsdp"] is True and rec["train"]["devices"] == 1
-    est = plan.train_memory(_rc(config, "mpt-1b", microbatch_size=tr["microbatch_size"]), nodes=1, gpus_per_node=1)
+    est = plan.train_memory(_rc(config, "mpt-1b", microbatch_size=tr["microbatch_size"]), nodes=1, gpus_per_node=1,
+                            activation_checkpointing=bool(tr.get("fsdp", {}).get("activation_checkpointing")))
     assert est["fsdp"] == "FULL_SHARD"  # FSDP from train.fsdp_min_params at world size 1
     measured = rec["train"]["peak_memory_per_device_gib"]
     assert measured * 0.97 <= est["total_gb"] <= measured * (1 + plan.MARGIN), (est, measured)
@@ -70,6 +81,52 @@ def test_sharding_and_checkpointing_shrink_the_plan():
     assert no_ac["activations_gb"] > 10 * eight["activations_gb"]
     half = plan.train_memory(rc, nodes=8, gpus_per_node=8, activation_checkpointing=False, microbatch_size=2)
     assert half["activations_gb"] == pytest.approx(no_ac["activations_gb"] / 2)
+
+
+def test_auto_activation_checkpointing_follows_the_memory_plan():
+    config = project_config()
+    rc3 = run_config(config, "mpt-3b")
+    assert rc3["train"]["fsdp"]["activation_checkpointing"] == "auto"  # the shipped setting
+    # MPT-3B at microbatch 8 on one GPU: ~82 GiB without recomputation (measured 82 GB on one H200)
+    assert plan.resolve_activation_checkpointing(rc3, nodes=1, gpus_per_node=1, capacity_gb=141)[
+        "train"]["fsdp"]["activation_checkpointing"] is False
+    assert plan.resolve_activation_checkpointing(rc3, nodes=1, gpus_per_node=1, capacity_gb=80)[
+        "train"]["fsdp"]["activation_checkpointing"] is True
+    # the decision is the plan's: off exactly when the plan without it is within AUTO_AC_SHARE of the GPU
+    rc7 = run_config(config, "mpt-7b")
+    without = plan.train_memory(rc7, nodes=2, gpus_per_node=8, activation_checkpointing=False)["total_gb"]
+    for capacity in (80, 141, without / plan.AUTO_AC_SHARE * 0.99, without / plan.AUTO_AC_SHARE * 1.01):
+        mem = plan.train_memory(rc7, nodes=2, gpus_per_node=8, capacity_gb=capacity)
+        assert mem["activation_checkpointing_auto"] is True
+        assert mem["activation_checkpointing"] is (without > plan.AUTO_AC_SHARE * capacity), capacity
+        resolved = plan.resolve_activation_checkpointing(rc7, nodes=2, gpus_per_node=8, capacity_gb=capacity)
+        assert resolved["train"]["fsdp"]["activation_checkpointing"] is mem["activation_checkpointing"]
+    assert rc7["train"]["fsdp"]["activation_checkpointing"] == "auto"  # the caller's settings are not changed
+    # no GPU: nothing to fit; no architecture: nothing to plan from, so recompute
+    assert plan.resolve_activation_checkpointing(rc7, nodes=1, gpus_per_node=0, capacity_gb=80)[
+        "train"]["fsdp"]["activation_checkpointing"] is False
+    hub = {**rc7, "arch": {}}
+    assert plan.resolve_activation_checkpointing(hub, nodes=1, gpus_per_node=8, capacity_gb=80)[
+        "train"]["fsdp"]["activation_checkpointing"] is True
+    # an explicit setting is kept, and the plan line names an automatic choice
+    forced = _rc(config, "mpt-3b", fsdp={**rc3["train"]["fsdp"], "activation_checkpointing": True})
+    assert plan.resolve_activation_checkpointing(forced, nodes=1, gpus_per_node=1, capacity_gb=141)[
+        "train"]["fsdp"]["activation_checkpointing"] is True
+    line = plan.plan_line("train", "mpt-3b", plan.train_memory(rc3, nodes=1, gpus_per_node=1, capacity_gb=141),
+                          141, "h200")
+    assert "activation checkpointing off (auto:" in line, line
+
+
+def test_the_training_config_refuses_an_unresolved_auto():
+    pytest.importorskip("omegaconf")
+    from llmpipe.train import foundry_train_config
+
+    rc = run_config(project_config(), "mpt-3b")
+    with pytest.raises(ValueError, match="resolve_activation_checkpointing"):
+        foundry_train_config(rc, data_dir=None, save_folder=None, world_size=1)
+    resolved = plan.resolve_activation_checkpointing(rc, nodes=1, gpus_per_node=1, capacity_gb=80)
+    cfg = foundry_train_config(resolved, data_dir=None, save_folder=None, world_size=1)
+    assert cfg["callbacks"]["llmpipe_single_device_fsdp"]["fsdp_config"]["activation_checkpointing"] is True
 
 
 def test_gpu_type_table_and_unknown_type():
@@ -125,9 +182,10 @@ def test_dry_run_shows_70b_memory_and_time(workdir):
     proc = snakemake(workdir, "-n", "results/mpt-70b/train.json", "--config", "gpu_type=h100")
     out = proc.stdout + proc.stderr
     m = re.search(r"plan train mpt-70b: ([\d.]+) GiB per GPU of 80 GiB \(h100\) = states .*FULL_SHARD over 64 "
-                  r"GPU\(s\), microbatch 4 x 2048, activation checkpointing on; time (\d+) days", out)
+                  r"GPU\(s\), microbatch 4 x 2048, activation checkpointing on \(auto: off up to 85% of the GPU\); "
+                  r"time (\d+) days", out)
     assert m, out[-3000:]
-    est = plan.train_memory(run_config(project_config(), "mpt-70b"), nodes=8, gpus_per_node=8)
+    est = plan.train_memory(run_config(project_config(), "mpt-70b"), nodes=8, gpus_per_node=8, capacity_gb=80)
     assert float(m.group(1)) == pytest.approx(est["total_gb"], abs=0.05)
     assert "projection: MFU" in out
 

@@ -163,11 +163,14 @@ VARIANTS: dict[str, dict[str, Any]] = {
     'fp8_no_fsdp': {'fp8': 'tensorwise', 'fsdp_min_params': None},
     'fp8_mb_x2': {'fp8': 'tensorwise', 'mb_scale': 2},
     'mb_x2_default': {'mb_scale': 2},
+    # the default with activation checkpointing forced on / off instead of the memory plan's choice (auto)
+    'ac_on': {'activation_checkpointing': True},
+    'ac_off': {'activation_checkpointing': False},
 }
 
 CSV_FIELDS = [
     'device_call', 'machine', 'timestamp', 'model', 'variant', 'repeat', 'status', 'config_source', 'shims', 'attn_impl', 'attn_type', 'sdpa_backend',
-    'drop_mask', 'optimizer', 'compile', 'train_metrics', 'fused_loss', 'fp8', 'fsdp', 'num_workers', 'cpu_threads', 'microbatch', 'seq_len', 'steps', 'timed_steps',
+    'drop_mask', 'optimizer', 'compile', 'train_metrics', 'fused_loss', 'fp8', 'fsdp', 'activation_checkpointing', 'num_workers', 'cpu_threads', 'microbatch', 'seq_len', 'steps', 'timed_steps',
     'tokens_per_s',
     'step_ms', 'mfu', 'steady_tokens_per_s', 'steady_mfu', 'steady_first_batch', 'steady_last_batch', 'steady_batches',
     'flops_per_token', 'flops_per_token_foundry', 'peak_flops', 'peak_mem_allocated_gb',
@@ -309,6 +312,17 @@ def _load_project_config(path: str) -> dict:
     return load_config(path)
 
 
+def device_memory_gb(config: dict) -> float:
+    """One GPU's memory in GiB: CUDA device 0's ``total_memory`` where there is one, else the config's ``gpu_type``
+    (:func:`llmpipe.plan.gpu_memory_gb`)."""
+    import torch
+
+    from llmpipe.plan import gpu_memory_gb
+    if torch.cuda.is_available():
+        return torch.cuda.get_device_properties(0).total_memory / 2**30
+    return gpu_memory_gb(config['gpu_type'], config.get('gpu_memory_gb'))
+
+
 def build_train_config(config: dict, run: str, variant: dict, *, steps: int, mb_override: int | None,
                        tok_dir: str) -> tuple[dict, dict]:
     """The llm-foundry train config for one benchmark run and a summary of the knobs as used.
@@ -324,14 +338,19 @@ def build_train_config(config: dict, run: str, variant: dict, *, steps: int, mb_
     from llmpipe.attention import mpt_attn_config, stock_attn_config
     from llmpipe.config import deep_merge, run_config
 
+    from llmpipe.plan import resolve_activation_checkpointing
     from llmpipe.train import foundry_train_config  # the project's own training step
 
     # train settings the project's own config selection depends on (the fused-loss model needs train metrics off)
     train_over = {k: variant[k] for k in ('train_metrics', 'fused_loss', 'fsdp_min_params', 'fp8')
                   if k in variant}
+    if 'activation_checkpointing' in variant:
+        train_over['fsdp'] = {'activation_checkpointing': variant['activation_checkpointing']}
     if train_over:
         config = deep_merge(config, {'models': {run: {'train': train_over}}})
     rc = run_config(config, run)
+    # activation_checkpointing: auto -> the memory plan's choice for one GPU of this machine, as a training job's
+    rc = resolve_activation_checkpointing(rc, nodes=1, gpus_per_node=1, capacity_gb=device_memory_gb(config))
     cfg = foundry_train_config(rc, data_dir=None, save_folder=None, world_size=1)  # the tokenizer is set below
     cfg = json.loads(json.dumps(cfg))  # deep copy, plain types
     source = 'llmpipe.train.foundry_train_config'
@@ -426,6 +445,8 @@ def build_train_config(config: dict, run: str, variant: dict, *, steps: int, mb_
         'fp8': ','.join(f'{k}={v}' for k, v in callbacks['llmpipe_fp8'].items() if k != 'where')
         if 'llmpipe_fp8' in callbacks else '',
         'fsdp': 'llmpipe_single_device_fsdp' in callbacks or 'fsdp_config' in cfg,
+        'activation_checkpointing': bool(((callbacks.get('llmpipe_single_device_fsdp') or {}).get('fsdp_config')
+                                          or cfg.get('fsdp_config') or {}).get('activation_checkpointing')),
     }
     return cfg, knobs
 

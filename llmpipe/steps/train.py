@@ -19,6 +19,7 @@ from llmpipe.steps.context import StepContext, read_json
 from llmpipe.steps.convert import convert_identity
 from llmpipe.steps.data import instructions_identity, mds_identity, tokenizer_identity
 from llmpipe import checkpoints as ckpt
+from llmpipe import plan
 from llmpipe.slurm import site_config
 from llmpipe.tracking import settings as tracking_settings
 
@@ -124,6 +125,10 @@ def training_task(ctx: StepContext, config: dict, run: str, rc: dict):
     run_dir = os.path.dirname(ctx.output[0])
     tok_dir = os.path.dirname(ctx.input.tokenizer)
     job = {"resources": step_resources(config, "train", run), "peak_flops_table": config.get("gpu_peak_flops")}
+    res = job["resources"]  # activation_checkpointing: auto -> the memory plan's choice for these GPUs
+    rc = plan.resolve_activation_checkpointing(rc, nodes=int(res["nodes"]), gpus_per_node=int(res["gpus_per_node"]),
+                                               capacity_gb=plan.gpu_memory_gb(config["gpu_type"],
+                                                                              config.get("gpu_memory_gb")))
     if is_finetune(config, run):
         from llmpipe.finetune import FinetuneTask, base_model_path, require_peft
         require_peft(rc)
