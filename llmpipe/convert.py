@@ -28,7 +28,7 @@ def mpt_config_dict(rc: dict) -> dict:
         rc: the run's merged settings (:func:`llmpipe.config.run_config`).
     """
     from llmpipe.train import FUSED_LOSS_MODEL_KEYS, foundry_train_config
-    model = dict(foundry_train_config(rc, data_dir=None, save_folder=None, world_size=1)["model"])
+    model = dict(foundry_train_config(rc, data_dir=None, save_folder=None, world_size=1, fsdp=False)["model"])
     model.pop("name")  # mpt_causal_lm or mpt_causal_lm_fused_loss: the same MPTForCausalLM weights
     for key in FUSED_LOSS_MODEL_KEYS:  # training-speed settings of the composer class, not of MPTConfig
         model.pop(key, None)

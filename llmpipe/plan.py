@@ -15,7 +15,9 @@ Memory per GPU, in GiB (2**30 bytes), for training (``train_memory``) and infere
   Recomputation in Large Transformer Models", section 4.1: ``sbh(34 + 5as/h)`` per layer, without the ``5as/h``
   attention-score terms, which flash/SDPA attention never stores, and without the two 1-byte dropout masks, as MPT
   trains with dropout 0). With activation checkpointing (FSDP only, as llm-foundry applies it) each layer keeps
-  its bf16 input (2 bytes) and one layer is recomputed at a time (32 bytes).
+  its bf16 input (2 bytes) and one layer is recomputed at a time (32 bytes). ``activation_checkpointing: auto``
+  (the shipped setting) recomputes only when the plan without it exceeds :data:`AUTO_AC_SHARE` of the GPU's memory
+  (:func:`resolve_activation_checkpointing`).
 * **Logits**: the fused loss keeps one chunk of fp32 log-probabilities (``llmpipe.fused_loss``; Liger's kernel
   writes the gradient in place, the others beside it); without it, bf16 logits, their fp32 copy and fp32 gradient
   (10 bytes per token x vocabulary).
@@ -197,9 +199,9 @@ def train_memory(rc: Mapping, *, nodes: int, gpus_per_node: int, activation_chec
 def resolve_activation_checkpointing(rc: Mapping, *, nodes: int, gpus_per_node: int,
                                      capacity_gb: float | None) -> dict:
     """``rc`` with ``train.fsdp.activation_checkpointing: auto`` replaced by the boolean the training runs with:
-    :func:`train_memory`'s decision for ``nodes x gpus_per_node`` GPUs of ``capacity_gb`` GiB; off for a CPU job
-    (``gpus_per_node`` 0) or a run without FSDP, on for a base without a known architecture. Any other value, and ``rc`` itself, are left as they are (a copy is
-    returned when something changes)."""
+    :func:`train_memory`'s decision for ``nodes x gpus_per_node`` GPUs of ``capacity_gb`` GiB (None: on); off for a
+    CPU job (``gpus_per_node`` 0) or a run without FSDP, on for a base without a known architecture. Any other value
+    is kept; ``rc`` itself is never changed (the result is a copy)."""
     fsdp = rc['train'].get('fsdp')
     if not isinstance(fsdp, Mapping) or fsdp.get('activation_checkpointing') != 'auto':
         return dict(rc)

@@ -167,8 +167,9 @@ def foundry_train_config(rc: dict, *, data_dir: str | None, save_folder: str | N
                     "activation_checkpointing": False, "activation_checkpointing_reentrant": False,
                     "activation_cpu_offload": False, "limit_all_gathers": True,
                     "state_dict_type": "sharded", **(train.get("fsdp") or {})}
-        if fsdp_cfg["activation_checkpointing"] == "auto":  # a bool from the memory plan, for the job's GPUs
-            raise ValueError("resolve activation_checkpointing: auto first (llmpipe.plan.resolve_activation_checkpointing)")
+        # auto is the memory plan's to decide for the job's GPUs (llmpipe.plan.resolve_activation_checkpointing,
+        # the training step does); left unresolved it recomputes, the side that fits
+        fsdp_cfg["activation_checkpointing"] = fsdp_cfg["activation_checkpointing"] in (True, "auto")
         if world_size > 1:
             cfg["fsdp_config"] = fsdp_cfg
         else:  # llm-foundry drops fsdp_config at world size 1; llmpipe.fsdp's callback hands it to composer

@@ -762,3 +762,24 @@ def test_batch_layout_line_says_when_the_microbatch_is_capped():
     cfg1 = foundry_train_config(rc, data_dir=None, save_folder=None, world_size=1)
     line1 = batch_layout(cfg1['global_train_batch_size'], 1, asked, cfg1['device_train_microbatch_size'])
     assert line1 == 'global batch 256 = 1 device(s) x 256 per device, microbatch 64 (4 gradient accumulation step(s))'
+
+
+def test_benchmark_loader_counts_tokens_in_its_collator_as_the_text_loader_does():
+    """The synthetic loader's batches carry each row's token counts (llm-foundry's LossGeneratingTokensCollatorWrapper,
+    as its text collator adds them), so the trainer's per-batch count sums them instead of comparing the labels in
+    the training process: the count is right and does not read the labels."""
+    pytest.importorskip('llmfoundry')
+    from llmfoundry.data.utils import get_tokens_per_batch_func
+    from llmfoundry.registry import dataloaders
+
+    bench = _bench()
+    bench._register_synthetic_loader()
+    spec = dataloaders.get('llmpipe_synthetic_tokens')(None, 3, seq_len=16, vocab_size=50, num_samples=6)
+    batch = next(iter(spec.dataloader))
+    assert batch['input_ids'].shape == (3, 16)
+    assert batch['total_tokens'] == [16, 16, 16] and [int(n) for n in batch['loss_generating_tokens']] == [15] * 3
+    counted = get_tokens_per_batch_func()({k: batch[k] for k in ('input_ids', 'attention_mask', 'labels')})
+    assert int(counted['total']) == 48 and int(counted['loss_generating']) == 45
+    no_labels = {k: v for k, v in batch.items() if k != 'labels'}
+    assert int(spec.get_num_tokens_in_batch(no_labels)) == 48
+    assert int(spec.get_num_tokens_in_batch(no_labels, token_type='loss_generating')) == 45

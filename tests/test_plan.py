@@ -117,16 +117,19 @@ def test_auto_activation_checkpointing_follows_the_memory_plan():
     assert "activation checkpointing off (auto:" in line, line
 
 
-def test_the_training_config_refuses_an_unresolved_auto():
+def test_the_training_config_gets_the_resolved_choice():
     pytest.importorskip("omegaconf")
     from llmpipe.train import foundry_train_config
 
     rc = run_config(project_config(), "mpt-3b")
-    with pytest.raises(ValueError, match="resolve_activation_checkpointing"):
-        foundry_train_config(rc, data_dir=None, save_folder=None, world_size=1)
-    resolved = plan.resolve_activation_checkpointing(rc, nodes=1, gpus_per_node=1, capacity_gb=80)
-    cfg = foundry_train_config(resolved, data_dir=None, save_folder=None, world_size=1)
-    assert cfg["callbacks"]["llmpipe_single_device_fsdp"]["fsdp_config"]["activation_checkpointing"] is True
+
+    def ac(rc):
+        cfg = foundry_train_config(rc, data_dir=None, save_folder=None, world_size=1)
+        return cfg["callbacks"]["llmpipe_single_device_fsdp"]["fsdp_config"]["activation_checkpointing"]
+
+    assert ac(plan.resolve_activation_checkpointing(rc, nodes=1, gpus_per_node=1, capacity_gb=141)) is False
+    assert ac(plan.resolve_activation_checkpointing(rc, nodes=1, gpus_per_node=1, capacity_gb=80)) is True
+    assert ac(rc) is True  # never resolved: composer gets a boolean, the one that fits
 
 
 def test_gpu_type_table_and_unknown_type():
@@ -334,3 +337,30 @@ def test_report_projection_uses_the_benchmark_without_a_gpu_run(tmp_path):
     assert "benchmarks/train-throughput.csv" in r["basis"]
     # without the basis, the CPU run stays the reference (as before)
     assert set(report.projection(config, str(tmp_path), "mpt-tiny")["reference"]) == {"mpt-tiny"}
+
+
+def test_the_training_step_trains_with_the_plans_choice(tmp_path):
+    """The training rule's task gets the boolean the memory plan chose for its job's GPUs and gpu_type: MPT-3B on
+    1 x 8 GPUs needs 47 GiB without recompute, so no recompute on 80 GB GPUs; on 1 x 1 GPU of 80 GB it recomputes."""
+    from types import SimpleNamespace
+
+    from llmpipe.config import deep_merge
+    from llmpipe.steps.context import StepContext
+    from llmpipe.steps.train import training_task
+
+    tok = tmp_path / "tokenizer" / "manifest.json"
+    tok.parent.mkdir()
+    tok.write_text(json.dumps({"vocab_size": 50000}))
+
+    def task_ac(gpus_per_node):
+        config = deep_merge(project_config(), {"gpu_type": "h100",
+                                               "models": {"mpt-3b": {"resources": {"gpus_per_node": gpus_per_node}}}})
+        ctx = StepContext(rule="train", config=config, wildcards=SimpleNamespace(run="mpt-3b"),
+                          input=SimpleNamespace(tokenizer=str(tok), data=str(tmp_path / "data" / "verified.json")),
+                          output=[str(tmp_path / "mpt-3b" / "train.json")], params=SimpleNamespace(identity="x"),
+                          log_file=str(tmp_path / "log"), log_dir=None, resources={}, key="k", executor="local")
+        task = training_task(ctx, config, "mpt-3b", run_config(config, "mpt-3b"))
+        return task.rc["train"]["fsdp"]["activation_checkpointing"]
+
+    assert task_ac(8) is False
+    assert task_ac(1) is True

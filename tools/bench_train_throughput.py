@@ -185,7 +185,8 @@ def _register_synthetic_loader() -> None:
     """Register ``llmpipe_synthetic_tokens`` in llm-foundry's dataloader registry (idempotent)."""
     import torch
     from composer.core.data_spec import DataSpec
-    from llmfoundry.data.utils import get_tokens_per_batch_func
+    from llmfoundry.data.utils import LossGeneratingTokensCollatorWrapper, get_tokens_per_batch_func
+    from torch.utils.data import default_collate
     from llmfoundry.registry import dataloaders
 
     if 'llmpipe_synthetic_tokens' in dataloaders.get_all():
@@ -207,11 +208,15 @@ def _register_synthetic_loader() -> None:
               seed: int = 17, num_workers: int = 0, **_: Any) -> DataSpec:
         """Random token ids in the format of llm-foundry's text collator (input_ids, attention_mask of ones,
         labels = input_ids; the model shifts them), loaded by ``num_workers`` worker processes as the project's
-        train loader is (0: in the training process)."""
+        train loader is (0: in the training process). As llm-foundry's text collator does
+        (``llmfoundry.data.utils.get_text_collator``), the collator adds each row's token counts
+        (``total_tokens``, ``loss_generating_tokens``), so the trainer sums them instead of counting the labels in
+        the training process."""
         ds = _Tokens(num_samples, seq_len, vocab_size, seed)
         extra = {'persistent_workers': True, 'prefetch_factor': 2} if num_workers > 0 else {}
+        collate = LossGeneratingTokensCollatorWrapper(default_collate, get_tokens_per_batch_func())
         dl = torch.utils.data.DataLoader(ds, batch_size=int(device_batch_size), shuffle=False, drop_last=True,
-                                         num_workers=num_workers, pin_memory=True, **extra)
+                                         num_workers=num_workers, pin_memory=True, collate_fn=collate, **extra)
         return DataSpec(dataloader=dl, get_num_tokens_in_batch=get_tokens_per_batch_func())
 
     dataloaders.register('llmpipe_synthetic_tokens', func=build)
