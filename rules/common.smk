@@ -160,8 +160,9 @@ def memory_plan(step, run):
     capacity = plan_mod.gpu_memory_gb(gpu_type, config.get("gpu_memory_gb"))
     proj = None
     if step == "train":
-        mem = plan_mod.train_memory(rc, nodes=int(r["nodes"]), gpus_per_node=int(r["gpus_per_node"]),
-                                    capacity_gb=capacity)
+        mem = plan_mod.train_memory(
+            rc, nodes=int(r["nodes"]), gpus_per_node=int(r["gpus_per_node"]), capacity_gb=capacity
+        )
         basis = plan_mod.benchmark_basis(plan_mod.BENCHMARK_CSV)
         if basis:
             proj = plan_mod.train_time(

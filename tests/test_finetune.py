@@ -139,14 +139,16 @@ def test_dry_run_plans_hub_finetune_with_resources(workdir, run, nodes, extra):
     if extra:
         config = cfg.deep_merge(config, {"finetunes": {run: {"lora": extra}}})
     rc = cfg.run_config(config, run)
-    mem = plan.train_memory(rc, nodes=nodes, gpus_per_node=8)
+    mem = plan.train_memory(rc, nodes=nodes, gpus_per_node=8, capacity_gb=141)
     m = re.search(rf"plan train {run}: ([\d.]+) GiB per GPU of 141 GiB \(h200\) = states ([\d.]+) .*"
-                  rf"FULL_SHARD over {nodes * 8} GPU\(s\).*activation checkpointing on(, LoRA: ([\d,]+) trained)?"
-                  r".*; time ([\d.]+) (minutes|hours|days) \(projection: MFU", out)
+                  rf"FULL_SHARD over {nodes * 8} GPU\(s\).*activation checkpointing (on|off) \(auto: [^)]*\)"
+                  r"(, LoRA: ([\d,]+) trained)?.*; time ([\d.]+) (minutes|hours|days) \(projection: MFU", out)
     assert m, out[-3000:]
+    # the shipped auto: the plan's own choice for 141 GiB GPUs (7B and 30B finetunes fit without recompute)
+    assert m.group(3) == ("on" if mem["activation_checkpointing"] else "off") == "off"
     assert float(m.group(1)) == pytest.approx(mem["total_gb"], abs=0.05)
     assert float(m.group(2)) == pytest.approx(mem["states_gb"], abs=0.05)
-    assert bool(m.group(3)) == bool(rc["lora"]) and (not rc["lora"] or int(m.group(4).replace(",", "")) ==
+    assert bool(m.group(4)) == bool(rc["lora"]) and (not rc["lora"] or int(m.group(5).replace(",", "")) ==
                                                       mem["trained_params"] < mem["params"] / 100)
     for step in ("eval", "generate"):
         assert re.search(rf"plan {step} {run}: [\d.]+ GiB per GPU", out), out[-3000:]
