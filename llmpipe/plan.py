@@ -116,9 +116,7 @@ def gpu_memory_gb(gpu_type: str, overrides: Mapping[str, float] | None = None) -
 
 def _fsdp(rc: Mapping, world_size: int, gpus_per_node: int) -> dict | None:
     """The FSDP settings a training runs under (None: plain data parallel), as llmpipe.train.uses_fsdp decides."""
-    fsdp = rc['train'].get('fsdp')
-    if not fsdp:
-        return None
+    fsdp = rc['train'].get('fsdp') or {}   # null: composer's defaults (FULL_SHARD), as the training gets them
     if world_size > 1:
         return dict(fsdp)
     threshold = rc['train'].get('fsdp_min_params')
@@ -153,8 +151,9 @@ def train_memory(rc: Mapping, *, nodes: int, gpus_per_node: int, activation_chec
     Returns:
         ``{'params': P, 'trained_params': P, or the LoRA adapters' count, 'lora': bool, 'world_size', 'fsdp':
         sharding strategy or None, 'activation_checkpointing': bool, 'activation_checkpointing_auto': bool (the
-        setting was ``auto``), 'microbatch_size', 'seq_len', 'states_gb', 'fsdp_buffers_gb', 'activations_gb',
-        'logits_gb', 'total_gb'}``.
+        setting was ``auto``), 'without_checkpointing_gb': the total without recompute that decided ``auto`` (else
+        None), 'microbatch_size' (capped at the per-device batch, as the training runs it), 'seq_len', 'states_gb',
+        'fsdp_buffers_gb', 'activations_gb', 'logits_gb', 'total_gb'}``.
     """
     arch = rc['arch']
     world = max(1, int(nodes) * max(1, int(gpus_per_node)))
@@ -163,16 +162,19 @@ def train_memory(rc: Mapping, *, nodes: int, gpus_per_node: int, activation_chec
     d, n_layers, vocab = int(arch['d_model']), int(arch['n_layers']), int(arch['vocab_size'])
     per_block = counts['non_embedding'] / n_layers
     fsdp = _fsdp(rc, world, gpus_per_node)
-    strategy = str(fsdp.get('sharding_strategy', 'FULL_SHARD')).upper() if fsdp else None
-    auto = bool(fsdp) and fsdp.get('activation_checkpointing') == 'auto' and activation_checkpointing is None
-    ac = bool(fsdp.get('activation_checkpointing')) if fsdp else False
+    strategy = str(fsdp.get('sharding_strategy', 'FULL_SHARD')).upper() if fsdp is not None else None
+    auto = fsdp is not None and fsdp.get('activation_checkpointing') == 'auto' and activation_checkpointing is None
+    ac = bool(fsdp.get('activation_checkpointing')) if fsdp is not None else False
+    without_gb = None
     if activation_checkpointing is not None:
         ac = bool(activation_checkpointing) and fsdp is not None
     elif auto:
-        without = train_memory(rc, nodes=nodes, gpus_per_node=gpus_per_node, activation_checkpointing=False,
-                               microbatch_size=microbatch_size)
-        ac = capacity_gb is None or without['total_gb'] > AUTO_AC_SHARE * float(capacity_gb)
-    mb = int(microbatch_size or rc['train']['microbatch_size'])
+        without_gb = train_memory(rc, nodes=nodes, gpus_per_node=gpus_per_node, activation_checkpointing=False,
+                                  microbatch_size=microbatch_size)['total_gb']
+        ac = capacity_gb is None or without_gb > AUTO_AC_SHARE * float(capacity_gb)
+    # the training runs at most its per-device batch (llmpipe.train.foundry_train_config caps it)
+    mb = min(int(microbatch_size or rc['train']['microbatch_size']),
+             max(1, int(rc['train']['global_batch_size']) // world))
     seq = int(rc['data']['concat_tokens'])
     tokens = mb * seq
 
@@ -183,7 +185,7 @@ def train_memory(rc: Mapping, *, nodes: int, gpus_per_node: int, activation_chec
              'HYBRID_SHARD': max(1, int(gpus_per_node)), '_HYBRID_SHARD_ZERO2': max(1, int(gpus_per_node))}
     n = shard.get(strategy, world)
     states = (weights if strategy in ('SHARD_GRAD_OP', '_HYBRID_SHARD_ZERO2') else weights / n) + rest / n
-    buffers = 2 * (2 + 2) * per_block if fsdp else 0.0
+    buffers = 2 * (2 + 2) * per_block if fsdp is not None else 0.0
     if ac:
         acts = 2 * tokens * d * n_layers + ACT_BYTES * tokens * d
     else:
@@ -192,6 +194,7 @@ def train_memory(rc: Mapping, *, nodes: int, gpus_per_node: int, activation_chec
     total = states + buffers + acts + logits
     return {'params': params, 'trained_params': trained, 'lora': bool(rc.get('lora')), 'world_size': world,
             'fsdp': strategy, 'activation_checkpointing': ac, 'activation_checkpointing_auto': auto,
+            'without_checkpointing_gb': without_gb,
             'microbatch_size': mb, 'seq_len': seq, 'states_gb': states / GB, 'fsdp_buffers_gb': buffers / GB,
             'activations_gb': acts / GB, 'logits_gb': logits / GB, 'total_gb': total / GB}
 
@@ -335,8 +338,8 @@ def plan_line(step: str, run: str, plan: Mapping, capacity_gb: float, gpu_type: 
                  f"{plan['fsdp'] or 'no FSDP'} over {plan['world_size']} GPU(s), microbatch "
                  f"{plan['microbatch_size']} x {plan['seq_len']}, activation checkpointing "
                  f"{'on' if plan['activation_checkpointing'] else 'off'}"
-                 + (f" (auto: off up to {AUTO_AC_SHARE:.0%} of the GPU)" if plan.get('activation_checkpointing_auto')
-                    else "")
+                 + (f" (auto: {plan['without_checkpointing_gb']:.1f} GiB without it, off up to {AUTO_AC_SHARE:.0%} "
+                    f"of the GPU)" if plan.get('without_checkpointing_gb') is not None else "")
                  + (f", LoRA: {plan['trained_params']:,} trained of {plan['params']:,} parameters"
                     if plan.get('lora') else ""))
     else:
@@ -370,9 +373,12 @@ def check_fits(step: str, run: str, plan: Mapping, capacity_gb: float, gpu_type:
             f"{capacity_gb:.0f} GiB of one {gpu_type} GPU (gpu_type).")
     if 'states_gb' in plan:
         fixes = []
-        if not plan['activation_checkpointing']:
+        if not plan['activation_checkpointing'] and plan['fsdp']:
             fixes.append(f"turn on {where}.train.fsdp.activation_checkpointing (activations "
                          f"{plan['activations_gb']:.0f} GiB)")
+        elif not plan['activation_checkpointing']:  # activation checkpointing comes with FSDP (llm-foundry)
+            fixes.append(f"train under FSDP, which allows activation checkpointing: {where}.train.fsdp_min_params at "
+                         f"most {plan['params']:,} (activations {plan['activations_gb']:.0f} GiB)")
         if plan['microbatch_size'] > 1:
             fixes.append(f"a smaller {where}.train.microbatch_size (now {plan['microbatch_size']})")
         fixes.append(f"more GPUs: {where}.resources.nodes or gpus_per_node (model states {plan['states_gb']:.0f} "

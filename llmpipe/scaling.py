@@ -19,7 +19,8 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from llmpipe.config import ConfigError, deep_merge, is_finetune, step_resources, validate_run
+from llmpipe import plan
+from llmpipe.config import ConfigError, deep_merge, is_finetune, run_config, step_resources, validate_run
 from llmpipe.plots import finish_and_save
 from llmpipe.schema import section_defaults
 
@@ -53,12 +54,26 @@ def settings(config: dict) -> dict:
 
 def study_config(config: dict, run: str, nodes: int) -> dict:
     """The workflow config as the study's training at ``nodes`` nodes sees it: ``models.<run>.resources.nodes``
-    (``finetunes.<run>.resources.nodes`` for a finetune) set to ``nodes`` and, when ``scaling.max_duration_batches`` is set, the training shortened to it."""
+    (``finetunes.<run>.resources.nodes`` for a finetune) set to ``nodes``; when ``scaling.max_duration_batches`` is
+    set, the training shortened to it; ``train.fsdp.activation_checkpointing: auto`` decided once for the whole
+    study, at its smallest node count (:func:`llmpipe.plan.resolve_activation_checkpointing`), so every node count
+    computes the same FLOPs per token and the speedups compare like with like."""
+    section = "finetunes" if is_finetune(config, run) else "models"
     over: dict = {"resources": {"nodes": int(nodes)}}
     mdb = settings(config).get("max_duration_batches")
     if mdb:
         over["train"] = {"max_duration_batches": int(mdb)}
-    return deep_merge(config, {"finetunes" if is_finetune(config, run) else "models": {run: over}})
+    fewest = deep_merge(config, {section: {run: {"resources": {"nodes": min(settings(config)["nodes"])}}}})
+    rc = run_config(fewest, run)
+    fsdp = rc["train"].get("fsdp")
+    if isinstance(fsdp, dict) and fsdp.get("activation_checkpointing") == "auto":
+        r = step_resources(fewest, "train", run)
+        decided = plan.resolve_activation_checkpointing(
+            rc, nodes=int(r["nodes"]), gpus_per_node=int(r["gpus_per_node"]),
+            capacity_gb=plan.gpu_memory_gb(config["gpu_type"], config.get("gpu_memory_gb")))
+        over.setdefault("train", {})["fsdp"] = {
+            "activation_checkpointing": decided["train"]["fsdp"]["activation_checkpointing"]}
+    return deep_merge(config, {section: {run: over}})
 
 
 def check_study(config: dict, run: str, nodes: list[int] | None = None) -> dict[int, dict]:

@@ -591,7 +591,8 @@ class TrainTask:
             monitor = next(cb for cb in trainer.state.callbacks if type(cb).__name__ == "RunMonitor")
             result = summarize(self.rc, trainer, monitor, wall, ws, save_folder, resume,
                                nodes=int(res["nodes"]), peak_flops_table=self.peak_flops_table)
-            result["fsdp"] = fsdp
+            fcfg = trainer.state.fsdp_config  # what composer ran with (recompute only exists under FSDP)
+            result["fsdp"], result["activation_checkpointing"] = fsdp, bool(fcfg and fcfg.activation_checkpointing)
             trainer.close()
         finally:
             os.chdir(cwd)

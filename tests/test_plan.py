@@ -185,7 +185,8 @@ def test_dry_run_shows_70b_memory_and_time(workdir):
     proc = snakemake(workdir, "-n", "results/mpt-70b/train.json", "--config", "gpu_type=h100")
     out = proc.stdout + proc.stderr
     m = re.search(r"plan train mpt-70b: ([\d.]+) GiB per GPU of 80 GiB \(h100\) = states .*FULL_SHARD over 64 "
-                  r"GPU\(s\), microbatch 4 x 2048, activation checkpointing on \(auto: off up to 85% of the GPU\); "
+                  r"GPU\(s\), microbatch 4 x 2048, activation checkpointing on \(auto: [\d.]+ GiB without it, off up to 85% "
+                  r"of the GPU\); "
                   r"time (\d+) days", out)
     assert m, out[-3000:]
     est = plan.train_memory(run_config(project_config(), "mpt-70b"), nodes=8, gpus_per_node=8, capacity_gb=80)
@@ -364,3 +365,59 @@ def test_the_training_step_trains_with_the_plans_choice(tmp_path):
 
     assert task_ac(8) is False
     assert task_ac(1) is True
+
+
+def test_auto_is_decided_at_the_microbatch_the_job_runs():
+    """The training caps the microbatch at the per-device batch; the plan (and so auto) uses the capped one: the
+    7B finetune on 8 nodes of 80 GB GPUs runs microbatch 1 (64 sequences over 64 GPUs) and needs no recompute."""
+    from llmpipe.config import deep_merge
+    config = deep_merge(project_config(), {"finetunes": {"mpt-7b-dolly": {"resources": {"nodes": 8}}}})
+    rc = run_config(config, "mpt-7b-dolly")
+    assert rc["train"]["microbatch_size"] == 8 and rc["train"]["global_batch_size"] == 64
+    mem = plan.train_memory(rc, nodes=8, gpus_per_node=8, capacity_gb=80)
+    assert mem["microbatch_size"] == 1 and mem["activation_checkpointing"] is False
+    one_node = plan.train_memory(rc, nodes=1, gpus_per_node=8, capacity_gb=80)
+    assert one_node["microbatch_size"] == 8 and one_node["activation_checkpointing"] is True
+    line = plan.plan_line("train", "mpt-7b-dolly", one_node, 80, "h100")
+    assert f"(auto: {one_node['without_checkpointing_gb']:.1f} GiB without it, off up to 85% of the GPU)" in line
+
+
+def test_a_scaling_study_recomputes_at_every_node_count_or_at_none():
+    """auto is decided once per study, at its smallest node count: MPT-13B needs recompute on 1 node of H200s but
+    not on 2, so a study over 1..8 nodes recomputes at each (speedups compare the same FLOPs per token)."""
+    from llmpipe import scaling
+    from llmpipe.config import deep_merge
+    config = deep_merge(project_config(), {"scaling": {"nodes": [1, 2, 4, 8]}})
+    rc13 = run_config(config, "mpt-13b")
+    alone = {n: plan.train_memory(rc13, nodes=n, gpus_per_node=8, capacity_gb=141)["activation_checkpointing"]
+             for n in (1, 2)}
+    assert alone == {1: True, 2: False}
+    for n in (1, 2, 4, 8):
+        study = run_config(scaling.study_config(config, "mpt-13b", n), "mpt-13b")
+        assert study["train"]["fsdp"]["activation_checkpointing"] is True, n
+        assert study["resources"]["nodes"] == n
+    config2 = deep_merge(config, {"scaling": {"nodes": [2, 4]}})
+    for n in (2, 4):
+        assert run_config(scaling.study_config(config2, "mpt-13b", n), "mpt-13b")["train"]["fsdp"][
+            "activation_checkpointing"] is False
+
+
+def test_fsdp_null_is_planned_as_the_training_runs_it():
+    """fsdp: null trains under composer's defaults (FULL_SHARD) on more than one GPU; the plan shards likewise."""
+    rc = _rc(project_config(), "mpt-13b", fsdp=None)
+    mem = plan.train_memory(rc, nodes=4, gpus_per_node=8, capacity_gb=141)
+    assert mem["fsdp"] == "FULL_SHARD" and mem["activation_checkpointing"] is False
+    assert mem["states_gb"] == pytest.approx(16 * mem["params"] / 32 / GIB)
+
+
+def test_refusal_without_fsdp_names_fsdp_not_recompute():
+    """Activation checkpointing exists only under FSDP: a one-GPU training without FSDP that does not fit is told to
+    train under FSDP (train.fsdp_min_params), not to turn on a recompute it cannot get."""
+    rc = _rc(project_config(), "mpt-3b", fsdp_min_params=None)
+    mem = plan.train_memory(rc, nodes=1, gpus_per_node=1, capacity_gb=40)
+    assert mem["fsdp"] is None and mem["activation_checkpointing"] is False
+    with pytest.raises(ConfigError) as err:
+        plan.check_fits("train", "mpt-3b", mem, 40, "a100-40gb", "models.mpt-3b")
+    msg = str(err.value)
+    assert "train under FSDP, which allows activation checkpointing: models.mpt-3b.train.fsdp_min_params" in msg
+    assert "turn on models.mpt-3b.train.fsdp.activation_checkpointing" not in msg

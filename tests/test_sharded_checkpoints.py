@@ -56,6 +56,7 @@ def fsdp_run(tiny_run, tmp_path_factory):
 def test_fsdp_training_resumes_on_two_ranks_and_on_one_with_exact_steps(fsdp_run):
     train = load(fsdp_run, TRAIN)
     assert train["steps"] == 120 and train["fsdp"] is True and train["devices"] == 1
+    assert train["activation_checkpointing"] is False  # what composer ran with (fsdp: null: its defaults)
     assert train["resumed_from"].endswith("ep0-ba80"), train["resumed_from"]
     assert train["batches_this_job"] == 40
     folder = fsdp_run / train["final_checkpoint"]

@@ -354,6 +354,9 @@ def build_train_config(config: dict, run: str, variant: dict, *, steps: int, mb_
     if train_over:
         config = deep_merge(config, {'models': {run: {'train': train_over}}})
     rc = run_config(config, run)
+    # the benchmark's shape (global batch = microbatch, scaled by the variant) before anything is decided from it
+    mb = int(mb_override or rc['train']['microbatch_size']) * int(variant.get('mb_scale', 1))
+    rc = {**rc, 'train': {**rc['train'], 'microbatch_size': mb, 'global_batch_size': mb}}
     # activation_checkpointing: auto -> the memory plan's choice for one GPU of this machine, as a training job's
     rc = resolve_activation_checkpointing(rc, nodes=1, gpus_per_node=1, capacity_gb=device_memory_gb(config))
     cfg = foundry_train_config(rc, data_dir=None, save_folder=None, world_size=1)  # the tokenizer is set below
@@ -370,8 +373,6 @@ def build_train_config(config: dict, run: str, variant: dict, *, steps: int, mb_
     arch = rc['arch']
     seq_len = int(rc['data']['concat_tokens'])
 
-    mb = int(mb_override or cfg.get('device_train_microbatch_size') or rc['train']['microbatch_size'])
-    mb *= int(variant.get('mb_scale', 1))
 
     # data: synthetic tokens instead of the MDS dataset, with the project's loader worker count; no eval
     workers = int(variant.get('num_workers', rc['train'].get('num_workers', 0)))
