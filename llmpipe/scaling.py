@@ -57,7 +57,8 @@ def study_config(config: dict, run: str, nodes: int) -> dict:
     (``finetunes.<run>.resources.nodes`` for a finetune) set to ``nodes``; when ``scaling.max_duration_batches`` is
     set, the training shortened to it; ``train.fsdp.activation_checkpointing: auto`` decided once for the whole
     study, at its smallest node count (:func:`llmpipe.plan.resolve_activation_checkpointing`), so every node count
-    computes the same FLOPs per token and the speedups compare like with like."""
+    computes the same FLOPs per token and the speedups compare like with like (a config without ``gpu_type``, not
+    checked against the schema, leaves it to each job)."""
     section = "finetunes" if is_finetune(config, run) else "models"
     over: dict = {"resources": {"nodes": int(nodes)}}
     mdb = settings(config).get("max_duration_batches")
@@ -66,7 +67,7 @@ def study_config(config: dict, run: str, nodes: int) -> dict:
     fewest = deep_merge(config, {section: {run: {"resources": {"nodes": min(settings(config)["nodes"])}}}})
     rc = run_config(fewest, run)
     fsdp = rc["train"].get("fsdp")
-    if isinstance(fsdp, dict) and fsdp.get("activation_checkpointing") == "auto":
+    if isinstance(fsdp, dict) and fsdp.get("activation_checkpointing") == "auto" and "gpu_type" in config:
         r = step_resources(fewest, "train", run)
         decided = plan.resolve_activation_checkpointing(
             rc, nodes=int(r["nodes"]), gpus_per_node=int(r["gpus_per_node"]),
