@@ -411,12 +411,23 @@ def inference_plan(config: dict, step: str, run: str) -> dict | None:
         raise ConfigError(f"{where}.step_resources.{step}.gpus_per_node is {override['gpus_per_node']}, more than "
                           f"the {node} GPUs of one node of {run} ({where}.resources.gpus_per_node): inference runs "
                           f"on one node. Fix: at most {node}.")
-    from llmpipe import inference_placement, plan
+    from llmpipe import inference_placement
     return inference_placement.plan_gpus(
-        rc, step, capacity_gb=plan.gpu_memory_gb(config["gpu_type"], config.get("gpu_memory_gb")),
+        rc, step, capacity_gb=gpu_memory(config),
         section_gpus=int(section.get("gpus_per_node", 0) or 0),
         node_gpus=int(rc["resources"].get("gpus_per_node", 0) or 0), requested=override.get("gpus_per_node"),
         batch_size=int(config["eval"]["batch_size"]) if step == "eval" else 1)
+
+
+def gpu_memory(config: dict) -> float:
+    """One GPU's memory in GiB for the config's ``gpu_type``, its ``gpu_memory_gb`` first
+    (:func:`llmpipe.plan.gpu_memory_gb`).
+
+    Raises:
+        ConfigError: an unknown ``gpu_type``, naming the known ones.
+    """
+    from llmpipe import plan
+    return plan.gpu_memory_gb(config["gpu_type"], config.get("gpu_memory_gb"))
 
 
 def tokens_per_run(config: dict, run: str) -> int:

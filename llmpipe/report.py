@@ -369,14 +369,14 @@ def projection(config: dict, results_dir: str, reference: str | None, basis: dic
 
 def _benchmark_projection(config: dict, s: dict, basis: dict) -> list[dict]:
     from llmpipe import plan
-    from llmpipe.config import step_resources
+    from llmpipe.config import gpu_memory, step_resources
 
     rows = []
+    capacity = gpu_memory(config)
     models = s.get("models") or sorted(config.get("models") or {}, key=lambda m: _params(config, m) or 0)
     for m in models:
         rc = run_config(config, m)
         per_node = int(step_resources(config, "train", m)["gpus_per_node"]) or 1
-        capacity = plan.gpu_memory_gb(config["gpu_type"], config.get("gpu_memory_gb"))
         for n in s["nodes"]:
             ac = plan.train_memory(rc, nodes=int(n), gpus_per_node=per_node,
                                    capacity_gb=capacity)["activation_checkpointing"]

@@ -20,7 +20,8 @@ import os
 from typing import Any
 
 from llmpipe import plan
-from llmpipe.config import ConfigError, deep_merge, is_finetune, run_config, step_resources, validate_run
+from llmpipe.config import (ConfigError, deep_merge, gpu_memory, is_finetune, run_config, step_resources,
+                            validate_run)
 from llmpipe.plots import finish_and_save
 from llmpipe.schema import section_defaults
 
@@ -60,18 +61,18 @@ def study_config(config: dict, run: str, nodes: int) -> dict:
     computes the same FLOPs per token and the speedups compare like with like (a config without ``gpu_type``, not
     checked against the schema, leaves it to each job)."""
     section = "finetunes" if is_finetune(config, run) else "models"
+    study = settings(config)
     over: dict = {"resources": {"nodes": int(nodes)}}
-    mdb = settings(config).get("max_duration_batches")
-    if mdb:
-        over["train"] = {"max_duration_batches": int(mdb)}
-    fewest = deep_merge(config, {section: {run: {"resources": {"nodes": min(settings(config)["nodes"])}}}})
+    if study.get("max_duration_batches"):
+        over["train"] = {"max_duration_batches": int(study["max_duration_batches"])}
+    fewest = deep_merge(config, {section: {run: {"resources": {"nodes": min(study["nodes"])}}}})
     rc = run_config(fewest, run)
     fsdp = rc["train"].get("fsdp")
     if isinstance(fsdp, dict) and fsdp.get("activation_checkpointing") == "auto" and "gpu_type" in config:
         r = step_resources(fewest, "train", run)
         decided = plan.resolve_activation_checkpointing(
             rc, nodes=int(r["nodes"]), gpus_per_node=int(r["gpus_per_node"]),
-            capacity_gb=plan.gpu_memory_gb(config["gpu_type"], config.get("gpu_memory_gb")))
+            capacity_gb=gpu_memory(config))
         over.setdefault("train", {})["fsdp"] = {
             "activation_checkpointing": decided["train"]["fsdp"]["activation_checkpointing"]}
     return deep_merge(config, {section: {run: over}})

@@ -30,7 +30,7 @@ check_results_dir(RESULTS)
 # The GPU the plans assume: an unknown gpu_type stops here, naming the known ones (llmpipe.plan).
 from llmpipe import plan as plan_mod
 
-plan_mod.gpu_memory_gb(config["gpu_type"], config.get("gpu_memory_gb"))
+cfg.gpu_memory(config)
 # a tracking logger whose package is missing stops the dry run (llmpipe.tracking.settings names the fix)
 tracking_settings(config)
 
@@ -157,7 +157,7 @@ def memory_plan(step, run):
         return
     where = cfg.section_path(config, run)
     gpu_type = config["gpu_type"]
-    capacity = plan_mod.gpu_memory_gb(gpu_type, config.get("gpu_memory_gb"))
+    capacity = cfg.gpu_memory(config)
     proj = None
     if step == "train":
         mem = plan_mod.train_memory(

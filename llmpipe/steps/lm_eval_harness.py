@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 
 from llmpipe import lm_eval_harness as harness
-from llmpipe.config import ConfigError, run_config, section_path, step_resources
+from llmpipe.config import ConfigError, gpu_memory, run_config, section_path, step_resources
 from llmpipe.steps.context import StepContext
 
 #: Bump when a change in our code changes eval-lm_eval.json (reruns the harness).
@@ -51,7 +51,7 @@ def check_fits_one_gpu(config: dict, run: str) -> None:
     rc = run_config(config, run)
     if int(res["gpus_per_node"]) <= 0 or not config.get("gpu_type") or "d_model" not in (rc.get("arch") or {}):
         return
-    capacity = plan.gpu_memory_gb(config["gpu_type"], config.get("gpu_memory_gb"))
+    capacity = gpu_memory(config)
     need = plan.inference_memory(rc, step="eval", batch_size=int(config["lm_eval"]["batch_size"]))["total_gb"]
     if need > capacity * (1 + plan.MARGIN):
         where = section_path(config, run)

@@ -11,8 +11,8 @@ from __future__ import annotations
 import functools
 import os
 
-from llmpipe.config import (SPEED_ONLY_FINETUNE_DATA_KEYS, SPEED_ONLY_TRAIN_KEYS, is_finetune, run_config,
-                            step_resources, world_size)
+from llmpipe.config import (SPEED_ONLY_FINETUNE_DATA_KEYS, SPEED_ONLY_TRAIN_KEYS, gpu_memory, is_finetune,
+                            run_config, step_resources, world_size)
 from llmpipe.fp8 import fp8_settings
 from llmpipe.lora import lora_settings
 from llmpipe.steps.context import StepContext, read_json
@@ -127,8 +127,7 @@ def training_task(ctx: StepContext, config: dict, run: str, rc: dict):
     job = {"resources": step_resources(config, "train", run), "peak_flops_table": config.get("gpu_peak_flops")}
     res = job["resources"]  # activation_checkpointing: auto -> the memory plan's choice for these GPUs
     rc = plan.resolve_activation_checkpointing(rc, nodes=int(res["nodes"]), gpus_per_node=int(res["gpus_per_node"]),
-                                               capacity_gb=plan.gpu_memory_gb(config["gpu_type"],
-                                                                              config.get("gpu_memory_gb")))
+                                               capacity_gb=gpu_memory(config))
     if is_finetune(config, run):
         from llmpipe.finetune import FinetuneTask, base_model_path, require_peft
         require_peft(rc)
