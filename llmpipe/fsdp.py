@@ -6,12 +6,23 @@ FSDP for sharded checkpoints and activation checkpointing. The ``llmpipe_single_
 trainer its FSDP config at ``Event.INIT``, before composer wraps the model (``Trainer._wrap_model_for_distributed``
 runs after INIT and reads ``state.fsdp_config``), exactly as a multi-device run gets it.
 
+The ``llmpipe_free_grads_before_eval`` callback (:data:`FREE_GRADS_CALLBACK`, added to every FSDP training by
+:func:`llmpipe.train.foundry_train_config`) sets the gradients to None before composer's in-training evaluation.
+Contract: under FSDP mixed precision (``mixed_precision: PURE``) a forward sees bf16 views of the unsharded
+parameters while the last optimizer step left fp32 sharded gradients on them; torch.compile's tracing of the eval
+forward copies each parameter's gradient onto a fake tensor, which torch >= 2.9 refuses (``attempting to assign a
+gradient with dtype 'float' to a tensor with grad_dtype 'BFloat16'``). Composer itself drops the gradients
+(``zero_grad(set_to_none=True)``) before the next training batch, so nothing reads them in between; evaluation
+also runs with that much less memory.
+
 :func:`fsdp_on_cpu` lets composer's FSDP run without CUDA (the CPU tests of sharded checkpoints, gloo).
 """
 
 from __future__ import annotations
 
 CALLBACK_NAME = "llmpipe_single_device_fsdp"
+#: The name of the callback that drops gradients before in-training evaluation (module docstring).
+FREE_GRADS_CALLBACK = "llmpipe_free_grads_before_eval"
 
 
 def fsdp_on_cpu() -> bool:
@@ -64,8 +75,25 @@ def _build_callback_class():
     return SingleDeviceFSDP
 
 
+def _build_free_grads_class():
+    from composer.core import Callback, State
+    from composer.loggers import Logger
+
+    class FreeGradsBeforeEval(Callback):
+        """``zero_grad(set_to_none=True)`` of every optimizer at ``Event.EVAL_BEFORE_ALL`` (module docstring)."""
+
+        def eval_before_all(self, state: State, logger: Logger) -> None:
+            for optimizer in state.optimizers or ():
+                optimizer.zero_grad(set_to_none=True)
+
+    return FreeGradsBeforeEval
+
+
 def register() -> None:
-    """Register the callback in llm-foundry's callbacks registry as ``llmpipe_single_device_fsdp``. Idempotent."""
+    """Register the callbacks in llm-foundry's callbacks registry as ``llmpipe_single_device_fsdp`` and
+    ``llmpipe_free_grads_before_eval``. Idempotent."""
     from llmfoundry.registry import callbacks
     if CALLBACK_NAME not in callbacks:
         callbacks.register(CALLBACK_NAME, func=_build_callback_class())
+    if FREE_GRADS_CALLBACK not in callbacks:
+        callbacks.register(FREE_GRADS_CALLBACK, func=_build_free_grads_class())

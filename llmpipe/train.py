@@ -1,9 +1,9 @@
 """Pretraining through llm-foundry's own train entry point, configured from our YAML.
 
-:func:`foundry_train_config` turns one run's merged settings (:func:`llmpipe.config.run_config`) into the config dict that
-``llmfoundry.command_utils.train`` takes. :class:`TrainTask` is what the dispatch module runs in every task
-(one per GPU): it exports the torch.distributed environment from submitit, picks the newest complete checkpoint
-to resume from, calls llm-foundry, and on rank 0 writes ``train.json``.
+:func:`foundry_train_config` turns one run's merged settings (:func:`llmpipe.config.run_config`) into the config dict
+that ``llmfoundry.command_utils.train`` takes. :class:`TrainTask` is what the dispatch module runs in every task (one
+per GPU): it exports submitit's torch.distributed environment, picks the newest complete checkpoint to resume from,
+calls llm-foundry, and on rank 0 writes ``train.json``.
 
 Checkpoints live in ``results/{run}/checkpoints/<identity key>/`` (:mod:`llmpipe.checkpoints` owns the layout,
 the completion markers and retention) and never rely on symlinks: composer's ``latest-rank0.pt`` symlink is switched
@@ -29,6 +29,7 @@ from llmpipe import checkpoints as ckpt, throughput, tracking
 from llmpipe.atomic import read_json
 from llmpipe.config import compile_settings, fused_loss_settings, world_size
 from llmpipe.fp8 import apply_fp8
+from llmpipe.fsdp import CALLBACK_NAME, FREE_GRADS_CALLBACK
 
 log = logging.getLogger("llmpipe.train")
 
@@ -170,10 +171,10 @@ def foundry_train_config(rc: dict, *, data_dir: str | None, save_folder: str | N
         # auto is the memory plan's to decide for the job's GPUs (llmpipe.plan.resolve_activation_checkpointing,
         # the training step does); left unresolved it recomputes, the side that fits
         fsdp_cfg["activation_checkpointing"] = fsdp_cfg["activation_checkpointing"] in (True, "auto")
+        cfg["callbacks"][FREE_GRADS_CALLBACK] = {}  # before in-training evaluation (llmpipe.fsdp)
         if world_size > 1:
             cfg["fsdp_config"] = fsdp_cfg
         else:  # llm-foundry drops fsdp_config at world size 1; llmpipe.fsdp's callback hands it to composer
-            from llmpipe.fsdp import CALLBACK_NAME
             cfg["callbacks"][CALLBACK_NAME] = {"fsdp_config": fsdp_cfg}
     where = f"{'finetunes' if rc.get('kind') == 'finetune' else 'models'}.{run}.train"
     apply_compile(cfg, train, where)
@@ -225,11 +226,10 @@ def _fused_loss_model_name() -> str:
 
 
 def register_extensions(compile_enabled: bool = False) -> None:
-    """Register everything our train config names in llm-foundry's registries (SDPA attention classes, the
-    ``drop_full_attention_mask``, ``llmpipe_run_monitor``, ``llmpipe_fp8`` and ``llmpipe_single_device_fsdp``
-    callbacks, the ``fused_adamw`` optimizer, the ``mpt_causal_lm_fused_loss`` model), per-job streaming
-    shared-memory names (:mod:`llmpipe.shm_names`) and, when torch.compile is on, apply
-    :func:`llmpipe.speedups.dynamo_catalogue_fix`. Idempotent."""
+    """Register everything our train config names in llm-foundry's registries (SDPA attention classes, the callbacks
+    ``drop_full_attention_mask``, ``llmpipe_run_monitor``, ``llmpipe_fp8`` and :mod:`llmpipe.fsdp`'s two, the
+    ``fused_adamw`` optimizer, the ``mpt_causal_lm_fused_loss`` model), per-job streaming shared-memory names
+    (:mod:`llmpipe.shm_names`); with torch.compile, :func:`llmpipe.speedups.dynamo_catalogue_fix`. Idempotent."""
     import llmpipe.attention as attention
     import llmpipe.fsdp as fsdp
     import llmpipe.fused_loss as fused_loss
