@@ -263,8 +263,9 @@ def main(argv: list[str] | None = None) -> int:
     }
     snakemake([*base, "--unlock", "--", target], log, env)   # a lock left by an interrupted run of this tool
     for name in PHASES:
-        if name in phases or (args.no_kill and name in ("train_killed", "unlock")):
-            continue
+        done = phases.get(name, {})
+        if done.get("returncode") == 0 or done.get("killed") or (args.no_kill and name in ("train_killed", "unlock")):
+            continue   # finished (a failed phase runs again)
         print(f"acceptance {args.run}: {name} ...", flush=True)
         phases[name] = steps[name]()
         if name == "train_killed":
