@@ -2,11 +2,14 @@
 #   make run    install into .venv, then run the embedded default (tiny MPT on CPU, whole chain)
 #   make test   install into .venv (+ the Slurm test cluster's Debian packages when root), then the test suite
 #   make lm-eval  add the optional second harness (envs/lm-eval.lock: lm-evaluation-harness) to .venv
+#   make install-torch211  the second lock (torch 2.11.0 CUDA 13 build, the GPU figures' stack) into .venv-torch211;
+#                 WHEELS=<folder>: offline, from the folder `make wheels-torch211` fills (.whl-torch211)
+#   make test-torch211  on that venv: the tiny chain in a scratch results_dir and the compile/FSDP/eval crash test
 PYTHON ?= python3
 VENV   ?= .venv
 PY      = $(VENV)/bin/python
 
-.PHONY: install lm-eval run test test-fast slurm-packages clean
+.PHONY: install lm-eval run test test-fast slurm-packages clean install-torch211 wheels-torch211 test-torch211
 
 $(VENV)/.installed: envs/requirements.lock pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -24,17 +27,57 @@ $(VENV)/.lm-eval: $(VENV)/.installed envs/lm-eval.lock
 
 lm-eval: $(VENV)/.lm-eval
 
+# The second lock, in its own venv. --no-deps: composer 0.32.1 and llm-foundry 0.22.0 pin torch<2.7.1 (composer also
+# torchvision<0.22.1), so pip's resolver would refuse torch 2.11.0; the lock lists every package, no resolver needed.
+LOCK211    = envs/requirements-torch2.11-cu13.lock
+VENV211   ?= .venv-torch211
+WHEELS    ?=
+WHEELS_OUT ?= .whl-torch211
+PY211      = $(VENV211)/bin/python
+PIP211_SRC = $(if $(WHEELS),--no-index --find-links $(WHEELS))
+
+$(VENV211)/.installed: $(LOCK211) pyproject.toml
+	$(PYTHON) -m venv $(VENV211)
+	$(PY211) -m pip install -q $(PIP211_SRC) --no-deps -r $(LOCK211)
+	$(PY211) -m pip install -q $(PIP211_SRC) --no-deps -e .
+	@# pip check may report only the known torch/torchvision pins, nothing missing
+	@out=$$($(PY211) -m pip check | grep -v -E \
+	  '^(mosaicml 0\.32\.1 has requirement torch(vision)?[<>=]|llm-foundry 0\.22\.0 has requirement torch[<>=])'); \
+	if [ -n "$$out" ]; then echo "$$out"; echo "pip check: more than the known torch pins"; exit 1; fi
+	touch $@
+
+install-torch211: $(VENV211)/.installed
+
+# The wheel folder for an offline machine, for the Python that runs it (PYTHON=python3.12 for a 3.12 cluster).
+# pip wheel, not pip download: it also builds connection_pool 0.0.3 (published as an sdist only) into a wheel, so
+# the offline install needs no build tools; every other file is PyPI's wheel as downloaded.
+wheels-torch211:
+	$(PYTHON) -m pip wheel -q --no-deps -w $(WHEELS_OUT) -r $(LOCK211)
+
+# On the second lock: the tiny chain (what `make run` does) in a scratch results_dir and job-state folder, then the
+# compile + FSDP + eval crash test. The scratch folder is removed when both pass.
+test-torch211: install-torch211
+	@tmp=$$(mktemp -d $${TMPDIR:-/tmp}/llmpipe-torch211.XXXXXX) && start=$$(date +%s) && \
+	$(VENV211)/bin/snakemake --cores all $$tmp/results/mpt-tiny/eval.json $$tmp/results/mpt-tiny/generate.json \
+	  --config results_dir=$$tmp/results "dispatch={state_dir: $$tmp/jobs}" && \
+	echo "torch 2.11 tiny chain: $$(( $$(date +%s) - start )) s" && \
+	$(PY211) -m pytest -q -p no:cacheprovider --timeout 1800 tests/test_compile_fsdp_eval.py && \
+	rm -rf $$tmp || { echo "test-torch211 failed; its results: $$tmp"; exit 1; }
+
 run: install
 	$(VENV)/bin/snakemake --cores all results/mpt-tiny/eval.json results/mpt-tiny/generate.json
 
 slurm-packages:
 	@if [ "$$(id -u)" = 0 ]; then bash .ci/slurm.sh install; else echo "not root: Slurm tests will skip"; fi
 
+# then the second lock's checks (test-torch211) whether or not the suite passed; `make`, not $(MAKE), so that
+# `make -n test` only prints this line instead of running it
 test: install lm-eval slurm-packages
 	@if [ "$$(id -u)" = 0 ]; then export LLMPIPE_REQUIRE_SLURM=1; fi; \
 	export LLMPIPE_REQUIRE_LM_EVAL=1; \
 	trap 'bash .ci/slurm.sh cleanup >/dev/null 2>&1 || true' EXIT; \
-	$(PY) -m pytest -q -p no:cacheprovider --timeout 1800 tests
+	$(PY) -m pytest -q -p no:cacheprovider --timeout 1800 tests; rc=$$?; \
+	env -u LLMPIPE_REQUIRE_SLURM -u LLMPIPE_REQUIRE_LM_EVAL make --no-print-directory test-torch211 || rc=1; exit $$rc
 
 test-fast: install lm-eval
 	$(PY) -m pytest -q -m "not slow and not slurm" tests
