@@ -79,9 +79,14 @@ def plan_gpus(rc: Mapping, step: str, *, capacity_gb: float, section_gpus: int, 
 
 def inference_time(rc: Mapping, step: str, *, gpus: int, gpu_type: str, basis: Mapping | None,
                    eval_tokens: int = 0, new_tokens: int = 0, weights_gb: float = 0.0,
-                   peak_overrides: Mapping[str, float] | None = None) -> dict | None:
+                   peak_overrides: Mapping[str, float] | None = None,
+                   overheads: Mapping | None = None) -> dict | None:
     """Projected duration of an evaluation (``eval_tokens`` tokens forward) or a generation (``new_tokens`` tokens,
     each reading ``weights_gb`` GiB of weights once), on ``gpus`` GPUs of ``gpu_type``.
+
+    Generation with ``overheads`` (:func:`llmpipe.plan.job_overheads`): the job's start
+    (``generate_start_s``) plus, per new token, the larger of ``generate_s_per_token_per_layer`` x blocks (batch-1
+    decoding is bound by kernel launches) and the bandwidth bound; without them, the bandwidth bound alone.
 
     Returns ``{'seconds', 'basis': text}``, or None without a basis (benchmark row, peak FLOP/s or bandwidth).
     """
@@ -89,9 +94,15 @@ def inference_time(rc: Mapping, step: str, *, gpus: int, gpu_type: str, basis: M
         bw = HBM_TB_S.get(str(gpu_type).lower())
         if not bw or new_tokens <= 0:
             return None
-        seconds = new_tokens * weights_gb * 2**30 / (bw * 1e12)
-        return {'seconds': seconds, 'basis': f"lower bound: {new_tokens} new tokens x {weights_gb:.0f} GiB of "
-                                             f"weights read at {bw} TB/s ({gpu_type} HBM), one GPU at a time"}
+        bound = weights_gb * 2**30 / (bw * 1e12)
+        if overheads:
+            per_token = max(bound, overheads['generate_s_per_token_per_layer'] * int(rc['arch']['n_layers']))
+            seconds = overheads['generate_start_s'] + new_tokens * per_token
+            return {'seconds': seconds, 'basis': f"start {overheads['generate_start_s']:.0f} s + {new_tokens} new "
+                                                 f"tokens x {per_token * 1e3:.1f} ms ({overheads['source']})"}
+        return {'seconds': new_tokens * bound, 'basis': f"lower bound: {new_tokens} new tokens x {weights_gb:.0f} "
+                                                        f"GiB of weights read at {bw} TB/s ({gpu_type} HBM), one GPU "
+                                                        f"at a time"}
     peak = peak_flops_for_name(str(gpu_type).replace('-', ' '), 'bf16', peak_overrides)
     if not basis or not peak or eval_tokens <= 0 or gpus <= 0:
         return None

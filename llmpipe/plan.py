@@ -37,6 +37,15 @@ weight gradients of its frozen base: ``4 P + 12 n_layers d_model L`` instead of 
 input gradients and attention are still computed; the adapters' own FLOPs are negligible). It is a projection: it
 assumes the single-GPU MFU holds at every scale (no communication or restart costs).
 
+What a job spends besides its compute (``job_overheads``, ``train_overheads``, ``convert_time``, and generation in
+:func:`llmpipe.inference_placement.inference_time`) comes from ``benchmarks/job-overheads-h200.json``, each value with
+its derivation from earlier committed measurements: job start-up (imports, model build, loaders), torch.compile per
+transformer block, checkpoint saves (12 bytes per trained parameter: fp32 weights and two Adam moments; 4 per frozen
+one) at the measured write rate per node, in-training evaluations (their forward tokens at a third of a training
+token's time), ``convert``'s start and its work per parameter, and generation's time per new token and block.
+The rates are one H200 host's (virtio disk); a cluster's shared file system differs, and the plan says which file the
+constants come from.
+
 This module imports without torch (the Snakefile imports it) and takes explicit arguments, never the workflow config.
 """
 
@@ -60,6 +69,11 @@ __all__ = [
     'gpu_memory_gb',
     'human_time',
     'inference_memory',
+    'JOB_OVERHEADS_JSON',
+    'checkpoint_bytes',
+    'convert_time',
+    'job_overheads',
+    'train_overheads',
     'plan_line',
     'resolve_activation_checkpointing',
     'train_memory',
@@ -276,9 +290,75 @@ def benchmark_basis(csv_path: str = BENCHMARK_CSV, model: str = 'mpt-1b', varian
             'flops_per_token': float(r['flops_per_token']), 'peak_flops': float(r['peak_flops'])}
 
 
+#: The per-job costs of the time plans, each with its derivation (module docstring).
+JOB_OVERHEADS_JSON = os.path.join(os.path.dirname(BENCHMARK_CSV), 'job-overheads-h200.json')
+
+
+def job_overheads(path: str = JOB_OVERHEADS_JSON) -> dict | None:
+    """``{name: value}`` of the committed per-job costs (``start_s``, ``save_bytes_per_s``, ``load_bytes_per_s``,
+    ``compile_s_per_layer``, ``convert_start_s``, ``convert_s_per_param``, ``generate_start_s``,
+    ``generate_s_per_token_per_layer``; units in the file) plus ``source`` (the file's base name); None when the file
+    is missing."""
+    import json
+    try:
+        with open(path) as fh:
+            raw = json.load(fh)
+    except FileNotFoundError:
+        return None
+    out = {k: float(v['value']) for k, v in raw.items() if isinstance(v, dict) and 'value' in v}
+    out['source'] = os.path.basename(path)
+    return out
+
+
+def checkpoint_bytes(rc: Mapping) -> int:
+    """Bytes of one training checkpoint of the run (all ranks together): fp32 weights (4 bytes per parameter) and
+    two fp32 Adam moments per trained parameter (8 bytes; every parameter, or a LoRA finetune's adapters)."""
+    params = mpt_param_count(rc['arch'])['total']
+    trained = adapter_param_count(rc['arch'], rc['lora']) if rc.get('lora') else params
+    return int(4 * params + 8 * trained)
+
+
+def train_overheads(rc: Mapping, *, nodes: int, tokens_per_s_per_gpu: float, overheads: Mapping) -> dict:
+    """What a fresh training job of the run spends besides its training batches, in seconds: ``start``,
+    ``compile`` (``train.compile`` on: ``compile_s_per_layer`` x blocks), ``saves`` (one per
+    ``save_interval_batches`` and at the end: :func:`checkpoint_bytes` / ``nodes`` at ``save_bytes_per_s``, the nodes
+    writing their shards at once), ``evals`` (one per ``eval_interval_batches``: ``eval_subset_batches`` x
+    ``eval_microbatch_size`` sequences forward per GPU, a third of a training token's time; an unbounded subset
+    counts 0), with the counts ``n_saves`` and ``n_evals``. A resumed job adds the checkpoint's read
+    (``load_bytes_per_s``), not planned here."""
+    t = rc['train']
+    batches = int(t['max_duration_batches'])
+    save_every = int(t.get('save_interval_batches') or batches)
+    eval_every = int(t.get('eval_interval_batches') or 0)
+    n_saves = -(-batches // max(save_every, 1))
+    n_evals = batches // eval_every if eval_every > 0 else 0
+    per_save = checkpoint_bytes(rc) / max(int(nodes), 1) / overheads['save_bytes_per_s']
+    subset = int(t.get('eval_subset_batches') or 0)
+    eval_tokens = max(subset, 0) * int(t.get('eval_microbatch_size') or t.get('microbatch_size') or 1) \
+        * int(rc['data']['concat_tokens'])
+    per_eval = eval_tokens / (3 * tokens_per_s_per_gpu) if tokens_per_s_per_gpu > 0 else 0.0
+    compiled = t.get('compile') not in (None, False)
+    return {'start': overheads['start_s'],
+            'compile': overheads['compile_s_per_layer'] * int(rc['arch']['n_layers']) if compiled else 0.0,
+            'saves': n_saves * per_save, 'n_saves': n_saves, 'per_save': per_save,
+            'evals': n_evals * per_eval, 'n_evals': n_evals, 'per_eval': per_eval}
+
+
+def convert_time(rc: Mapping, overheads: Mapping) -> dict:
+    """Planned seconds of the run's ``convert`` job: ``convert_start_s`` + ``convert_s_per_param`` x parameters
+    (reading the checkpoint's weights, the bf16 export and its verification reload). Returns ``{'seconds',
+    'basis': text}``."""
+    params = mpt_param_count(rc['arch'])['total']
+    work = overheads['convert_s_per_param'] * params
+    return {'seconds': overheads['convert_start_s'] + work,
+            'basis': f"start {overheads['convert_start_s']:.0f} s + {params / 1e9:.2f}B parameters {work:.0f} s "
+                     f"({overheads['source']})"}
+
+
 def train_time(rc: Mapping, *, nodes: int, gpus_per_node: int, gpu_type: str, basis: Mapping,
                activation_checkpointing: bool = False,
-               peak_overrides: Mapping[str, float] | None = None) -> dict | None:
+               peak_overrides: Mapping[str, float] | None = None,
+               overheads: Mapping | None = None) -> dict | None:
     """Projected wall time of a training's whole token budget (``max_duration_batches x global_batch_size x
     concat_tokens``) on ``nodes x gpus_per_node`` GPUs of ``gpu_type``.
 
@@ -287,6 +367,9 @@ def train_time(rc: Mapping, *, nodes: int, gpus_per_node: int, gpu_type: str, ba
     activation checkpointing (one more forward, 8 instead of 6 FLOPs per parameter and token); a LoRA finetune
     (``rc['lora']``) needs ``4 P + 12 n_layers d_model L`` FLOPs per token instead of ``6 P + ...``, its frozen base
     computing no weight gradients (``flops_per_token`` in the result stays the full count, the MFU convention).
+
+    With ``overheads`` (:func:`job_overheads`) the job's start-up, compile, checkpoint saves and in-training
+    evaluations (:func:`train_overheads`, result key ``overheads``) are added to ``seconds``.
 
     Returns ``{'tokens', 'flops_per_token', 'tokens_per_s', 'seconds', 'days', 'basis': text}``, or None for a
     CPU job (no GPUs) or a GPU type without a known peak.
@@ -312,8 +395,15 @@ def train_time(rc: Mapping, *, nodes: int, gpus_per_node: int, gpu_type: str, ba
             + (", x 3/4 for activation recompute" if activation_checkpointing else "")
             + (f", LoRA: x {lora:.2f} the FLOPs (no weight gradients of the frozen base)" if rc.get('lora') else "")
             + "; no communication or restart costs")
+    extra = None
+    if overheads:
+        extra = train_overheads(rc, nodes=int(nodes), tokens_per_s_per_gpu=tps_gpu, overheads=overheads)
+        seconds += extra['start'] + extra['compile'] + extra['saves'] + extra['evals']
+        text += (f"; + start {extra['start']:.0f} s, compile {extra['compile']:.0f} s, {extra['n_saves']} save(s) x "
+                 f"{extra['per_save']:.0f} s, {extra['n_evals']} evaluation(s) x {extra['per_eval']:.0f} s "
+                 f"({overheads['source']})")
     return {'tokens': tokens, 'flops_per_token': fpt, 'tokens_per_s': tps_gpu * gpus, 'seconds': seconds,
-            'days': seconds / 86400, 'basis': text}
+            'days': seconds / 86400, 'basis': text, 'overheads': extra}
 
 
 def human_time(seconds: float) -> str:

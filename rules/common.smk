@@ -147,13 +147,20 @@ def memory_plan(step, run):
     """The per-GPU memory plan (and a training's projected time) of a GPU step, printed once while the DAG is built
     (dry run too); a step that clearly cannot fit the GPUs of ``gpu_type`` stops here, naming what to change
     (llmpipe.plan)."""
-    if step not in ("train", "generate", "eval") or run is None or (step, run) in _PLANNED:
+    if step not in ("train", "convert", "generate", "eval") or run is None or (step, run) in _PLANNED:
         return
     r = cfg.step_resources(config, step, run)
-    if int(r["gpus_per_node"]) <= 0:
-        return
     rc = cfg.run_config(config, run)
     if "d_model" not in (rc.get("arch") or {}):  # a hub base without its architecture: nothing to plan from
+        return
+    overheads = plan_mod.job_overheads()
+    if step == "convert":  # time only: the export runs on the host (llmpipe.convert)
+        if overheads and workflow.is_main_process and int(r["gpus_per_node"]) > 0:
+            t = plan_mod.convert_time(rc, overheads)
+            print(f"plan convert {run}: time {plan_mod.human_time(t['seconds'])} ({t['basis']})", file=sys.stderr)
+        _PLANNED.add((step, run))
+        return
+    if int(r["gpus_per_node"]) <= 0:
         return
     where = cfg.section_path(config, run)
     gpu_type = config["gpu_type"]
@@ -173,6 +180,7 @@ def memory_plan(step, run):
                 basis=basis,
                 activation_checkpointing=mem["activation_checkpointing"],
                 peak_overrides=config.get("gpu_peak_flops"),
+                overheads=overheads,
             )
     else:
         placed = cfg.inference_plan(config, step, run)
@@ -211,7 +219,14 @@ def inference_time(step, rc, placed, gpu_type):
     g = config["generate"]
     new = len(g["prompts"]) * int(g["max_new_tokens"])
     return ip.inference_time(
-        rc, step, gpus=n, gpu_type=gpu_type, basis=None, new_tokens=new, weights_gb=mem["weights_gb"] * n
+        rc,
+        step,
+        gpus=n,
+        gpu_type=gpu_type,
+        basis=None,
+        new_tokens=new,
+        weights_gb=mem["weights_gb"] * n,
+        overheads=plan_mod.job_overheads(),
     )
 
 

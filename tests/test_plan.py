@@ -227,7 +227,7 @@ def test_dry_run_plans_70b_inference_on_one_node_of_8_gpus(workdir):
         assert float(m.group(2)) == pytest.approx(one["weights_gb"] / 8, abs=0.05)
     assert re.search(r"rule eval:(?:\n .*)*?\n    resources: .*gpus_per_node=8", proc.stdout), proc.stdout[-3000:]
     assert re.search(r"rule generate:(?:\n .*)*?\n    resources: .*gpus_per_node=8", proc.stdout)
-    assert "projection: " in out and "lower bound: " in out
+    assert "projection: " in out and re.search(r"start \d+ s \+ 512 new tokens x [\d.]+ ms \(job-overheads-h200", out)
 
 
 def test_inference_gpu_count_follows_the_model_size():
@@ -422,3 +422,66 @@ def test_refusal_without_fsdp_names_fsdp_not_recompute():
     msg = str(err.value)
     assert "train under FSDP, which allows activation checkpointing: models.mpt-3b.train.fsdp_min_params" in msg
     assert "turn on models.mpt-3b.train.fsdp.activation_checkpointing" not in msg
+
+
+def _short_1b(**train):
+    from llmpipe.config import deep_merge
+    over = {"max_duration_batches": 20, "save_interval_batches": 10, "eval_interval_batches": 20,
+            "eval_subset_batches": 4, **train}
+    return run_config(deep_merge(project_config(), {"models": {"mpt-1b": {"train": over}}}), "mpt-1b")
+
+
+def test_train_time_adds_start_compile_saves_and_evaluations():
+    """The job's costs besides its batches (benchmarks/job-overheads-h200.json): one start, compile per block, a save
+    per save interval (12 bytes per parameter at the measured write rate, split over the nodes), an evaluation per
+    eval interval (its forward tokens at a third of a training token's time)."""
+    from llmpipe.mfu import mpt_param_count
+    ov = plan.job_overheads()
+    basis = plan.benchmark_basis()
+    rc = _short_1b()
+    params = mpt_param_count(rc["arch"])["total"]
+    assert plan.checkpoint_bytes(rc) == 12 * params
+    kw = dict(nodes=1, gpus_per_node=1, gpu_type="h200", basis=basis)
+    bare, full = plan.train_time(rc, **kw), plan.train_time(rc, **kw, overheads=ov)
+    ex = full["overheads"]
+    assert bare["overheads"] is None and (ex["n_saves"], ex["n_evals"]) == (2, 1)
+    assert ex["per_save"] == pytest.approx(12 * params / ov["save_bytes_per_s"])
+    assert ex["compile"] == pytest.approx(ov["compile_s_per_layer"] * rc["arch"]["n_layers"])
+    per_gpu = bare["tokens_per_s"]
+    assert ex["per_eval"] == pytest.approx(4 * rc["train"]["eval_microbatch_size"] * 2048 / (3 * per_gpu))
+    assert full["seconds"] == pytest.approx(bare["seconds"] + ov["start_s"] + ex["compile"] + ex["saves"] + ex["evals"])
+    assert "2 save(s) x" in full["basis"] and "job-overheads-h200.json" in full["basis"]
+    # compile off costs no compile; 2 nodes write their halves at once; 25 batches at a save every 10: 3 saves
+    assert plan.train_time(_short_1b(compile=False), **kw, overheads=ov)["overheads"]["compile"] == 0
+    two = plan.train_time(rc, **{**kw, "nodes": 2}, overheads=ov)["overheads"]
+    assert two["per_save"] == pytest.approx(ex["per_save"] / 2)
+    assert plan.train_overheads(_short_1b(max_duration_batches=25), nodes=1, tokens_per_s_per_gpu=per_gpu,
+                                overheads=ov)["n_saves"] == 3
+
+
+def test_convert_and_generate_times_count_start_checkpoint_io_and_tokens():
+    from llmpipe import inference_placement as ip
+    from llmpipe.mfu import mpt_param_count
+    ov = plan.job_overheads()
+    rc = _short_1b()
+    params = mpt_param_count(rc["arch"])["total"]
+    t = plan.convert_time(rc, ov)
+    assert t["seconds"] == pytest.approx(ov["convert_start_s"] + params * ov["convert_s_per_param"])
+    g = ip.inference_time(rc, "generate", gpus=1, gpu_type="h200", basis=None, new_tokens=512, weights_gb=2.45,
+                          overheads=ov)
+    assert g["seconds"] == pytest.approx(ov["generate_start_s"] + 512 * 24 * ov["generate_s_per_token_per_layer"])
+    bound = ip.inference_time(rc, "generate", gpus=1, gpu_type="h200", basis=None, new_tokens=512, weights_gb=2.45)
+    assert bound["seconds"] < g["seconds"] and "lower bound" in bound["basis"]
+
+
+def test_job_overhead_constants_cite_committed_sources():
+    """Every constant says what it covers and how it was derived, from files in the repository."""
+    raw = json.loads((REPO / "benchmarks/job-overheads-h200.json").read_text())
+    entries = {k: v for k, v in raw.items() if isinstance(v, dict)}
+    assert set(plan.job_overheads()) - {"source"} == set(entries)
+    for name, e in entries.items():
+        assert e["value"] > 0 and e["unit"] and e["what"], name
+        cited = re.findall(r"[\w./-]+\.(?:json|csv|md)", e["derivation"])
+        assert cited, name
+        for f in cited:
+            assert (REPO / "benchmarks" / f).exists() or (REPO / f).exists(), (name, f)

@@ -66,7 +66,7 @@ class GpuPeak:
                 return
             self._stop.wait(self.every_s)
 
-    def __enter__(self) -> "GpuPeak":
+    def __enter__(self) -> GpuPeak:
         self._thread.start()
         return self
 
