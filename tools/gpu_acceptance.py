@@ -44,6 +44,8 @@ import yaml
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SUITE = os.path.join(REPO, "tools", "acceptance-suite.yaml")
 TAG_VAR = "LLMPIPE_ACCEPTANCE_TAG"
+#: Snakemake's working folder (``-d``: its .snakemake/ metadata) is the results folder, passed in the environment.
+WORKDIR_VAR = "LLMPIPE_ACCEPTANCE_WORKDIR"
 PHASES = ("plan", "data", "train_killed", "unlock", "train", "convert", "generate", "eval")
 
 
@@ -98,6 +100,7 @@ def snakemake(args: list[str], log_path: str, env: dict, kill_when: str | None =
     tagged process once a file matches. Returns ``{"seconds", "returncode", "killed", "gpu_peak_gib"}`` (plus, for a
     kill, the processes that outlived the session's SIGKILL and the tagged processes alive after the sweep)."""
     cmd = [sys.executable, "-m", "snakemake", "--scheduler", "greedy", "--cores", "all", *args]
+    cmd[3:3] = ["-s", os.path.join(REPO, "Snakefile"), "-d", env[WORKDIR_VAR]]
     t0 = time.time()
     out: dict = {"killed": False}
     with open(log_path, "a") as fh, GpuPeak() as gpu:
@@ -141,8 +144,9 @@ def _describe(pid: int) -> str:
 
 def plan_lines(base: list[str], target: str, env: dict) -> dict:
     """The dry run's ``plan <step> <run>: ...`` lines by step, and the dry run's return code."""
-    proc = subprocess.run([sys.executable, "-m", "snakemake", "-n", "--scheduler", "greedy", "--cores", "all",
-                           *base, "--", target], capture_output=True, text=True, env=env, cwd=REPO)
+    proc = subprocess.run([sys.executable, "-m", "snakemake", "-s", os.path.join(REPO, "Snakefile"), "-d",
+                           env[WORKDIR_VAR], "-n", "--scheduler", "greedy", "--cores", "all", *base, "--", target],
+                          capture_output=True, text=True, env=env)
     lines = {}
     for line in (proc.stdout + proc.stderr).splitlines():
         m = re.match(r"plan (\w+) \S+: ", line)
@@ -226,7 +230,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--val-batches", type=int, default=4, help="eval.val_batches")
     ap.add_argument("--global-batch", type=int, default=32)
     ap.add_argument("--gpus", type=int, default=1, help="GPUs of every step (0: CPU)")
-    ap.add_argument("--configfile", default="config/config.yaml", help="the shipped config (default %(default)s)")
+    ap.add_argument("--configfile", default=os.path.join(REPO, "config", "config.yaml"),
+                    help="the shipped config (default: this checkout's config/config.yaml)")
     ap.add_argument("--no-kill", action="store_true", help="train through, without the kill and resume")
     ap.add_argument("--clean", action="store_true", help="remove the run's checkpoints after the record")
     args = ap.parse_args(argv)
@@ -238,9 +243,10 @@ def main(argv: list[str] | None = None) -> int:
     cfg_path = os.path.join(res, f"overlay-{args.run}.yaml")
     with open(cfg_path, "w") as fh:
         yaml.safe_dump(overlay, fh)
-    env = {**os.environ, TAG_VAR: state["tag"]}
+    path = os.pathsep.join(p for p in (REPO, os.environ.get("PYTHONPATH", "")) if p)   # jobs import llmpipe
+    env = {**os.environ, TAG_VAR: state["tag"], WORKDIR_VAR: res, "PYTHONPATH": path}
     log = os.path.join(res, f"snakemake-{args.run}.log")
-    base = ["--configfile", args.configfile, SUITE, cfg_path]
+    base = ["--configfile", os.path.abspath(args.configfile), SUITE, cfg_path]
     run_dir = os.path.join(res, args.run)
     target = f"{run_dir}/eval.json"
     first_ckpt = f"{run_dir}/checkpoints/*/ep*-ba{args.save_every}[.-]*complete"
