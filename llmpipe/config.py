@@ -378,6 +378,8 @@ def step_resources(config: dict, step: str, run: str | None = None) -> dict:
     res.setdefault("cpus_per_task", 1)
     res.setdefault("mem_gb", 0)
     res.setdefault("time_min", 60)
+    if step == "convert" and run is not None and not float(res["mem_gb"] or 0):
+        res["mem_gb"] = convert_mem_gb(config, run)
     placed = inference_plan(config, step, run) if step in ("eval", "generate") and run is not None else None
     if placed is not None:  # llmpipe.inference_placement: one GPU, or the node's GPUs for a model too large for one
         res["gpus_per_node"] = placed["gpus"]
@@ -386,6 +388,18 @@ def step_resources(config: dict, step: str, run: str | None = None) -> dict:
     if placed is not None and step == "generate":
         res["tasks_per_node"] = 1  # one process places the model across the job's GPUs (device_map)
     return res
+
+
+def convert_mem_gb(config: dict, run: str) -> int:
+    """The host memory a ``convert`` job asks for when its ``mem_gb`` is 0: the plan's peak
+    (:func:`llmpipe.plan.convert_memory`) plus 10%, in whole GB; 0 (Slurm decides) for a run without ``arch`` or
+    without the plan's constants."""
+    from llmpipe import plan
+    rc = run_config(config, run)
+    overheads = plan.job_overheads()
+    if "d_model" not in (rc.get("arch") or {}) or not overheads:
+        return 0
+    return int(-(-plan.convert_memory(rc, overheads)["total_gb"] * 1.1 // 1))
 
 
 def inference_plan(config: dict, step: str, run: str) -> dict | None:

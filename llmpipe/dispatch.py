@@ -29,6 +29,8 @@ import time
 from typing import Any
 from collections.abc import Callable, Sequence
 
+from llmpipe.orphans import DieWithParent
+
 log = logging.getLogger("llmpipe.dispatch")
 
 _FINISHED_OK = {"COMPLETED", "DONE", "FINISHED"}
@@ -42,13 +44,20 @@ class StepNeverRuns(StepFailed):
     """A dispatched Slurm job was PENDING for a reason Slurm never resolves; it was cancelled."""
 
 
+def history_path(log_file: str) -> str:
+    """The append-only history of a rule log's lines (``<log>.history``), which Snakemake never deletes."""
+    return log_file + ".history"
+
+
 def say(msg: str, log_file: str | None = None) -> None:
-    """Print ``[llmpipe HH:MM:SS] msg`` to stderr and append the same line to ``log_file`` when given."""
+    """Print ``[llmpipe HH:MM:SS] msg`` to stderr; with ``log_file``, append the line to it and to its history
+    (:func:`history_path`)."""
     line = f"[llmpipe {time.strftime('%H:%M:%S')}] {msg}"
     print(line, file=sys.stderr, flush=True)
     if log_file:
-        with open(log_file, "a") as fh:
-            fh.write(line + "\n")
+        for path in (log_file, history_path(log_file)):
+            with open(path, "a") as fh:
+                fh.write(line + "\n")
 
 
 def job_key(*parts: Any) -> str:
@@ -508,7 +517,8 @@ def run_step(fn: Callable, *args: Any, step: str, resources: dict, config: dict,
     if job is None:
         os.makedirs(log_dir, exist_ok=True)
         ex = make_executor(config, resources, os.path.join(log_dir, "%j"), name=step.replace(" ", "_"))
-        job = ex.submit(fn, *args, **kwargs)
+        # a local job's tasks die with their controller, the PID printed below (llmpipe.orphans)
+        job = ex.submit(DieWithParent(fn) if executor_kind(config) == "local" else fn, *args, **kwargs)
         _write_record(rec_path, {"executor": executor_kind(config), "job_id": str(job.job_id),
                                  "folder": os.path.join(log_dir, "%j"), "step": step,
                                  "name": step.replace(" ", "_"),
@@ -664,7 +674,7 @@ def map_steps(fn: Callable, items: Sequence[Any], *, step: str, resources: dict,
     ex = make_executor(config, one, os.path.join(log_dir, "%j"), name=name)
     if max_parallel and hasattr(ex, "update_parameters") and slurm_kind:
         ex.update_parameters(array_parallelism=max_parallel)
-    jobs = ex.map_array(fn, list(items))
+    jobs = ex.map_array(DieWithParent(fn) if executor_kind(config) == "local" else fn, list(items))
     rec_path = _record_path(config, key) if key and slurm_kind else None
     if rec_path:
         _write_record(rec_path, {"executor": "slurm", "job_ids": [str(j.job_id) for j in jobs],

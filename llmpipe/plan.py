@@ -71,6 +71,7 @@ __all__ = [
     'inference_memory',
     'JOB_OVERHEADS_JSON',
     'checkpoint_bytes',
+    'convert_memory',
     'convert_time',
     'job_overheads',
     'train_overheads',
@@ -353,6 +354,17 @@ def convert_time(rc: Mapping, overheads: Mapping) -> dict:
     return {'seconds': overheads['convert_start_s'] + work,
             'basis': f"start {overheads['convert_start_s']:.0f} s + {params / 1e9:.2f}B parameters {work:.0f} s "
                      f"({overheads['source']})"}
+
+
+def convert_memory(rc: Mapping, overheads: Mapping) -> dict:
+    """Planned peak host memory of the run's ``convert`` job, in GiB: the process (``convert_base_gib``) plus the
+    larger of the bf16 export (2 bytes per parameter) and the verification reload that follows it
+    (``convert_verify_bytes_per_param``: two fp32 models). Returns ``{'export_gb', 'verify_gb', 'total_gb'}``."""
+    params = mpt_param_count(rc['arch'])['total']
+    base = overheads['convert_base_gib']
+    export = base + 2 * params / GB
+    verify = base + overheads['convert_verify_bytes_per_param'] * params / GB
+    return {'export_gb': export, 'verify_gb': verify, 'total_gb': max(export, verify)}
 
 
 def train_time(rc: Mapping, *, nodes: int, gpus_per_node: int, gpu_type: str, basis: Mapping,

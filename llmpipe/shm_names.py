@@ -6,12 +6,24 @@ local leader then creates ``/NNNNNN_locals``. Two jobs starting in the same seco
 and one fails with ``FileExistsError: '/0000NN_locals'`` (seen on clusters that pack jobs on a node). Here each job
 starts its scan at its own offset (:func:`prefix_start`, from the job id that all its ranks share), so concurrent
 jobs choose different numbers; within a job every rank still computes the same one (same offset, same scan).
+
+A SIGKILLed job never unlinks its segments, which then stay in the node's ``/dev/shm`` until reboot. Each rank
+therefore leaves an owner mark for its slot (``llmpipe_NNNNNN_<pid>.owner``: its process start time, which tells a
+reused PID apart), and every job start removes the segments of the slots whose every owner process is gone
+(:func:`remove_stale_segments`). A slot with a live owner, or with no owner mark at all (a job of a version without
+marks), is never touched; streaming's own ``clean_stale_shared_memory()`` would unlink live jobs' segments too.
 """
 
 from __future__ import annotations
 
+import glob
 import os
+import re
 from collections.abc import Iterator
+
+#: Where POSIX shared memory lives on Linux.
+SHM_DIR = "/dev/shm"
+_OWNER = re.compile(r"llmpipe_(\d{6})_(\d+)\.owner$")
 
 #: Prefix numbers per job slot: a job scans ``[start, start + SLOT)`` first (more datasets than that in one job
 #: just continue into the next slot) ...
@@ -54,4 +66,58 @@ def per_job_prefixes(environ: dict | None = None) -> int:
 
     each_prefix_int.llmpipe_start = start  # type: ignore[attr-defined]
     prefix._each_prefix_int = each_prefix_int
+    if os.path.isdir(SHM_DIR):
+        remove_stale_segments(SHM_DIR)
+        mark_owner(start, SHM_DIR)
     return start
+
+
+def _start_time(pid: int) -> str | None:
+    """The process's start time in clock ticks (``/proc/<pid>/stat`` field 22), None when it is gone or a zombie."""
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            fields = fh.read().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+    return None if fields[0] == "Z" else fields[19]
+
+
+def mark_owner(start: int, shm_dir: str = SHM_DIR, pid: int | None = None) -> str:
+    """Write this process's owner mark for the slot that begins at prefix ``start``; return its path."""
+    pid = os.getpid() if pid is None else pid
+    path = os.path.join(shm_dir, f"llmpipe_{start:06d}_{pid}.owner")
+    with open(path, "w") as fh:
+        fh.write(_start_time(pid) or "")
+    return path
+
+
+def remove_stale_segments(shm_dir: str = SHM_DIR) -> list[str]:
+    """Remove the streaming segments (``NNNNNN_*``) of every slot whose owner marks all name processes that are gone
+    (dead, or their PID reused by a process started at another time), and those marks; return the removed paths.
+    Slots with a live owner or without marks are left alone."""
+    owners: dict[int, list[tuple[str, bool]]] = {}
+    for path in glob.glob(os.path.join(shm_dir, "llmpipe_*.owner")):
+        m = _OWNER.search(os.path.basename(path))
+        if not m:
+            continue
+        try:
+            with open(path) as fh:
+                started = fh.read().strip()
+        except OSError:
+            continue
+        alive = bool(started) and _start_time(int(m.group(2))) == started
+        owners.setdefault(int(m.group(1)), []).append((path, alive))
+    removed = []
+    for start, marks in owners.items():
+        if any(alive for _, alive in marks):
+            continue
+        names = [os.path.join(shm_dir, f"{n:06d}_") for n in range(start, start + SLOT)]
+        doomed = [p for p in glob.glob(os.path.join(shm_dir, "[0-9]" * 6 + "_*"))
+                  if any(p.startswith(n) for n in names)] + [p for p, _ in marks]
+        for p in doomed:
+            try:
+                os.remove(p)
+                removed.append(p)
+            except FileNotFoundError:
+                pass
+    return removed

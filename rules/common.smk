@@ -155,9 +155,15 @@ def memory_plan(step, run):
         return
     overheads = plan_mod.job_overheads()
     if step == "convert":  # time only: the export runs on the host (llmpipe.convert)
-        if overheads and workflow.is_main_process and int(r["gpus_per_node"]) > 0:
+        if overheads and workflow.is_main_process:
             t = plan_mod.convert_time(rc, overheads)
-            print(f"plan convert {run}: time {plan_mod.human_time(t['seconds'])} ({t['basis']})", file=sys.stderr)
+            m = plan_mod.convert_memory(rc, overheads)
+            print(
+                f"plan convert {run}: host memory {m['total_gb']:.1f} GiB (bf16 export {m['export_gb']:.1f}, "
+                f"verification reload {m['verify_gb']:.1f}; requested: mem_gb {r['mem_gb']}); "
+                f"time {plan_mod.human_time(t['seconds'])} ({t['basis']})",
+                file=sys.stderr,
+            )
         _PLANNED.add((step, run))
         return
     if int(r["gpus_per_node"]) <= 0:

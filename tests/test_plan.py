@@ -485,3 +485,22 @@ def test_job_overhead_constants_cite_committed_sources():
         assert cited, name
         for f in cited:
             assert (REPO / "benchmarks" / f).exists() or (REPO / f).exists(), (name, f)
+
+
+def test_convert_plans_host_memory_and_asks_for_it():
+    """convert's host memory: the process, plus the larger of the bf16 export and the verification reload (two fp32
+    models); with mem_gb 0 the job asks for the plan + 10%, an explicit mem_gb wins."""
+    from llmpipe.config import deep_merge
+    from llmpipe.mfu import mpt_param_count
+    ov = plan.job_overheads()
+    config = project_config()
+    rc = run_config(config, "mpt-70b")
+    params = mpt_param_count(rc["arch"])["total"]
+    m = plan.convert_memory(rc, ov)
+    assert m["export_gb"] == pytest.approx(ov["convert_base_gib"] + 2 * params / 2**30)
+    assert m["verify_gb"] == pytest.approx(ov["convert_base_gib"] + ov["convert_verify_bytes_per_param"] * params
+                                           / 2**30)
+    assert m["total_gb"] == max(m["export_gb"], m["verify_gb"]) > 128   # 70B in bf16 alone is 128 GiB
+    assert step_resources(config, "convert", "mpt-70b")["mem_gb"] == int(-(-m["total_gb"] * 1.1 // 1))
+    mine = deep_merge(config, {"models": {"mpt-70b": {"step_resources": {"convert": {"mem_gb": 900}}}}})
+    assert step_resources(mine, "convert", "mpt-70b")["mem_gb"] == 900

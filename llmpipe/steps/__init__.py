@@ -41,6 +41,7 @@ from typing import Any
 from collections.abc import Callable
 
 from llmpipe import dispatch
+from llmpipe.orphans import exit_when_snakemake_dies
 from llmpipe.steps import allreduce, convert, data, evaluate, generate, provenance, report, scaling, train
 from llmpipe.steps import lm_eval_harness
 from llmpipe.steps.context import StepContext, parse_params, wildcard_values
@@ -92,10 +93,23 @@ RULES: dict[str, Rule] = {
 }
 
 
-def start_log(log_file: str) -> None:
-    """Create (or empty) the rule's log file."""
+#: The line that ends the repeated history at the top of a rule log; what follows is this run's.
+THIS_RUN = "--- this run ---\n"
+
+
+def start_log(log_file: str, repeat: int = 5) -> None:
+    """Create (or empty) the rule's log file. Snakemake deletes a rule's log before each run, so the step's
+    submission lines also go to an append-only history beside it (:func:`llmpipe.dispatch.history_path`); a new
+    log starts by naming that file and repeating its last ``repeat`` lines."""
     os.makedirs(os.path.dirname(log_file) or ".", exist_ok=True)
-    open(log_file, "w").close()
+    history = dispatch.history_path(log_file)
+    with open(log_file, "w") as fh:
+        if os.path.exists(history):
+            with open(history) as hf:
+                last = hf.readlines()[-repeat:]
+            fh.write(f"earlier runs of this step: {history}; its last {len(last)} line(s):\n")
+            fh.writelines("  " + line for line in last)
+            fh.write(THIS_RUN)
 
 
 def log_error(log_file: str, exc: BaseException) -> None:
@@ -136,6 +150,7 @@ def run_rule(smk: Any) -> None:
     """
     rule = RULES[smk.rule]
     dispatch.normalize_thread_env()  # threads: 0 of Slurm-waiting rules -> OMP_NUM_THREADS=0 from Snakemake
+    exit_when_snakemake_dies()       # no watcher outlives its Snakemake (llmpipe.orphans)
     start_log(smk.log[0])
     try:
         run_step(context(smk, rule), rule)

@@ -1,0 +1,171 @@
+"""Local executor: a job's tasks die with submitit's controller, the PID the step prints ("submitted job N").
+
+``kill -9 N`` of a running training used to leave its task writing checkpoints while the rerun started a second
+trainer on the same identity folder (issue 31, item 1)."""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from llmpipe.orphans import DieWithParent
+from tests.conftest import REPO, SNAKEMAKE, copy_run
+
+TRAIN = "results/mpt-tiny/train.json"
+
+
+_PARENT = """
+import subprocess, sys, time
+child = (f"import sys; sys.path.insert(0, {repo!r}); from llmpipe.orphans import die_with_parent; "
+         f"die_with_parent(); open({mark!r}, 'w').write(str(__import__('os').getpid())); "
+         f"__import__('time').sleep(120)")
+subprocess.Popen([sys.executable, "-c", child])
+time.sleep(120)
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="prctl is Linux's")
+def test_a_task_dies_with_its_parent(tmp_path):
+    """A process that armed die_with_parent ends when its parent is SIGKILLed (what kill -9 of the controller is)."""
+    mark = tmp_path / "pid"
+    script = tmp_path / "parent.py"
+    script.write_text(f"repo, mark = {str(REPO)!r}, {str(mark)!r}\n" + _PARENT)
+    parent = subprocess.Popen([sys.executable, str(script)])
+    for _ in range(300):
+        if mark.exists() and mark.read_text():
+            break
+        time.sleep(0.1)
+    child = int(mark.read_text())
+    os.kill(parent.pid, signal.SIGKILL)
+    parent.wait()
+    for _ in range(50):
+        try:
+            state = open(f"/proc/{child}/stat").read().split()[2]
+        except FileNotFoundError:
+            break
+        if state == "Z":
+            break
+        time.sleep(0.1)
+    else:
+        os.kill(child, signal.SIGKILL)
+        pytest.fail("the child outlived its SIGKILLed parent")
+
+
+class _Task:
+    def __call__(self, x):
+        return x + 1
+
+    def checkpoint(self):
+        return "requeue"
+
+
+def test_wrapper_keeps_the_function_and_its_attributes():
+    import pickle
+    w = DieWithParent(_Task())
+    assert w(1) == 2 and w.checkpoint() == "requeue"
+    assert pickle.loads(pickle.dumps(w))(2) == 3
+
+
+@pytest.mark.slow
+def test_kill_of_the_printed_pid_ends_the_training_and_the_rerun_trains_once(tiny_run, tmp_path):
+    """SIGKILL of the local job's printed PID mid-training: the step fails, nothing writes the identity folder
+    afterwards; the rerun resumes with one trainer and the loss log holds each batch once."""
+    wd = copy_run(tiny_run, tmp_path / "wd")
+    shutil.rmtree(wd / "results/mpt-tiny/checkpoints")
+    (wd / TRAIN).unlink()
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    cmd = [*SNAKEMAKE, "-s", str(REPO / "Snakefile"), "-d", str(wd), "--cores", "2", TRAIN]
+    proc = subprocess.Popen(cmd, cwd=wd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    first = f"{wd}/results/mpt-tiny/checkpoints/*/ep0-ba40*.complete"
+    t0 = time.time()
+    while not glob.glob(first) and time.time() - t0 < 600:
+        assert proc.poll() is None, proc.stdout.read()[-3000:]
+        time.sleep(0.1)
+    log = (wd / "results/logs/train/mpt-tiny.log").read_text()
+    pid = int(re.search(r"submitted job (\d+) \(local", log).group(1))
+    os.kill(pid, signal.SIGKILL)
+    out, _ = proc.communicate(timeout=300)
+    assert proc.returncode != 0, out[-3000:]
+    ident = glob.glob(f"{wd}/results/mpt-tiny/checkpoints/*/")[0]
+    before = sorted(os.listdir(ident)), (wd / ident / "train_log.jsonl").read_text()
+    time.sleep(20)   # an orphaned trainer would save ep0-ba80 and log more batches in this time
+    assert (sorted(os.listdir(ident)), (wd / ident / "train_log.jsonl").read_text()) == before
+    rerun = subprocess.run(cmd, cwd=wd, env=env, capture_output=True, text=True, timeout=900)
+    assert rerun.returncode == 0, (rerun.stdout + rerun.stderr)[-3000:]
+    train = json.loads((wd / TRAIN).read_text())
+    assert train["steps"] == 120 and train["resumed_from"] and "ep0-ba" in train["resumed_from"]
+    batches = [json.loads(line)["batch"] for line in open(os.path.join(ident, "train_log.jsonl")) if line.strip()]
+    assert len(batches) == len(set(batches)) and batches == sorted(batches) and batches[-1] == 120, batches
+
+
+def _descendants(root: int) -> set[int]:
+    """PIDs of the processes below ``root`` (from /proc's parent links)."""
+    children: dict[int, list[int]] = {}
+    for d in glob.glob("/proc/[0-9]*/stat"):
+        try:
+            fields = open(d).read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        children.setdefault(int(fields[1]), []).append(int(d.split("/")[2]))
+    out, todo = set(), [root]
+    while todo:
+        for c in children.get(todo.pop(), []):
+            out.add(c)
+            todo.append(c)
+    return out
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+@pytest.mark.slow
+def test_kill_of_snakemake_alone_ends_its_rule_script_and_the_history_keeps_the_submission(tiny_run, tmp_path):
+    """``kill -9`` of the Snakemake process (not its group) mid-training: the rule script, its shell and the local
+    job end within seconds (no watcher writes into a later run's log); the append-only history beside the rule log
+    keeps the submission line, and the rerun's new log names the history and repeats it."""
+    wd = copy_run(tiny_run, tmp_path / "wd")
+    shutil.rmtree(wd / "results/mpt-tiny/checkpoints")
+    (wd / TRAIN).unlink()
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    cmd = [*SNAKEMAKE, "-s", str(REPO / "Snakefile"), "-d", str(wd), "--cores", "2", TRAIN]
+    proc = subprocess.Popen(cmd, cwd=wd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            start_new_session=True)
+    log = wd / "results/logs/train/mpt-tiny.log"
+    t0 = time.time()
+    while not (log.exists() and "submitted job" in log.read_text()) and time.time() - t0 < 600:
+        assert proc.poll() is None
+        time.sleep(0.2)
+    time.sleep(3)   # the job's controller and task start
+    below = _descendants(proc.pid)
+    line = re.search(r".*submitted job (\d+) \(local.*", log.read_text()).group(0)
+    assert int(re.search(r"job (\d+)", line).group(1)) in below
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    t0 = time.time()
+    while any(_alive(p) for p in below) and time.time() - t0 < 60:
+        time.sleep(0.5)
+    left = [p for p in below if _alive(p)]
+    for p in left:
+        os.kill(p, signal.SIGKILL)
+    assert not left, "processes outlived the killed Snakemake"
+    history = wd / "results/logs/train/mpt-tiny.log.history"
+    assert line in history.read_text()
+    subprocess.run([*cmd[:-1], "--unlock", TRAIN], cwd=wd, env=env, check=True, capture_output=True)
+    rerun = subprocess.run(cmd, cwd=wd, env=env, capture_output=True, text=True, timeout=900)
+    assert rerun.returncode == 0, (rerun.stdout + rerun.stderr)[-3000:]
+    new = log.read_text()
+    assert new.startswith(f"earlier runs of this step: {history}") and line in new
+    assert new.count("submitted job") == 2   # the repeated line and the rerun's own submission
