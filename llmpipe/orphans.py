@@ -74,6 +74,18 @@ def _stat(pid: int) -> list[str] | None:
         return None
 
 
+def process_start_time(pid: int) -> str | None:
+    """The start time of process ``pid`` in clock ticks since boot (``/proc/<pid>/stat`` field 22), which tells a
+    reused PID apart; None when it is gone or a zombie (or there is no ``/proc``)."""
+    fields = _stat(pid)
+    return None if fields is None or fields[0] == "Z" else fields[19]
+
+
+def _same_process_alive(pid: int, start: str) -> bool:
+    """Whether ``pid`` is alive (not a zombie) and is the process that started at ``start``."""
+    return process_start_time(pid) == start
+
+
 def _is_snakemake(pid: int) -> bool:
     try:
         with open(f"/proc/{pid}/cmdline", "rb") as fh:
@@ -110,7 +122,7 @@ def exit_when_snakemake_dies(poll_s: float = 2.0) -> tuple[int, str] | None:
         return None
 
     def watch() -> None:
-        while (_stat(who[0]) or [None] * 20)[19] == who[1] and (_stat(who[0]) or ["Z"])[0] != "Z":
+        while _same_process_alive(*who):
             time.sleep(poll_s)
         print(f"[llmpipe {time.strftime('%H:%M:%S')}] Snakemake (pid {who[0]}) is gone: this step stops "
               f"(local jobs are cancelled; a Slurm job runs on and the next run re-attaches to it)",

@@ -21,6 +21,8 @@ import os
 import re
 from collections.abc import Iterator
 
+from llmpipe.orphans import process_start_time
+
 #: Where POSIX shared memory lives on Linux.
 SHM_DIR = "/dev/shm"
 _OWNER = re.compile(r"llmpipe_(\d{6})_(\d+)\.owner$")
@@ -72,22 +74,12 @@ def per_job_prefixes(environ: dict | None = None) -> int:
     return start
 
 
-def _start_time(pid: int) -> str | None:
-    """The process's start time in clock ticks (``/proc/<pid>/stat`` field 22), None when it is gone or a zombie."""
-    try:
-        with open(f"/proc/{pid}/stat") as fh:
-            fields = fh.read().rsplit(")", 1)[1].split()
-    except (OSError, IndexError):
-        return None
-    return None if fields[0] == "Z" else fields[19]
-
-
 def mark_owner(start: int, shm_dir: str = SHM_DIR, pid: int | None = None) -> str:
     """Write this process's owner mark for the slot that begins at prefix ``start``; return its path."""
     pid = os.getpid() if pid is None else pid
     path = os.path.join(shm_dir, f"llmpipe_{start:06d}_{pid}.owner")
     with open(path, "w") as fh:
-        fh.write(_start_time(pid) or "")
+        fh.write(process_start_time(pid) or "")
     return path
 
 
@@ -105,7 +97,7 @@ def remove_stale_segments(shm_dir: str = SHM_DIR) -> list[str]:
                 started = fh.read().strip()
         except OSError:
             continue
-        alive = bool(started) and _start_time(int(m.group(2))) == started
+        alive = bool(started) and process_start_time(int(m.group(2))) == started
         owners.setdefault(int(m.group(1)), []).append((path, alive))
     removed = []
     for start, marks in owners.items():

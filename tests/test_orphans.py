@@ -18,6 +18,7 @@ import time
 import pytest
 
 from llmpipe.orphans import DieWithParent
+from llmpipe.steps import THIS_RUN
 from tests.conftest import REPO, SNAKEMAKE, copy_run
 
 TRAIN = "results/mpt-tiny/train.json"
@@ -90,7 +91,7 @@ def test_kill_of_the_printed_pid_ends_the_training_and_the_rerun_trains_once(tin
     while not glob.glob(first) and time.time() - t0 < 600:
         assert proc.poll() is None, proc.stdout.read()[-3000:]
         time.sleep(0.1)
-    log = (wd / "results/logs/train/mpt-tiny.log").read_text()
+    log = (wd / "results/logs/train/mpt-tiny.log").read_text().split(THIS_RUN)[-1]   # this run's lines
     pid = int(re.search(r"submitted job (\d+) \(local", log).group(1))
     os.kill(pid, signal.SIGKILL)
     out, _ = proc.communicate(timeout=300)
@@ -145,12 +146,12 @@ def test_kill_of_snakemake_alone_ends_its_rule_script_and_the_history_keeps_the_
                             start_new_session=True)
     log = wd / "results/logs/train/mpt-tiny.log"
     t0 = time.time()
-    while not (log.exists() and "submitted job" in log.read_text()) and time.time() - t0 < 600:
+    while not (log.exists() and "submitted job" in log.read_text().split(THIS_RUN)[-1]) and time.time() - t0 < 600:
         assert proc.poll() is None
         time.sleep(0.2)
     time.sleep(3)   # the job's controller and task start
     below = _descendants(proc.pid)
-    line = re.search(r".*submitted job (\d+) \(local.*", log.read_text()).group(0)
+    line = re.search(r".*submitted job (\d+) \(local.*", log.read_text().split(THIS_RUN)[-1]).group(0)
     assert int(re.search(r"job (\d+)", line).group(1)) in below
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait()
@@ -167,5 +168,6 @@ def test_kill_of_snakemake_alone_ends_its_rule_script_and_the_history_keeps_the_
     rerun = subprocess.run(cmd, cwd=wd, env=env, capture_output=True, text=True, timeout=900)
     assert rerun.returncode == 0, (rerun.stdout + rerun.stderr)[-3000:]
     new = log.read_text()
-    assert new.startswith(f"earlier runs of this step: {history}") and line in new
-    assert new.count("submitted job") == 2   # the repeated line and the rerun's own submission
+    earlier, own = new.split(THIS_RUN)
+    assert earlier.startswith(f"earlier runs of this step: {history}") and line in earlier
+    assert own.count("submitted job") == 1   # the rerun's own submission

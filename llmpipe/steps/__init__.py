@@ -107,7 +107,7 @@ def start_log(log_file: str, repeat: int = 5) -> None:
         if os.path.exists(history):
             with open(history) as hf:
                 last = hf.readlines()[-repeat:]
-            fh.write(f"earlier runs of this step: {history}; its last {len(last)} line(s):\n")
+            fh.write(f"earlier runs of this step: {os.path.abspath(history)}; its last {len(last)} line(s):\n")
             fh.writelines("  " + line for line in last)
             fh.write(THIS_RUN)
 
