@@ -52,6 +52,7 @@ This module imports without torch (the Snakefile imports it) and takes explicit 
 from __future__ import annotations
 
 import csv
+import math
 import os
 from collections.abc import Mapping
 
@@ -370,7 +371,7 @@ def convert_memory(rc: Mapping, overheads: Mapping) -> dict:
 def train_time(rc: Mapping, *, nodes: int, gpus_per_node: int, gpu_type: str, basis: Mapping,
                activation_checkpointing: bool = False,
                peak_overrides: Mapping[str, float] | None = None,
-               overheads: Mapping | None = None) -> dict | None:
+               overheads: Mapping | None = None, time_limit_s: float | None = None) -> dict | None:
     """Projected wall time of a training's whole token budget (``max_duration_batches x global_batch_size x
     concat_tokens``) on ``nodes x gpus_per_node`` GPUs of ``gpu_type``.
 
@@ -381,7 +382,11 @@ def train_time(rc: Mapping, *, nodes: int, gpus_per_node: int, gpu_type: str, ba
     computing no weight gradients (``flops_per_token`` in the result stays the full count, the MFU convention).
 
     With ``overheads`` (:func:`job_overheads`) the job's start-up, compile, checkpoint saves and in-training
-    evaluations (:func:`train_overheads`, result key ``overheads``) are added to ``seconds``.
+    evaluations (:func:`train_overheads`, result key ``overheads``) are added to ``seconds``. With ``time_limit_s``
+    too (a Slurm job's limit), a training longer than one allocation is requeued: each requeue adds Slurm's hold
+    (``requeue_hold_s``), a start, a compile and the read of the newest checkpoint (``load_bytes_per_s``), and
+    ``allocations`` is how many allocations of the limit it takes (``n = ceil((T - r) / (L - r))`` for a total ``T``,
+    a restart ``r`` and a limit ``L``; None when ``L <= r``: a restart alone outlasts the limit).
 
     Returns ``{'tokens', 'flops_per_token', 'tokens_per_s', 'seconds', 'days', 'basis': text}``, or None for a
     CPU job (no GPUs) or a GPU type without a known peak.
@@ -414,6 +419,21 @@ def train_time(rc: Mapping, *, nodes: int, gpus_per_node: int, gpu_type: str, ba
         text += (f"; + start {extra['start']:.0f} s, compile {extra['compile']:.0f} s, {extra['n_saves']} save(s) x "
                  f"{extra['per_save']:.0f} s, {extra['n_evals']} evaluation(s) x {extra['per_eval']:.0f} s "
                  f"({overheads['source']})")
+        if time_limit_s and seconds > time_limit_s:
+            restart = (overheads['requeue_hold_s'] + extra['start'] + extra['compile']
+                       + checkpoint_bytes(rc) / max(int(nodes), 1) / overheads['load_bytes_per_s'])
+            extra['restart'] = restart
+            if time_limit_s <= restart:
+                extra['allocations'] = None
+                text += (f"; NO PROGRESS: a restart ({restart:.0f} s) outlasts the time limit ({time_limit_s / 60:.0f} "
+                         f"min)")
+            else:
+                n = math.ceil((seconds - restart) / (time_limit_s - restart))
+                seconds += (n - 1) * restart
+                extra['allocations'] = n
+                text += (f"; {n} allocations of the {time_limit_s / 3600:.3g} h limit, each requeue "
+                         f"{restart:.0f} s (Slurm's hold {overheads['requeue_hold_s']:.0f} s + start, compile, "
+                         f"checkpoint read)")
     return {'tokens': tokens, 'flops_per_token': fpt, 'tokens_per_s': tps_gpu * gpus, 'seconds': seconds,
             'days': seconds / 86400, 'basis': text, 'overheads': extra}
 

@@ -60,7 +60,7 @@ from llmpipe import allreduce as allreduce_mod
 from llmpipe import eval_tasks
 from llmpipe import report as report_mod
 from llmpipe import scaling as scaling_mod
-from llmpipe.dispatch import check_executor
+from llmpipe.dispatch import check_executor, executor_kind
 from llmpipe.identity import identity_text
 from llmpipe.steps import allreduce as allreduce_steps
 from llmpipe.steps import convert as convert_steps
@@ -187,6 +187,7 @@ def memory_plan(step, run):
                 activation_checkpointing=mem["activation_checkpointing"],
                 peak_overrides=config.get("gpu_peak_flops"),
                 overheads=overheads,
+                time_limit_s=(float(r["time_min"]) * 60 if executor_kind(config) == "slurm" else None),
             )
     else:
         placed = cfg.inference_plan(config, step, run)
