@@ -88,6 +88,49 @@ def _python_and_srun_args(site: dict) -> tuple[str | None, list[str]]:
     return None, srun_args
 
 
+#: sbatch options a step sets from other settings, which ``slurm.sbatch_args`` can neither set nor remove (each with
+#: the setting to change instead).
+SBATCH_OWNED = {
+    "signal": "slurm.signal_delay_s", "time": "the step's resources.time_min", "nodes": "resources.nodes",
+    "ntasks_per_node": "resources.tasks_per_node (gpus_per_node on GPUs)", "ntasks": "resources.tasks_per_node",
+    "cpus_per_task": "resources.cpus_per_task", "gres": "resources.gpus_per_node and slurm.gpu_type",
+    "gpus_per_node": "resources.gpus_per_node", "gpus": "resources.gpus_per_node", "mem": "resources.mem_gb",
+    "partition": "slurm.partition", "account": "slurm.account", "qos": "slurm.qos", "constraint": "slurm.constraint",
+    "exclusive": "slurm.exclusive", "job_name": "nothing (the step names its job)",
+    "output": "nothing (submitit writes the job's logs)", "error": "nothing (submitit writes the job's logs)",
+    "array": "nothing (the data steps submit their own arrays)",
+}
+#: What ``sbatch_args`` may remove with false/null: the options llmpipe adds besides those above.
+SBATCH_DEFAULTS = {"requeue": True}   # preemption and time-limit checkpoints requeue the job
+
+
+def sbatch_extra(site: dict) -> dict:
+    """The extra sbatch options of ``slurm.sbatch_args`` over :data:`SBATCH_DEFAULTS` (true: a bare flag; false or
+    null: remove one of those defaults; ``--config`` strings read as YAML would).
+
+    Raises:
+        ConfigError: an option that another setting owns (:data:`SBATCH_OWNED`, naming it), or false/null for an
+            option llmpipe does not add (nothing would be removed).
+    """
+    extra: dict[str, Any] = dict(SBATCH_DEFAULTS)
+    for key, v in (site.get("sbatch_args") or {}).items():
+        k = str(key).lstrip("-").replace("-", "_")
+        if isinstance(v, str) and v.strip().lower() in ("true", "false", "null", "~"):
+            v = {"true": True, "false": False}.get(v.strip().lower())  # `--config` strings, read as YAML would
+        if k in SBATCH_OWNED:
+            raise ConfigError(f"slurm.sbatch_args.{key} cannot be applied: the step sets --{k.replace('_', '-')} "
+                              f"from {SBATCH_OWNED[k]}. Fix: change that instead and remove sbatch_args.{key}.")
+        if v is None or v is False:
+            if k not in SBATCH_DEFAULTS:
+                raise ConfigError(f"slurm.sbatch_args.{key} is {v!r}, which removes an option, but llmpipe adds no "
+                                  f"--{k.replace('_', '-')} (it adds only "
+                                  f"{', '.join('--' + d for d in SBATCH_DEFAULTS)}). Fix: remove sbatch_args.{key}.")
+            extra.pop(k, None)
+        else:
+            extra[k] = v
+    return extra
+
+
 def sbatch_parameters(config: dict, resources: dict, name: str) -> dict:
     """The submitit ``SlurmExecutor`` parameters for one step (what :func:`make_executor` passes on).
 
@@ -114,16 +157,7 @@ def sbatch_parameters(config: dict, resources: dict, name: str) -> dict:
             params[key] = str(site[key])
     if site.get("exclusive"):
         params["exclusive"] = True
-    extra: dict[str, Any] = {"requeue": True}   # preemption and time-limit checkpoints requeue the job
-    for k, v in (site.get("sbatch_args") or {}).items():
-        k = str(k).lstrip("-").replace("-", "_")
-        if isinstance(v, str) and v.strip().lower() in ("true", "false", "null", "~"):
-            v = {"true": True, "false": False}.get(v.strip().lower())  # `--config` strings, read as YAML would
-        if v is None or v is False:
-            extra.pop(k, None)
-        else:
-            extra[k] = v
-    params["additional_parameters"] = extra
+    params["additional_parameters"] = sbatch_extra(site)
     setup = [f"export {k}={shlex.quote(str(v))}" for k, v in (site.get("env") or {}).items()
              if re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", str(k))]
     bad = [k for k in (site.get("env") or {}) if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", str(k))]
@@ -330,8 +364,9 @@ def preflight(config: dict, resources: dict, where: str = "resources") -> dict:
     sbatch/sinfo/scontrol are on PATH, the partition (``slurm.partition``, or the cluster's default) exists and is
     up, ``nodes`` is at most the partition's node count (and its MaxNodes), enough of its nodes have
     ``gpus_per_node`` GPUs (of ``slurm.gpu_type`` when set), ``cpus_per_task x tasks`` CPUs and ``mem_gb`` memory,
-    and ``time_min`` is within the partition's MaxTime. When ``slurm.preflight`` is false only the check that asks
-    no cluster runs: ``signal_delay_s`` leaves room to work within ``time_min`` (:func:`check_signal_delay`).
+    and ``time_min`` is within the partition's MaxTime. When ``slurm.preflight`` is false only the checks that ask
+    no cluster run: ``signal_delay_s`` leaves room to work within ``time_min`` (:func:`check_signal_delay`) and
+    ``slurm.sbatch_args`` can be applied (:func:`sbatch_extra`).
 
     Args:
         config: the workflow config.
@@ -346,6 +381,7 @@ def preflight(config: dict, resources: dict, where: str = "resources") -> dict:
     """
     site = site_config(config, resources)
     check_signal_delay(site, resources, where)
+    sbatch_extra(site)   # sbatch_args that cannot be applied stop here, before anything waits in a queue
     if not site.get("preflight", True):
         return {}
     timeout = float(site.get("command_timeout_s") or 30)
