@@ -30,6 +30,7 @@ from typing import Any
 from collections.abc import Callable, Sequence
 
 from llmpipe.orphans import DieWithParent
+from llmpipe.progress import ProgressEcho
 
 log = logging.getLogger("llmpipe.dispatch")
 
@@ -331,7 +332,9 @@ def _wait(job, log_file: str | None, poll_s: float, what: str, slurm_poll_s: flo
         from llmpipe.slurm_watch import NeverRuns, StateLog
 
         watch = StateLog(job.job_id, what, lambda line: say(line, log_file), progress)
+    echo = ProgressEcho(job, what)   # the training's batch lines on the console (llmpipe.progress)
     while True:
+        echo.poll()
         force = slurm and time.time() - last_force >= slurm_poll_s
         if force:
             last_force = time.time()
