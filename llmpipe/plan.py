@@ -297,10 +297,9 @@ JOB_OVERHEADS_JSON = os.path.join(os.path.dirname(BENCHMARK_CSV), 'job-overheads
 
 
 def job_overheads(path: str = JOB_OVERHEADS_JSON) -> dict | None:
-    """``{name: value}`` of the committed per-job costs (``start_s``, ``save_bytes_per_s``, ``load_bytes_per_s``,
-    ``compile_s_per_layer``, ``convert_start_s``, ``convert_s_per_param``, ``generate_start_s``,
-    ``generate_s_per_token_per_layer``; units in the file) plus ``source`` (the file's base name); None when the file
-    is missing."""
+    """``{name: value}`` of every committed per-job cost in ``path`` (``start_s``, ``compile_s_per_layer``,
+    ``save_bytes_per_s``, ``load_bytes_per_s``, ``requeue_hold_s``, ``convert_*``, ``generate_*``; each one's unit,
+    meaning and derivation are in the file) plus ``source`` (the file's base name); None when the file is missing."""
     import json
     try:
         with open(path) as fh:
@@ -431,6 +430,7 @@ def train_time(rc: Mapping, *, nodes: int, gpus_per_node: int, gpu_type: str, ba
                 n = math.ceil((seconds - restart) / (time_limit_s - restart))
                 seconds += (n - 1) * restart
                 extra['allocations'] = n
+                text = text.replace('no communication or restart costs', 'no communication costs')
                 text += (f"; {n} allocations of the {time_limit_s / 3600:.3g} h limit, each requeue "
                          f"{restart:.0f} s (Slurm's hold {overheads['requeue_hold_s']:.0f} s + start, compile, "
                          f"checkpoint read)")
