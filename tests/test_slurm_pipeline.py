@@ -27,6 +27,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from llmpipe.steps import THIS_RUN
 from tests.conftest import REPO, SNAKEMAKE, copy_run, planned_jobs, project_config, snakemake
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
@@ -74,8 +75,9 @@ class Run:
 # ------------------------------------------------------------------------------------------------ helpers
 
 def rule_log(wd: Path, step: str) -> str:
+    """This run's lines of a rule log (not the earlier runs' lines that a new log repeats at its top)."""
     p = wd / "results/logs" / step / "mpt-tiny.log"
-    return p.read_text() if p.exists() else ""
+    return p.read_text().split(THIS_RUN)[-1] if p.exists() else ""
 
 
 def submitted_ids(text: str) -> list[str]:
