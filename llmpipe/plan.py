@@ -52,8 +52,10 @@ This module imports without torch (the Snakefile imports it) and takes explicit 
 from __future__ import annotations
 
 import csv
+import functools
 import math
 import os
+import types
 from collections.abc import Mapping
 
 from llmpipe.lora import adapter_param_count
@@ -296,10 +298,12 @@ def benchmark_basis(csv_path: str = BENCHMARK_CSV, model: str = 'mpt-1b', varian
 JOB_OVERHEADS_JSON = os.path.join(os.path.dirname(BENCHMARK_CSV), 'job-overheads-h200.json')
 
 
-def job_overheads(path: str = JOB_OVERHEADS_JSON) -> dict | None:
+@functools.lru_cache(maxsize=4)
+def job_overheads(path: str = JOB_OVERHEADS_JSON) -> Mapping | None:
     """``{name: value}`` of every committed per-job cost in ``path`` (``start_s``, ``compile_s_per_layer``,
     ``save_bytes_per_s``, ``load_bytes_per_s``, ``requeue_hold_s``, ``convert_*``, ``generate_*``; each one's unit,
-    meaning and derivation are in the file) plus ``source`` (the file's base name); None when the file is missing."""
+    meaning and derivation are in the file) plus ``source`` (the file's base name); None when the file is missing.
+    Read once per process (the dry run asks for every step's resources many times); read-only."""
     import json
     try:
         with open(path) as fh:
@@ -308,7 +312,7 @@ def job_overheads(path: str = JOB_OVERHEADS_JSON) -> dict | None:
         return None
     out = {k: float(v['value']) for k, v in raw.items() if isinstance(v, dict) and 'value' in v}
     out['source'] = os.path.basename(path)
-    return out
+    return types.MappingProxyType(out)
 
 
 def checkpoint_bytes(rc: Mapping) -> int:

@@ -99,14 +99,14 @@ def remove_stale_segments(shm_dir: str = SHM_DIR) -> list[str]:
             continue
         alive = bool(started) and process_start_time(int(m.group(2))) == started
         owners.setdefault(int(m.group(1)), []).append((path, alive))
+    stale = [start for start, marks in owners.items() if not any(alive for _, alive in marks)]
+    if not stale:
+        return []
+    segments = glob.glob(os.path.join(shm_dir, "[0-9]" * 6 + "_*"))
     removed = []
-    for start, marks in owners.items():
-        if any(alive for _, alive in marks):
-            continue
-        names = [os.path.join(shm_dir, f"{n:06d}_") for n in range(start, start + SLOT)]
-        doomed = [p for p in glob.glob(os.path.join(shm_dir, "[0-9]" * 6 + "_*"))
-                  if any(p.startswith(n) for n in names)] + [p for p, _ in marks]
-        for p in doomed:
+    for start in stale:
+        doomed = [p for p in segments if start <= int(os.path.basename(p)[:6]) < start + SLOT]
+        for p in doomed + [path for path, _ in owners[start]]:
             try:
                 os.remove(p)
                 removed.append(p)

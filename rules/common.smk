@@ -154,7 +154,7 @@ def memory_plan(step, run):
     if "d_model" not in (rc.get("arch") or {}):  # a hub base without its architecture: nothing to plan from
         return
     overheads = plan_mod.job_overheads()
-    if step == "convert":  # time only: the export runs on the host (llmpipe.convert)
+    if step == "convert":  # host memory and time: the export runs on the host (llmpipe.convert)
         if overheads and workflow.is_main_process:
             t = plan_mod.convert_time(rc, overheads)
             m = plan_mod.convert_memory(rc, overheads)
@@ -192,7 +192,7 @@ def memory_plan(step, run):
     else:
         placed = cfg.inference_plan(config, step, run)
         mem = placed["memory"]
-        proj = inference_time(step, rc, placed, gpu_type)
+        proj = inference_time(step, rc, placed, gpu_type, overheads)
     if workflow.is_main_process:
         print(plan_mod.plan_line(step, run, mem, capacity, gpu_type, proj), file=sys.stderr)
     if step == "train":
@@ -202,8 +202,9 @@ def memory_plan(step, run):
     _PLANNED.add((step, run))
 
 
-def inference_time(step, rc, placed, gpu_type):
-    """The projected time of an eval or generate job on its planned GPUs (llmpipe.inference_placement), or None."""
+def inference_time(step, rc, placed, gpu_type, overheads):
+    """The projected time of an eval or generate job on its planned GPUs (llmpipe.inference_placement), or None;
+    generation adds the per-job costs ``overheads`` (llmpipe.plan.job_overheads)."""
     from llmpipe import inference_placement as ip
 
     mem, n = placed["memory"], placed["gpus"]
@@ -233,7 +234,7 @@ def inference_time(step, rc, placed, gpu_type):
         basis=None,
         new_tokens=new,
         weights_gb=mem["weights_gb"] * n,
-        overheads=plan_mod.job_overheads(),
+        overheads=overheads,
     )
 
 

@@ -17,7 +17,7 @@ import time
 
 import pytest
 
-from llmpipe.orphans import DieWithParent
+from llmpipe.orphans import DieWithParent, process_start_time
 from llmpipe.steps import THIS_RUN
 from tests.conftest import REPO, SNAKEMAKE, copy_run
 
@@ -49,11 +49,7 @@ def test_a_task_dies_with_its_parent(tmp_path):
     os.kill(parent.pid, signal.SIGKILL)
     parent.wait()
     for _ in range(50):
-        try:
-            state = open(f"/proc/{child}/stat").read().split()[2]
-        except FileNotFoundError:
-            break
-        if state == "Z":
+        if process_start_time(child) is None:   # gone, or a zombie
             break
         time.sleep(0.1)
     else:
@@ -125,13 +121,6 @@ def _descendants(root: int) -> set[int]:
     return out
 
 
-def _alive(pid: int) -> bool:
-    try:
-        return open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
-
-
 @pytest.mark.slow
 def test_kill_of_snakemake_alone_ends_its_rule_script_and_the_history_keeps_the_submission(tiny_run, tmp_path):
     """``kill -9`` of the Snakemake process (not its group) mid-training: the rule script, its shell and the local
@@ -156,9 +145,9 @@ def test_kill_of_snakemake_alone_ends_its_rule_script_and_the_history_keeps_the_
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait()
     t0 = time.time()
-    while any(_alive(p) for p in below) and time.time() - t0 < 60:
+    while any(process_start_time(p) is not None for p in below) and time.time() - t0 < 60:
         time.sleep(0.5)
-    left = [p for p in below if _alive(p)]
+    left = [p for p in below if process_start_time(p) is not None]
     for p in left:
         os.kill(p, signal.SIGKILL)
     assert not left, "processes outlived the killed Snakemake"

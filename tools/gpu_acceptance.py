@@ -42,6 +42,12 @@ import uuid
 import yaml
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if REPO not in sys.path:
+    sys.path.insert(0, REPO)
+
+from llmpipe.atomic import atomic_write_json, read_json  # noqa: E402
+from llmpipe.checkpoints import checkpoint_bytes  # noqa: E402
+
 SUITE = os.path.join(REPO, "tools", "acceptance-suite.yaml")
 TAG_VAR = "LLMPIPE_ACCEPTANCE_TAG"
 #: Snakemake's working folder (``-d``: its .snakemake/ metadata) is the results folder, passed in the environment.
@@ -201,13 +207,6 @@ def overlay_for(args: argparse.Namespace, results: str) -> dict:
     }
 
 
-def size_bytes(path: str) -> int:
-    """Bytes of a file, or of every file under a folder."""
-    if os.path.isfile(path):
-        return os.path.getsize(path)
-    return sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(path) for f in fs)
-
-
 def train_log_batches(run_dir: str) -> list[int]:
     """The batches of the identity's loss log (``train_log.jsonl``), in file order."""
     out = []
@@ -238,7 +237,7 @@ def main(argv: list[str] | None = None) -> int:
     res = os.path.abspath(args.results)
     os.makedirs(res, exist_ok=True)
     state_path = os.path.join(res, f"acceptance-state-{args.run}.json")
-    state = json.load(open(state_path)) if os.path.exists(state_path) else {"tag": uuid.uuid4().hex, "phases": {}}
+    state = read_json(state_path) or {"tag": uuid.uuid4().hex, "phases": {}}
     overlay = overlay_for(args, res)
     cfg_path = os.path.join(res, f"overlay-{args.run}.yaml")
     with open(cfg_path, "w") as fh:
@@ -251,11 +250,6 @@ def main(argv: list[str] | None = None) -> int:
     target = f"{run_dir}/eval.json"
     first_ckpt = f"{run_dir}/checkpoints/*/ep*-ba{args.save_every}[.-]*complete"
     phases = state["phases"]
-
-    def save_state() -> None:
-        with open(state_path + ".tmp", "w") as fh:
-            json.dump(state, fh, indent=1)
-        os.replace(state_path + ".tmp", state_path)
 
     steps = {
         "plan": lambda: plan_lines(base, target, env),
@@ -277,23 +271,19 @@ def main(argv: list[str] | None = None) -> int:
         if name == "train_killed":
             phases[name]["complete_checkpoints"] = sorted(
                 os.path.basename(p) for p in glob.glob(f"{run_dir}/checkpoints/*/ep*-ba*.complete"))
-        save_state()
+        atomic_write_json(state_path, state)
         print(f"acceptance {args.run}: {name}: {json.dumps(phases[name])[:400]}", flush=True)
         if name != "plan" and name != "train_killed" and phases[name].get("returncode") != 0:
             print(f"acceptance {args.run}: {name} failed; see {log}", flush=True)
             break
 
     def load(rel):
-        try:
-            with open(os.path.join(run_dir, rel)) as fh:
-                return json.load(fh)
-        except OSError:
-            return None
+        return read_json(os.path.join(run_dir, rel))
 
     batches = train_log_batches(run_dir)
-    ckpt_bytes = {os.path.basename(p): size_bytes(p) for p in sorted(glob.glob(f"{run_dir}/checkpoints/*/ep*-ba*"))
-                  if not p.endswith(".complete")}
-    export_bytes = size_bytes(f"{run_dir}/hf")
+    ckpt_bytes = {os.path.basename(p): checkpoint_bytes(p)
+                  for p in sorted(glob.glob(f"{run_dir}/checkpoints/*/ep*-ba*")) if not p.endswith(".complete")}
+    export_bytes = checkpoint_bytes(f"{run_dir}/hf") if os.path.isdir(f"{run_dir}/hf") else 0
     evaluation = load("eval.json")
     record = {
         "command": " ".join(["python3", "tools/gpu_acceptance.py", *(argv if argv is not None else sys.argv[1:])]),
@@ -320,8 +310,7 @@ def main(argv: list[str] | None = None) -> int:
                                                                                        .get("resumed_from"))
     ok = ok and record["each_logged_batch_once"] and evaluation is not None
     record["ok"] = bool(ok)
-    with open(args.out, "w") as fh:
-        json.dump(record, fh, indent=1)
+    atomic_write_json(args.out, record)
     print(json.dumps({"ok": record["ok"], "phases": {k: {x: v.get(x) for x in ("seconds", "returncode", "gpu_peak_gib")}
                                                     for k, v in phases.items() if k != "plan"}}, indent=1))
     if args.clean and record["ok"]:
