@@ -29,6 +29,7 @@ import time
 from typing import Any
 from collections.abc import Callable, Sequence
 
+from llmpipe import job_failures
 from llmpipe.orphans import DieWithParent
 from llmpipe.progress import ProgressEcho
 
@@ -38,7 +39,12 @@ _FINISHED_OK = {"COMPLETED", "DONE", "FINISHED"}
 
 
 class StepFailed(RuntimeError):
-    """A dispatched job ended without a result: the message has its job id, state and the tail of its log."""
+    """A dispatched job ended without a result: the message has its job id, state and the tail of its log;
+    ``state`` is the job's final state (Slurm's, e.g. ``TIMEOUT``; "" when not known), ``job_id`` its id."""
+
+    def __init__(self, message: str, state: str = "", job_id: str = ""):
+        super().__init__(message)
+        self.state, self.job_id = state, job_id
 
 
 class StepNeverRuns(StepFailed):
@@ -165,23 +171,20 @@ def _record_path(config: dict, key: str) -> str:
     return os.path.join(d, f"{key}.json")
 
 
+def recorded_job_id(config: dict, key: str) -> str | None:
+    """The id of the job recorded under ``key`` (a submission not yet collected; see :func:`run_step`), or None."""
+    try:
+        with open(_record_path(config, key)) as fh:
+            return str(json.load(fh).get("job_id") or "") or None
+    except (OSError, ValueError):
+        return None
+
+
 def _write_record(path: str, record: dict) -> None:
     tmp = path + ".tmp"
     with open(tmp, "w") as fh:
         json.dump(record, fh, indent=1)
     os.replace(tmp, path)
-
-
-def _log_tail(job, n: int = 40) -> str:
-    chunks = []
-    for getter in ("stderr", "stdout"):
-        try:
-            text = getattr(job, getter)() or ""
-        except Exception:  # noqa: BLE001 - a missing log file is not an error here
-            text = ""
-        if text:
-            chunks.append(f"--- {getter} (last {n} lines) ---\n" + "\n".join(text.splitlines()[-n:]))
-    return "\n".join(chunks) or "(no log output)"
 
 
 def _reattach(config: dict, record: dict):
@@ -379,105 +382,22 @@ def _wait(job, log_file: str | None, poll_s: float, what: str, slurm_poll_s: flo
     try:
         return job.results()
     except Exception as exc:  # noqa: BLE001 - re-raised with context
-        rank, headline, task = _first_failure(job, exc)
+        rank, headline, task = job_failures.first_failure(job, exc)
         if slurm:
             live, nodes = _slurm_where(job)
             state = live if live in _SLURM_TERMINAL else _final_slurm_state(job)
         else:
-            state = _local_state(job)
+            state = job_failures.local_state(job)
         who = f"rank {rank} " if len(getattr(job, "_sub_jobs", []) or []) > 1 else ""
         raise StepFailed(f"{what}: job {job.job_id} ended in state {state}{f' on {nodes}' if nodes else ''}: "
                          f"{who}{headline}\n"
-                         f"log: {task.paths.stderr}\n{_log_tail(task)}") from exc
-
-
-def _local_state(job) -> str:
-    """A local job's state for a failure message: submitit says FINISHED for any ended job, also one whose
-    function raised (its controller process exits 0 either way); FAILED, or INTERRUPTED when a signal ended it."""
-    proc = getattr(job, "_process", None)
-    code = proc.poll() if proc is not None else None
-    return f"INTERRUPTED (signal {-code})" if code is not None and code < 0 else "FAILED"
-
-
-#: An exception line: ``ValueError: ...``, ``torch.distributed.DistBackendError: ...``, ``KeyboardInterrupt``,
-#: with an optional ``[rank1]:`` prefix (torch's per-rank log prefix).
-_ERROR_LINE = re.compile(r"^(?:\[rank\d+\]:\s*)?([A-Za-z_][\w.]*(?:Error|Exception|Interrupt|Exit)\b(?::.*)?)$")
-
-
-def _headline(text: str) -> str | None:
-    """The first real exception line of a task's stderr, or None.
-
-    Skips the noise of interpreter shutdown: an error inside an ``Exception ignored in ...`` block (e.g. a
-    shared-memory ``__del__`` raising ``KeyError``/``FileNotFoundError``) and resource-tracker warnings about leaked
-    shared memory. The first one is the cause; later ones are its consequences.
-    """
-    ignored = False
-    for line in text.splitlines():
-        stripped = line.strip()
-        if stripped.startswith("Exception ignored"):
-            ignored = True
-            continue
-        m = _ERROR_LINE.match(stripped)
-        if m:
-            if ignored or "resource_tracker" in line or "leaked shared_memory" in line:
-                ignored = False
-                continue
-            return m.group(1)
-    return None
-
-
-def _task_failure(task) -> tuple[int, float, str] | None:
-    """(kind, when, headline) of a task that failed, None for one that returned a result.
-
-    kind 0: its function raised; the headline is the exception's line from the traceback submitit keeps in the
-    task's result pickle, ``when`` that pickle's time. kind 1: no result (killed, exited hard) but its stderr has an
-    exception line (:func:`_headline`); kind 2: neither. For kinds 1 and 2 ``when`` is the stderr's time.
-    """
-    import submitit
-
-    pickle_path = task.paths.result_pickle
-    if pickle_path.exists():
-        try:
-            outcome, trace = submitit.core.utils.pickle_load(pickle_path)
-        except Exception:  # noqa: BLE001 - unreadable result: judge from the log
-            outcome, trace = "error", ""
-        if outcome != "error":
-            return None
-        lines = [ln for ln in str(trace).strip().splitlines() if ln.strip()]
-        exc_lines = [ln.strip() for ln in lines if _ERROR_LINE.match(ln.strip())]
-        text = exc_lines[-1] if exc_lines else (lines[-1].strip() if lines else "")
-        return 0, pickle_path.stat().st_mtime, text or "(no exception text)"
-    try:
-        err = task.paths.stderr
-        text = err.read_text(errors="replace") if err.exists() else ""
-        when = err.stat().st_mtime if err.exists() else float("inf")
-    except OSError:
-        text, when = "", float("inf")
-    headline = _headline(text)
-    return (1, when, headline) if headline else (2, when, "wrote no result (killed, or exited without raising)")
-
-
-def _first_failure(job, exc: Exception) -> tuple[int, str, Any]:
-    """(rank, headline, task job) of the first task of ``job`` that failed: a task whose function raised before one
-    that only has an error in its log, before one killed without either (ranks killed because another failed);
-    among those the one whose failure was recorded first (other ranks often fail later because of it: a broken
-    connection, a timeout), lowest rank on a tie."""
-    tasks = list(getattr(job, "_sub_jobs", None) or [job])
-    failed = []
-    for rank, task in enumerate(tasks):
-        got = _task_failure(task)
-        if got is not None:
-            failed.append((got[0], got[1], rank, got[2], task))
-    if not failed:
-        lines = str(exc).strip().splitlines()
-        return 0, f"{type(exc).__name__}: {lines[-1] if lines else ''}", tasks[0]
-    _, _, rank, headline, task = min(failed, key=lambda f: (f[0], f[1], f[2]))
-    return rank, headline, task
+                         f"log: {task.paths.stderr}\n{job_failures.log_tail(task)}", state=state,
+                         job_id=str(job.job_id)) from exc
 
 
 def run_step(fn: Callable, *args: Any, step: str, resources: dict, config: dict, log_dir: str,
              key: str, log_file: str | None = None, progress: Callable[[], str | None] | None = None,
-             **kwargs: Any) -> Any:
+             resume_batch: Callable[[], int] | None = None, **kwargs: Any) -> Any:
     """Run ``fn(*args, **kwargs)`` as one job on ``resources`` and return rank 0's result.
 
     The job has ``nodes x tasks_per_node`` tasks; every task calls ``fn`` (training sets up torch.distributed
@@ -491,62 +411,123 @@ def run_step(fn: Callable, *args: Any, step: str, resources: dict, config: dict,
         log_file: the Snakemake rule's log; every line printed here is appended to it too.
         progress: returns a short text on the step's progress (e.g. its newest checkpoint's batch), logged when
             Slurm requeues the job; not passed to ``fn``.
+        resume_batch: returns the batch of the step's newest complete checkpoint (0: none). With it, a Slurm job
+            that ends ``TIMEOUT`` (Slurm's time-limit signal came before the training could handle it, e.g. during
+            the batch script's set-up) is submitted again when that batch is later than when the job was submitted
+            or re-attached; at most ``slurm.max_requeue_timeouts`` such ends without progress
+            (:func:`resubmit_after_timeout`). Not passed to ``fn``.
 
     Raises:
         StepFailed: the job failed, was cancelled or timed out (message: job id, state, log tail), or it was
             PENDING for a reason Slurm never resolves (:class:`StepNeverRuns`; the job is cancelled).
     """
-    poll_s = float((config.get("dispatch") or {}).get("poll_s", 5))
     rec_path = _record_path(config, key)
-    job = None
-    if os.path.exists(rec_path):
-        with open(rec_path) as fh:
-            record = json.load(fh)
-        job = _reattach(config, record)
+    timeouts = {"resubmitted": 0, "no_progress": 0}
+    while True:
+        job = _reattach_recorded(config, rec_path, step, log_file)
+        start = resume_batch() if resume_batch is not None else 0
         if job is None:
-            say(f"{step}: earlier {record.get('executor')} job {record.get('job_id')} is gone; "
-                 f"submitting a new one", log_file)
-        else:
-            state = job.state
-            live = (str(state).split() or [""])[0] in _SLURM_LIVE
-            # a job Slurm still lists as live is re-attached even when submitit already calls it done (its result
-            # is written while Slurm still shows RUNNING/COMPLETING): _wait then waits for its real end
-            if state in _FINISHED_OK or live or not job.done():
-                say(f"{step}: re-attaching to job {job.job_id} ({state}) submitted earlier; "
-                     f"not submitting a second copy", log_file)
-            else:
-                say(f"{step}: earlier job {job.job_id} ended {state}; submitting a new one", log_file)
-                job = None
+            job = _submit(fn, args, kwargs, step=step, resources=resources, config=config, log_dir=log_dir,
+                          rec_path=rec_path, log_file=log_file)
+        try:
+            results = _wait_and_forget(job, config, rec_path, log_dir, step, log_file, progress)
+        except StepFailed as exc:
+            if resume_batch is None or not resubmit_after_timeout(exc, start, resume_batch(), timeouts, step,
+                                                                  config, resources, log_file):
+                raise
+            continue
+        say(f"{step}: job {job.job_id} finished", log_file)
+        return results[0]
+
+
+def resubmit_after_timeout(exc: StepFailed, start: int, now: int, counts: dict, step: str, config: dict,
+                           resources: dict, log_file: str | None) -> bool:
+    """Whether a job that failed with ``exc`` is submitted again: it ended ``TIMEOUT`` on Slurm and its newest
+    complete checkpoint (batch ``now``) is later than when it was submitted (``start``), or fewer than
+    ``slurm.max_requeue_timeouts`` of its resubmissions ended without progress. Counts in ``counts``
+    (``resubmitted``, ``no_progress``) and logs the decision with the batch the next allocation resumes from.
+
+    Slurm sends ``--signal`` up to 60 s before the time it was asked for and only to job steps: a signal that comes
+    while the batch script still runs its set-up is lost, and the training runs into the limit. Its checkpoints are
+    complete, so a new job resumes from the newest one, as a requeue would have.
+    """
+    if exc.state != "TIMEOUT" or executor_kind(config) != "slurm":
+        return False
+    from llmpipe.slurm import site_config
+
+    cap = int(site_config(config, resources)["max_requeue_timeouts"])
+    progressed = now > start
+    counts["no_progress"] += 0 if progressed else 1
+    if counts["no_progress"] > cap:
+        say(f"{step}: the job ended TIMEOUT {counts['no_progress']} time(s) without a newer checkpoint than batch "
+            f"{now}, more than slurm.max_requeue_timeouts={cap} allows: not submitted again. Fix: give each "
+            f"allocation time to start and checkpoint (raise time_min, lower slurm.signal_delay_s, save checkpoints "
+            f"more often).", log_file)
+        return False
+    counts["resubmitted"] += 1
+    say(f"{step}: job {exc.job_id} ended TIMEOUT: the time-limit signal did not reach the training in time (Slurm sends it up to 60 s early, to job steps only). Its newest checkpoint is at batch "
+        f"{now} ({'progress' if progressed else 'no progress'} since batch {start}): submitting it again "
+        f"(resubmission {counts['resubmitted']}; it resumes from batch {now})", log_file)
+    return True
+
+
+def _reattach_recorded(config: dict, rec_path: str, step: str, log_file: str | None):
+    """The live or finished job recorded at ``rec_path`` (see :func:`run_step`), or None when there is none to wait
+    for (no record, the job is gone, or it ended unsuccessfully)."""
+    if not os.path.exists(rec_path):
+        return None
+    with open(rec_path) as fh:
+        record = json.load(fh)
+    job = _reattach(config, record)
     if job is None:
-        os.makedirs(log_dir, exist_ok=True)
-        ex = make_executor(config, resources, os.path.join(log_dir, "%j"), name=step.replace(" ", "_"))
-        # a local job's tasks die with their controller, the PID printed below (llmpipe.orphans)
-        job = ex.submit(DieWithParent(fn) if executor_kind(config) == "local" else fn, *args, **kwargs)
-        _write_record(rec_path, {"executor": executor_kind(config), "job_id": str(job.job_id),
-                                 "folder": os.path.join(log_dir, "%j"), "step": step,
-                                 "name": step.replace(" ", "_"),
-                                 "num_tasks": int(getattr(job, "num_tasks", 1)),
-                                 "submitted": time.time()})
-        nodes = resources.get("nodes", 1)
-        say(f"{step}: submitted job {job.job_id} ({executor_kind(config)}, {nodes} node(s) x "
-             f"{resources.get('tasks_per_node', 1)} task(s), {resources.get('gpus_per_node', 0)} GPU(s)/node); "
-             f"log: {getattr(job.paths, 'stderr', log_dir)}", log_file)
+        say(f"{step}: earlier {record.get('executor')} job {record.get('job_id')} is gone; "
+            f"submitting a new one", log_file)
+        return None
+    state = job.state
+    live = (str(state).split() or [""])[0] in _SLURM_LIVE
+    # a job Slurm still lists as live is re-attached even when submitit already calls it done (its result
+    # is written while Slurm still shows RUNNING/COMPLETING): _wait then waits for its real end
+    if state in _FINISHED_OK or live or not job.done():
+        say(f"{step}: re-attaching to job {job.job_id} ({state}) submitted earlier; "
+            f"not submitting a second copy", log_file)
+        return job
+    say(f"{step}: earlier job {job.job_id} ended {state}; submitting a new one", log_file)
+    return None
+
+
+def _submit(fn: Callable, args: tuple, kwargs: dict, *, step: str, resources: dict, config: dict, log_dir: str,
+            rec_path: str, log_file: str | None):
+    """Submit ``fn(*args, **kwargs)``, record it at ``rec_path`` and log where it runs; return the job."""
+    os.makedirs(log_dir, exist_ok=True)
+    ex = make_executor(config, resources, os.path.join(log_dir, "%j"), name=step.replace(" ", "_"))
+    # a local job's tasks die with their controller, the PID printed below (llmpipe.orphans)
+    job = ex.submit(DieWithParent(fn) if executor_kind(config) == "local" else fn, *args, **kwargs)
+    _write_record(rec_path, {"executor": executor_kind(config), "job_id": str(job.job_id),
+                             "folder": os.path.join(log_dir, "%j"), "step": step, "name": step.replace(" ", "_"),
+                             "num_tasks": int(getattr(job, "num_tasks", 1)), "submitted": time.time()})
+    say(f"{step}: submitted job {job.job_id} ({executor_kind(config)}, {resources.get('nodes', 1)} node(s) x "
+        f"{resources.get('tasks_per_node', 1)} task(s), {resources.get('gpus_per_node', 0)} GPU(s)/node); "
+        f"log: {getattr(job.paths, 'stderr', log_dir)}", log_file)
+    return job
+
+
+def _wait_and_forget(job, config: dict, rec_path: str, log_dir: str, step: str, log_file: str | None,
+                     progress: Callable[[], str | None] | None) -> list:
+    """:func:`_wait` for ``job`` (local jobs are cancelled if this process is interrupted); once it ended, remove
+    its record and submitit's empty folder pattern."""
+    poll_s = float((config.get("dispatch") or {}).get("poll_s", 5))
     try:
         with _local_jobs_die_with_us([job], step, log_file):
-            results = _wait(job, log_file, poll_s, step, _slurm_poll_s(config), progress)
+            return _wait(job, log_file, poll_s, step, _slurm_poll_s(config), progress)
     except StepNeverRuns:
         with contextlib.suppress(FileNotFoundError):
             os.remove(rec_path)  # cancelled: nothing to re-attach to
         raise
     finally:
         if job.done():
-            try:
+            with contextlib.suppress(FileNotFoundError):
                 os.remove(rec_path)
-            except FileNotFoundError:
-                pass
             _drop_pattern_folder(log_dir)
-    say(f"{step}: job {job.job_id} finished", log_file)
-    return results[0]
 
 
 def _drop_pattern_folder(log_dir: str) -> None:
@@ -645,7 +626,8 @@ def _wait_array(jobs: list, step: str, config: dict, log_file: str | None,
                     except Exception as exc:  # noqa: BLE001 - collected and re-raised by the caller
                         if where:
                             say(f"{step}: job {jobs[i].job_id} failed ({jobs[i].state}){where}", log_file)
-                        failures.append(f"job {jobs[i].job_id} ({jobs[i].state}): {exc}\n{_log_tail(jobs[i], 15)}")
+                        tail = job_failures.log_tail(jobs[i], 15)
+                        failures.append(f"job {jobs[i].job_id} ({jobs[i].state}): {exc}\n{tail}")
             if pending:
                 # local jobs: done() only polls a child process, so look often (a short run's last unit is
                 # noticed within 0.1 s, not up to 1 s later); Slurm: the watcher's cached sacct state, every 1 s

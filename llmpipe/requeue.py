@@ -54,7 +54,7 @@ def resubmission(task: Any, batch: int) -> DelayedSubmission:
     task.requeue_start_batch = batch
     print(f"llmpipe: allocation {task.requeue_allocations} ends at checkpoint batch {batch} "
           f"({'progress' if progressed else 'no progress'}; {task.requeue_no_progress} of at most {cap} allocations "
-          f"without progress)", flush=True)
+          f"without progress; submitit's 'timed-out' and 'remaining timeouts' lines count only those)", flush=True)
     if task.requeue_no_progress > cap:
         raise RuntimeError(
             f"training made no progress in {task.requeue_no_progress} of {task.requeue_allocations} allocations (no "

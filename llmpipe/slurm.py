@@ -6,13 +6,16 @@ Where a step runs is site config, ``config['slurm']`` (defaults: :data:`DEFAULTS
 ``slurm:`` mapping that overrides site keys for that step only (e.g. ``data_resources: {slurm: {partition: cpu}}``).
 
 This module imports neither torch nor submitit at import time: :func:`preflight` runs in the Snakefile at
-dry-run time and costs two ``scontrol``/``sinfo`` calls (cached per process).
+dry-run time and costs three ``scontrol``/``sinfo`` calls, plus two ``sacctmgr`` calls where the cluster enforces
+associations (all cached per process).
 """
 
 from __future__ import annotations
 
 import functools
+import getpass
 import os
+import pwd
 import re
 import shlex
 import shutil
@@ -214,18 +217,19 @@ OFFLINE_PLAN_HINT = (" To see the Slurm plan away from the cluster, turn off the
                      "--config 'slurm={preflight: false}'.")
 
 
-def _run(cmd: list[str], timeout: float) -> str:
+def _run(cmd: list[str], timeout: float, fix: str = "check `sinfo` works here (SLURM_CONF, munge)") -> str:
     try:
         out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
     except FileNotFoundError as exc:
         raise ConfigError(f"`{cmd[0]}` is not on PATH. Fix: run on a Slurm login node (or load the slurm "
                           f"module), or drop --profile slurm to run locally.{OFFLINE_PLAN_HINT}") from exc
     except subprocess.TimeoutExpired as exc:
-        raise ConfigError(f"`{' '.join(cmd)}` did not answer within {timeout:.0f} s: the Slurm controller is not "
-                          f"reachable. Fix: check `sinfo` works here (SLURM_CONF, munge).{OFFLINE_PLAN_HINT}") from exc
+        who = "slurmdbd" if cmd[0] == "sacctmgr" else "the Slurm controller"
+        raise ConfigError(f"`{' '.join(cmd)}` did not answer within {timeout:.0f} s: {who} is not reachable. "
+                          f"Fix: {fix}.{OFFLINE_PLAN_HINT}") from exc
     if out.returncode != 0:
         raise ConfigError(f"`{' '.join(cmd)}` failed (exit {out.returncode}): {out.stderr.strip()[-500:]}. "
-                          f"Fix: check `sinfo` works here (SLURM_CONF, munge), or drop --profile slurm."
+                          f"Fix: {fix}, or drop --profile slurm."
                           f"{OFFLINE_PLAN_HINT}")
     return out.stdout
 
@@ -315,10 +319,150 @@ def _nodes(conf_key: str, partition: str, timeout: float) -> list[dict[str, Any]
     return list(nodes.values())
 
 
+@functools.lru_cache(maxsize=8)
+def _cluster_config(conf_key: str, timeout: float) -> dict[str, str]:
+    """``scontrol show config`` as a dict (its ``Key = Value`` lines)."""
+    conf = {}
+    for line in _run(["scontrol", "show", "config"], timeout).splitlines():
+        key, sep, value = line.partition("=")
+        if sep and key.strip() and " " not in key.strip():
+            conf[key.strip()] = value.strip()
+    return conf
+
+
+def enforced_flags(text: str) -> frozenset[str]:
+    """The flags of Slurm's ``AccountingStorageEnforce`` (as ``scontrol show config`` prints it), lower-case, with
+    what slurm.conf(5) says they imply: ``limits``, ``qos``, ``wckeys`` and ``safe`` imply ``associations``, ``safe``
+    implies ``limits``, ``all`` is all of them; ``none`` or empty gives no flag."""
+    flags = {f.strip().lower() for f in (text or "").split(",")} - {"", "none", "(null)"}
+    if "all" in flags:
+        flags |= {"associations", "limits", "qos", "safe", "wckeys"}
+    if "safe" in flags:
+        flags.add("limits")
+    if flags & {"limits", "qos", "wckeys", "safe"}:
+        flags.add("associations")
+    return frozenset(flags)
+
+
+_SACCTMGR_FIX = ("check that `sacctmgr show associations` works here (SLURM_CONF, munge, slurmdbd reachable), or "
+                 "skip the whole check with slurm.preflight: false")
+
+
+@functools.lru_cache(maxsize=8)
+def _associations(conf_key: str, user: str, cluster: str, timeout: float) -> tuple[tuple[dict[str, str], ...], str]:
+    """The user's associations (``account``, ``partition``, ``qos`` comma-separated, ``defaultqos``; lower-case, as
+    Slurm compares them) and his default account ('' when none), from ``sacctmgr``."""
+    keys = ("account", "partition", "qos", "defaultqos")
+    where = [f"user={user}"] + ([f"cluster={cluster}"] if cluster else [])
+    out = _run(["sacctmgr", "--noheader", "--parsable2", "show", "associations", "where", *where,
+                f"format={','.join(keys)}"], timeout, fix=_SACCTMGR_FIX)
+    rows = tuple(dict(zip(keys, (f.strip().lower() for f in line.split("|")))) for line in out.splitlines()
+                 if line.count("|") == len(keys) - 1)
+    out = _run(["sacctmgr", "--noheader", "--parsable2", "show", "user", user, "format=defaultaccount"], timeout,
+               fix=_SACCTMGR_FIX)
+    return rows, next((line.strip().lower() for line in out.splitlines() if line.strip()), "")
+
+
+def _slurm_user() -> str:
+    """The user sbatch submits as (the real uid's name)."""
+    try:
+        return pwd.getpwuid(os.getuid()).pw_name
+    except KeyError:
+        return getpass.getuser()
+
+
+def _accounting(timeout: float) -> dict[str, Any]:
+    """What :func:`check_associations` needs from the cluster; ``sacctmgr`` is asked only where enforced."""
+    conf = _cluster_config(_conf_key(), timeout)
+    enforce = conf.get("AccountingStorageEnforce", "none")
+    if "associations" not in enforced_flags(enforce):
+        return {"enforce": enforce}
+    user, cluster = _slurm_user(), conf.get("ClusterName", "")
+    try:
+        rows, default = _associations(_conf_key(), user, cluster, timeout)
+    except ConfigError as exc:
+        raise ConfigError(f"This Slurm cluster enforces associations (AccountingStorageEnforce={enforce}), so the "
+                          f"preflight checks slurm.account and slurm.qos with sacctmgr, which did not answer: "
+                          f"{exc}") from exc
+    return {"enforce": enforce, "user": user, "cluster": cluster, "associations": rows, "default_account": default}
+
+
+def check_associations(site: dict, resources: dict, partition: str, accounting: dict,
+                       where: str = "resources") -> dict[str, str] | None:
+    """Refuse an account or QOS that sbatch would refuse on a cluster that enforces associations.
+
+    Where ``AccountingStorageEnforce`` includes ``associations`` (:func:`enforced_flags`), the job's account
+    (``slurm.account``, else the user's default account) must be one of the user's associations for ``partition``
+    (an association without a partition counts for all); where it includes ``qos``, a set ``slurm.qos`` must be in
+    that association's QOS list. Names compare case-insensitively, as Slurm's do.
+
+    Args:
+        site: the step's effective Slurm site settings (:func:`site_config`).
+        resources: the step's resources (its ``slurm`` overrides are named as such in messages).
+        partition: the partition the job goes to.
+        accounting: ``enforce`` (AccountingStorageEnforce as ``scontrol show config`` prints it) and, where
+            associations are enforced, ``user``, ``cluster``, ``associations`` (rows with ``account``,
+            ``partition``, ``qos``, ``defaultqos``) and ``default_account``.
+        where: the config path of ``resources`` for messages.
+
+    Returns:
+        The association row the job would use, or None where associations are not enforced.
+
+    Raises:
+        ConfigError: naming the setting, the user's accounts or the association's QOS, and the fix.
+    """
+    flags = enforced_flags(accounting.get("enforce", ""))
+    if "associations" not in flags:
+        return None
+    over = resources.get("slurm") or {}
+    at_acct = f"{where}.slurm.account" if "account" in over else "slurm.account"
+    at_qos = f"{where}.slurm.qos" if "qos" in over else "slurm.qos"
+    user, cluster, default = accounting["user"], accounting["cluster"], accounting.get("default_account") or ""
+    why = f"(AccountingStorageEnforce={accounting['enforce']})"
+    rows = sorted((r for r in accounting["associations"] if r["partition"] in ("", partition.lower())),
+                  key=lambda r: r["partition"] == "")   # an association for this partition wins over a general one
+    here = sorted({r["account"] for r in rows})
+    other = sorted({f"{r['account']} (partition {r['partition']})" for r in accounting["associations"]
+                    if r["partition"] not in ("", partition.lower())})
+    has = (f"Slurm user {user!r} has {'the account(s) ' + ', '.join(here) if here else 'no account'} for "
+           f"partition {partition!r} on cluster {cluster!r} (default account: {default or 'none'}"
+           f"{'; other partitions: ' + ', '.join(other) if other else ''})")
+    ask = f"ask the cluster's administrators for the association (sacctmgr add user {user} account=ACCOUNT)"
+    account = str(site.get("account") or "").lower()
+    if account and account not in here:
+        raise ConfigError(f"{at_acct} is {site['account']!r}, but {has}, and this cluster enforces associations "
+                          f"{why}: sbatch would refuse the job (Invalid account). Fix: set {at_acct} to one of those "
+                          f"accounts"
+                          f"{' (or leave it unset: the default account)' if default in here else ''}, or "
+                          f"{ask.replace('ACCOUNT', account)}.")
+    if not account and default not in here:
+        raise ConfigError(f"{at_acct} is not set, so jobs would use the default account, but {has}, and this cluster "
+                          f"enforces associations {why}: sbatch would refuse every job (Invalid account). Fix: "
+                          f"{'set ' + at_acct + ' to one of those accounts' if here else ask}.")
+    account = account or default
+    assoc = next(r for r in rows if r["account"] == account)
+    allowed = sorted(q for q in assoc["qos"].split(",") if q)
+    qos = str(site.get("qos") or "").lower()
+    if qos and "qos" in flags and qos not in allowed:
+        dq = assoc.get("defaultqos")
+        via = ", ".join(sorted({r["account"] for r in rows if qos in r["qos"].split(",")}))
+        raise ConfigError(f"{at_qos} is {site['qos']!r}, but the association of Slurm user {user!r} with account "
+                          f"{account!r} on cluster {cluster!r} allows only the QOS {', '.join(allowed) or 'none'}, "
+                          f"and this cluster enforces QOS {why}: sbatch would refuse the job (Invalid qos "
+                          f"specification). Fix: set {at_qos} to one of those"
+                          f"{f' (or leave it unset: the default QOS {dq})' if dq else ''}"
+                          f"{f', or {at_acct} to an account whose association allows it: {via}' if via else ''}"
+                          f", or ask the cluster's administrators to allow it (sacctmgr modify user {user} where "
+                          f"account={account} set qos+={qos}).")
+    return assoc
+
+
 def clear_cache() -> None:
-    """Forget cached ``scontrol``/``sinfo`` answers (tests change the cluster between calls)."""
+    """Forget cached ``scontrol``/``sinfo``/``sacctmgr`` answers (tests change the cluster between calls)."""
     _partitions.cache_clear()
     _nodes.cache_clear()
+    _cluster_config.cache_clear()
+    _associations.cache_clear()
 
 
 #: Seconds a job needs between its start and Slurm's USR2 signal (``slurm.signal_delay_s`` before its time limit):
@@ -326,13 +470,19 @@ def clear_cache() -> None:
 #: before it checkpoints and requeues itself.
 MIN_WORK_BEFORE_SIGNAL_S = 60
 
+#: How much earlier than ``--signal=USR2@N`` asks Slurm may send it: slurmctld checks time limits about once a
+#: minute, so sbatch(1) (``--signal``) warns that the signal can come up to 60 s before the time asked for.
+SIGNAL_EARLY_S = 60
+
 
 def check_signal_delay(site: dict, resources: dict, where: str = "resources") -> None:
-    """Refuse a ``signal_delay_s`` that leaves a job less than :data:`MIN_WORK_BEFORE_SIGNAL_S` seconds of work.
+    """Refuse a ``signal_delay_s`` that can leave a job less than :data:`MIN_WORK_BEFORE_SIGNAL_S` seconds of work.
 
-    Slurm sends USR2 ``signal_delay_s`` seconds before the time limit (``time_min`` minutes); a training then
-    checkpoints and requeues itself. With ``time_min x 60 - signal_delay_s`` below the minimum, the signal arrives
-    during start-up in every allocation and the job is requeued without progress until it fails.
+    Slurm sends USR2 ``signal_delay_s`` seconds before the time limit (``time_min`` minutes), or up to
+    :data:`SIGNAL_EARLY_S` seconds earlier, and only to job steps: while the batch script runs its set-up
+    (``slurm.setup``, declared to take ``slurm.setup_s`` seconds) no step exists and the signal is lost. So the
+    work before the signal is at worst ``time_min x 60 - signal_delay_s - SIGNAL_EARLY_S - setup_s`` seconds; below
+    the minimum the signal can come during start-up in every allocation, which is requeued without progress.
 
     Args:
         site: the step's effective Slurm site settings (:func:`site_config`).
@@ -343,18 +493,20 @@ def check_signal_delay(site: dict, resources: dict, where: str = "resources") ->
         ConfigError: naming both settings, the seconds left, and the largest delay / smallest time limit that fit.
     """
     time_min = int(resources.get("time_min", 60))
-    delay = int(site["signal_delay_s"])
-    left = time_min * 60 - delay
+    delay, setup = int(site["signal_delay_s"]), int(site.get("setup_s") or 0)
+    left = time_min * 60 - delay - SIGNAL_EARLY_S - setup
     if left < MIN_WORK_BEFORE_SIGNAL_S:
         delay_at = f"{where}.slurm.signal_delay_s" if "signal_delay_s" in (resources.get("slurm") or {}) \
             else "slurm.signal_delay_s"
-        need_min = -(-(delay + MIN_WORK_BEFORE_SIGNAL_S) // 60)
+        fixed = SIGNAL_EARLY_S + setup + MIN_WORK_BEFORE_SIGNAL_S
+        need_min = -(-(delay + fixed) // 60)
         raise ConfigError(f"{delay_at} is {delay} s but {where}.time_min is {time_min} minute(s) ({time_min * 60} s): "
-                          f"Slurm would send the checkpoint-and-requeue signal (USR2) {max(left, 0)} s after each "
-                          f"start, leaving less than the {MIN_WORK_BEFORE_SIGNAL_S} s a job needs to start and train, "
-                          f"so it would be requeued without progress until it fails. Fix: set {delay_at} to at most "
-                          f"{max(time_min * 60 - MIN_WORK_BEFORE_SIGNAL_S, 0)}, or {where}.time_min to at least "
-                          f"{need_min} (docs/slurm.md, Time limits).")
+                          f"Slurm sends the checkpoint-and-requeue signal (USR2) up to {SIGNAL_EARLY_S} s earlier than "
+                          f"asked, and after a set-up of slurm.setup_s={setup} s a job could have only {max(left, 0)} "
+                          f"s of work before it, less than the {MIN_WORK_BEFORE_SIGNAL_S} s it needs to start and "
+                          f"train: it would be requeued without progress until it fails. Fix: set {delay_at} to at "
+                          f"most {max(time_min * 60 - fixed, 0)}, or {where}.time_min to at least {need_min} "
+                          f"(docs/slurm.md, Signal delay).")
 
 
 def preflight(config: dict, resources: dict, where: str = "resources") -> dict:
@@ -364,9 +516,13 @@ def preflight(config: dict, resources: dict, where: str = "resources") -> dict:
     sbatch/sinfo/scontrol are on PATH, the partition (``slurm.partition``, or the cluster's default) exists and is
     up, ``nodes`` is at most the partition's node count (and its MaxNodes), enough of its nodes have
     ``gpus_per_node`` GPUs (of ``slurm.gpu_type`` when set), ``cpus_per_task x tasks`` CPUs and ``mem_gb`` memory,
-    and ``time_min`` is within the partition's MaxTime. When ``slurm.preflight`` is false only the checks that ask
-    no cluster run: ``signal_delay_s`` leaves room to work within ``time_min`` (:func:`check_signal_delay`) and
-    ``slurm.sbatch_args`` can be applied (:func:`sbatch_extra`).
+    and ``time_min`` is within the partition's MaxTime. Where the cluster enforces associations
+    (``AccountingStorageEnforce`` in ``scontrol show config``), it also asks ``sacctmgr`` (cached) and checks that
+    ``slurm.account`` (or the user's default account) is one of the user's associations for the partition and,
+    where QOS are enforced, that ``slurm.qos`` is allowed by that association (:func:`check_associations`).
+    When ``slurm.preflight`` is false only the checks that ask no cluster run: ``signal_delay_s`` leaves room to
+    work within ``time_min`` (:func:`check_signal_delay`) and ``slurm.sbatch_args`` can be applied
+    (:func:`sbatch_extra`).
 
     Args:
         config: the workflow config.
@@ -377,7 +533,8 @@ def preflight(config: dict, resources: dict, where: str = "resources") -> dict:
         A summary: ``partition``, ``max_time_min``, ``total_nodes`` and ``fitting_nodes`` (empty when skipped).
 
     Raises:
-        ConfigError: naming the setting, what the cluster has, and the fix.
+        ConfigError: naming the setting, what the cluster has, and the fix; also where a query fails (a
+            ``sacctmgr`` that fails on a cluster that enforces associations included).
     """
     site = site_config(config, resources)
     check_signal_delay(site, resources, where)
@@ -408,6 +565,7 @@ def preflight(config: dict, resources: dict, where: str = "resources") -> dict:
     if state != "UP":
         raise ConfigError(f"Slurm partition {pname!r} (slurm.partition) is {state}: jobs would wait forever. "
                           f"Fix: choose another partition with slurm.partition.")
+    check_associations(site, resources, pname, _accounting(timeout), where)
 
     nodes = int(resources.get("nodes", 1))
     total = int(p.get("TotalNodes", "0") or 0)

@@ -104,6 +104,7 @@ class StateLog:
         self.stuck_since: float | None = None
         self.unsaid: tuple[str, float] | None = None  # (restart count, until when) of a requeue whose cause is unknown
         self.confirm_s = confirm_s
+        self.explained = False   # the note on submitit's own requeue lines, said once
 
     def poll(self, view: dict[str, str] | None = None) -> dict[str, str] | None:
         """Ask the controller (or use ``view``) and report what changed since the last call; return the view.
@@ -130,6 +131,12 @@ class StateLog:
             done = self.progress() if self.progress else None
             self.say(f"{self.what}: job {self.job_id} was REQUEUED (restart {restarts}{how})"
                      f"{f'; {done}' if done else ''}")
+            if not self.explained:
+                self.explained = True
+                self.say(f"{self.what}: (submitit's lines 'this job is timed-out' and 'N remaining timeouts' in the "
+                         f"task log count time limits, not failures: the training requeues while its allocations "
+                         f"checkpoint progress, as its 'allocation N ends at checkpoint batch B' lines say; Slurm "
+                         f"holds a requeued job PENDING (BeginTime) for about 2 minutes)")
             # accounting may record the earlier run later still: say how it ended once it does (up to 2 minutes)
             self.unsaid = None if ended else (restarts, time.monotonic() + 120)
         elif self.unsaid is not None:

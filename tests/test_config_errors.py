@@ -429,17 +429,25 @@ def test_misspelled_slurm_setting_fails_the_dry_run_of_the_slurm_profile(workdir
 
 
 def test_signal_delay_that_leaves_no_time_to_train_fails_the_dry_run(workdir):
-    """time_min 2 with the default signal_delay_s 120: USR2 would come at every start (no cluster asked)."""
+    """time_min 2 with the default signal_delay_s 120: USR2 would come at every start (no cluster asked); Slurm's
+    up-to-60 s early signal and the declared set-up (slurm.setup_s) count against the time limit."""
     out = dry_fail(workdir, "results/mpt-tiny/train.json", "--profile", str(REPO / "profiles/slurm"), "--config",
                    "slurm={'preflight': False}", "models={'mpt-tiny': {'resources': {'time_min': 2}}}")
     assert ("slurm.signal_delay_s is 120 s but models.mpt-tiny.resources.time_min is 2 minute(s) (120 s)" in out
-            and "Fix: set slurm.signal_delay_s to at most 60, or models.mpt-tiny.resources.time_min to at least 3"
+            and "Fix: set slurm.signal_delay_s to at most 0, or models.mpt-tiny.resources.time_min to at least 4"
             in out), out[-3000:]
     # a per-step delay is named where it is set
     out = dry_fail(workdir, "results/mpt-tiny/train.json", "--profile", str(REPO / "profiles/slurm"), "--config",
                    "slurm={'preflight': False}",
                    "models={'mpt-tiny': {'resources': {'time_min': 5, 'slurm': {'signal_delay_s': 280}}}}")
-    assert "models.mpt-tiny.resources.slurm.signal_delay_s is 280 s" in out and "at most 240" in out, out[-3000:]
+    assert "models.mpt-tiny.resources.slurm.signal_delay_s is 280 s" in out and "at most 180" in out, out[-3000:]
+    # a 40 s delay leaves a 3-minute limit 80 s of work, but only 30 s after a declared 50 s set-up
+    out = dry_fail(workdir, "results/mpt-tiny/train.json", "--profile", str(REPO / "profiles/slurm"), "--config",
+                   "slurm={'preflight': False, 'signal_delay_s': 40, 'setup_s': 50}",
+                   "models={'mpt-tiny': {'resources': {'time_min': 3}}}")
+    assert ("after a set-up of slurm.setup_s=50 s a job could have only 30 s of work" in out
+            and "set slurm.signal_delay_s to at most 10, or models.mpt-tiny.resources.time_min to at least 4"
+            in out), out[-3000:]
 
 
 def test_per_step_slurm_settings_are_resources(workdir):

@@ -14,7 +14,7 @@ import time
 import cloudpickle
 import pytest
 
-from llmpipe import dispatch
+from llmpipe import job_failures
 from llmpipe.dispatch import StepFailed, run_step
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])  # the job runs these functions without importing us
@@ -100,8 +100,8 @@ def test_headline_skips_shutdown_noise():
             "[rank0]: torch.distributed.DistBackendError: NCCL error: remote process exited\n"
             "During handling of the above exception, another exception occurred:\n"
             "RuntimeError: secondary\n")
-    assert dispatch._headline(text) == "torch.distributed.DistBackendError: NCCL error: remote process exited"
-    assert dispatch._headline(SHM_NOISE) is None
+    assert job_failures.headline(text) == "torch.distributed.DistBackendError: NCCL error: remote process exited"
+    assert job_failures.headline(SHM_NOISE) is None
 
 
 def test_the_node_of_a_finished_array_task_is_read_from_its_log_when_slurm_forgot_it(tmp_path):

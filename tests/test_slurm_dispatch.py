@@ -261,6 +261,57 @@ def test_checkpointable_step_is_requeued_and_resumes(slurm_cluster, tmp_path):
     assert rule_log.count(f"job {job_id} is RUNNING on") == 2, rule_log
 
 
+@pytest.mark.timeout(420)
+def test_job_that_ends_timeout_after_progress_is_submitted_again(slurm_cluster, tmp_path):
+    """The time-limit signal never reaches the step (it came during the set-up): the job ends TIMEOUT with newer
+    checkpoints than it started from, and the step submits it again instead of failing; it resumes and finishes."""
+    name = step_name(tmp_path, "timeout")
+    folder = tmp_path / "ckpt"
+
+    def newest() -> int:
+        return max((int(p.name.split("-")[1]) for p in folder.glob("step-*")), default=0)
+
+    log = tmp_path / "rule.log"
+    t0 = time.time()
+    res = run_step(jobs.deaf_counter, str(folder), 90, step=name, config=config(tmp_path), resources=resources(time_min=1),
+                   log_dir=str(tmp_path / "logs"), key=job_key(name), log_file=str(log), resume_batch=newest)
+    runs = slurm_cluster.jobs_named(name.replace(" ", "_"), expect=2)
+    assert [r["State"] for r in runs] == ["TIMEOUT", "COMPLETED"], runs     # two jobs: Slurm requeued nothing
+    first, second = runs[0]["JobID"], runs[1]["JobID"]
+    assert res["job_id"] == second and res["steps"] == 90 and 30 <= res["started_at"] < 90, res
+    text = log.read_text()
+    assert (f"job {first} ended TIMEOUT: the time-limit signal did not reach the training in time" in text and
+            f"Its newest checkpoint is at batch {res['started_at']} (progress since batch 0): submitting it again "
+            f"(resubmission 1; it resumes from batch {res['started_at']})" in text), text
+    assert f"submitted job {second} (slurm" in text and text.count("submitted job") == 2, text
+    assert time.time() - t0 < 400
+
+
+def test_resubmission_after_timeout_is_capped_by_allocations_without_progress(tmp_path):
+    """resubmit_after_timeout: progress is free, ends without progress count against slurm.max_requeue_timeouts,
+    and only TIMEOUT on Slurm is resubmitted."""
+    cfg = config(tmp_path, max_requeue_timeouts=1)
+    log = tmp_path / "rule.log"
+    counts = {"resubmitted": 0, "no_progress": 0}
+
+    def again(state: str, start: int, now: int, conf: dict = cfg) -> bool:
+        return dispatch.resubmit_after_timeout(StepFailed("x", state=state, job_id="7"), start, now, counts,
+                                               "train t", conf, resources(), str(log))
+
+    assert again("TIMEOUT", 0, 40) and again("TIMEOUT", 40, 80)             # progress: never counted
+    assert again("TIMEOUT", 80, 80) and counts == {"resubmitted": 3, "no_progress": 1}
+    assert not again("TIMEOUT", 80, 80) and counts["no_progress"] == 2     # the second end without progress
+    assert "ended TIMEOUT 2 time(s) without a newer checkpoint than batch 80, more than " \
+           "slurm.max_requeue_timeouts=1 allows: not submitted again" in log.read_text()
+    fresh = {"resubmitted": 0, "no_progress": 0}
+    assert not dispatch.resubmit_after_timeout(StepFailed("x", state="FAILED"), 0, 40, fresh, "t", cfg, resources(),
+                                               None)
+    local = {"dispatch": {"executor": "local"}}
+    assert not dispatch.resubmit_after_timeout(StepFailed("x", state="TIMEOUT"), 0, 40, fresh, "t", local,
+                                               resources(), None)
+    assert fresh == {"resubmitted": 0, "no_progress": 0}
+
+
 def test_pending_for_a_reason_that_never_resolves_fails_at_once(slurm_cluster, tmp_path):
     """A time limit over the partition's MaxTime (preflight skipped): Slurm keeps the job PENDING forever."""
     name = step_name(tmp_path, "never")

@@ -167,6 +167,19 @@ def kill_session(proc: subprocess.Popen) -> None:
     proc.wait(30)
 
 
+def rule_scripts(wd: Path) -> list[int]:
+    """PIDs of the rule scripts Snakemake runs for the working folder ``wd`` (``.snakemake/scripts/...``)."""
+    pids = []
+    for d in Path("/proc").iterdir():
+        try:
+            cmd = (d / "cmdline").read_bytes() if d.name.isdigit() else b""
+        except OSError:
+            continue
+        if b"/.snakemake/scripts/" in cmd and str(wd).encode() in cmd:
+            pids.append(int(d.name))
+    return pids
+
+
 def cancel_jobs_of(cluster, wd: Path, settle_s: float = 30) -> None:
     """Cancel any Slurm job this working folder submitted that is still queued or running (after a failed test).
 
@@ -386,6 +399,45 @@ def test_requeued_twice_resumes_and_ends_at_the_step_count(two_node_run, site, s
     assert submitted_ids(rule_log(wd, "train")) == [job_id]
 
 
+# ------------------------------------------------------------------------------------------------ 2b. time limits
+
+@pytest.mark.timeout(1800)
+def test_training_over_several_time_limits_with_a_long_setup_finishes_by_itself(two_node_run, site, slurm_cluster,
+                                                                                tmp_path):
+    """A 3-minute time limit, a 50 s batch-script set-up and a training that needs at least two allocations: it
+    finishes without a rerun by hand (Slurm's early time-limit signal, a requeue or the step's own resubmission after
+    TIMEOUT), and the rule log shows the batch each later allocation resumed from. No allocation is left FAILED."""
+    wd = copy_run(two_node_run.wd, tmp_path / "wd")
+    done = read_json(wd, TRAIN_JSON)
+    batches_per_s = done["tokens_per_s"] / (done["global_batch_size"] * done["concat_tokens"])
+    # a single allocation trains at most 180 - 50 (set-up) - 10 (signal delay) s; ask for ~200 s of training
+    steps = max(3 * SAVE_EVERY, int(batches_per_s * 200))
+    every = max(1, steps // 20)
+    fresh_training(wd)
+    extra = tmp_path / "time-limits.yaml"
+    extra.write_text(yaml.safe_dump({
+        "slurm": {"setup": ["export LLMPIPE_TEST_SETUP=from-setup", "sleep 50"], "setup_s": 50, "signal_delay_s": 10},
+        "models": {"mpt-tiny": {"train": {"max_duration_batches": steps, "save_interval_batches": every},
+                                "resources": {"time_min": 3}}}}))
+    t0 = time.time()
+    try:
+        proc = snakemake(wd, TRAIN_JSON, *site.with_configfile(extra), check=False, timeout=1700)
+    finally:
+        cancel_jobs_of(slurm_cluster, wd)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-6000:]
+    train = read_json(wd, TRAIN_JSON)
+    assert train["steps"] == steps, train
+    log = rule_log(wd, "train")
+    resumed = [int(a or b) for a, b in re.findall(r"resumes from the checkpoint at batch (\d+)|it resumes from "
+                                                  r"batch (\d+)", log)]
+    assert resumed and resumed == sorted(set(resumed)) and resumed[0] > 0, (resumed, log)   # >= 2 allocations
+    assert train["resumed_from"].endswith(f"ep0-ba{resumed[-1]}"), (train, resumed)
+    rows = settled_jobs_since(slurm_cluster, t0, "train_mpt-tiny", expect=len(resumed) + 1, timeout=60)
+    states = [r["State"].split()[0] for r in rows]
+    assert states[-1] == "COMPLETED" and "FAILED" not in states and len(states) == len(resumed) + 1, (rows, log)
+
+
 # ------------------------------------------------------------------------------------------------ 3. killed snakemake
 
 @pytest.mark.timeout(600)
@@ -398,6 +450,9 @@ def test_killed_snakemake_reattaches_to_the_running_job(two_node_run, site, slur
             job_id = wait_until(lambda: (submitted_ids(rule_log(wd, "train")) or [None])[0], 120,
                                 "the training job", out)
             wait_until(lambda: max_batch(wd) >= 5, 240, "training to start", out)
+            assert rule_scripts(wd), "no rule script is waiting for the job"
+            os.kill(proc.pid, signal.SIGKILL)    # Snakemake alone, not its session: its rule script must follow
+            wait_until(lambda: not rule_scripts(wd), 30, "the orphaned rule script to exit", out)
             kill_session(proc)
         assert slurm_cluster.job_fields(job_id)["JobState"] == "RUNNING"   # the job outlives its Snakemake
         assert list((wd / ".llmpipe/jobs").glob("*.json")), "no record of the submitted job"
@@ -412,6 +467,11 @@ def test_killed_snakemake_reattaches_to_the_running_job(two_node_run, site, slur
     log = rule_log(wd, "train")
     assert f"re-attaching to job {job_id}" in log and "not submitting a second copy" in log, log
     assert not submitted_ids(log), log
+    # the submission line outlives the rule log that Snakemake deleted (its history, which the new log names);
+    # one watcher wrote the end, once
+    history = (wd / "results/logs/train/mpt-tiny.log.history").read_text()
+    assert submitted_ids(history) == [job_id] and history.count(f"job {job_id} finished") == 1, history
+    assert "earlier runs of this step: " in (wd / "results/logs/train/mpt-tiny.log").read_text().split(THIS_RUN)[0]
     train = read_json(wd, TRAIN_JSON)
     assert train["steps"] == STEPS and train["resumed_from"] is None and train["batches_this_job"] == STEPS, train
     rows = settled_jobs_since(slurm_cluster, t0, "train_mpt-tiny", expect=1)

@@ -98,7 +98,8 @@ class StepContext:
                    executor=(config.get("dispatch") or {}).get("executor", "local"))
 
     def dispatch(self, fn: Callable, *args: Any, step: str, config: dict | None = None,
-                 progress: Callable[[], str | None] | None = None, **kwargs: Any) -> Any:
+                 progress: Callable[[], str | None] | None = None,
+                 resume_batch: Callable[[], int] | None = None, **kwargs: Any) -> Any:
         """Run ``fn(*args, **kwargs)`` as this step's job (:func:`llmpipe.dispatch.run_step` on :attr:`resources`,
         logging to :attr:`log_file`, submitit files in :attr:`log_dir`) and return rank 0's result.
 
@@ -107,13 +108,16 @@ class StepContext:
             config: the config that decides where the job runs, when not :attr:`config` (e.g. one whose executor
                 is ``local``: :func:`llmpipe.dispatch.with_executor`).
             progress: the step's progress as a short text, logged when Slurm requeues the job.
+            resume_batch: the batch of the step's newest complete checkpoint: a Slurm job that ends TIMEOUT after
+                checkpointing is submitted again (:func:`llmpipe.dispatch.resubmit_after_timeout`).
 
         Raises:
             llmpipe.dispatch.StepFailed: the job failed, was cancelled or timed out.
         """
         return dispatch.run_step(fn, *args, step=step, resources=self.resources,
                                  config=self.config if config is None else config, log_dir=self.log_dir,
-                                 key=self.key, log_file=self.log_file, progress=progress, **kwargs)
+                                 key=self.key, log_file=self.log_file, progress=progress,
+                                 resume_batch=resume_batch, **kwargs)
 
     def on_submitting_machine(self) -> dict:
         """The config with ``dispatch.executor: local`` (``debug`` stays): for steps that must run where

@@ -18,7 +18,7 @@ from llmpipe.lora import lora_settings
 from llmpipe.steps.context import StepContext, read_json
 from llmpipe.steps.convert import convert_identity
 from llmpipe.steps.data import instructions_identity, mds_identity, tokenizer_identity
-from llmpipe import checkpoints as ckpt
+from llmpipe import checkpoints as ckpt, dispatch, lease
 from llmpipe import plan
 from llmpipe.slurm import site_config
 from llmpipe.tracking import settings as tracking_settings
@@ -178,15 +178,25 @@ def checkpoint_progress(folder: str) -> str:
     return f"resumes from the checkpoint at batch {ckpts[-1][0]}" if ckpts else "no checkpoint yet: starts over"
 
 
+def newest_batch(folder: str) -> int:
+    """The batch of the newest complete checkpoint in the identity's checkpoint folder ``folder``; 0 when none."""
+    ckpts = ckpt.complete_checkpoints(folder)
+    return ckpts[-1][0] if ckpts else 0
+
+
 def _train_run(ctx: StepContext, label: str) -> dict:
     run = ctx.wildcards.run
     rc = run_config(ctx.config, run)
     task = training_task(ctx, ctx.config, run, rc)  # checks peft and the vocabulary before a job waits in a queue
+    # a live training of this identity that this step did not submit (llmpipe.lease): wait for it, never a second one
+    lease.wait_until_free(task.checkpoint_folder(), lambda line: dispatch.say(f"{label} {run}: {line}", ctx.log_file),
+                          except_job=dispatch.recorded_job_id(ctx.config, ctx.key))
     result = finished_training(ctx, rc, f"{label} {run}")
     if result is None:
         check_resumable(task, f"{label} {run}")
         result = ctx.dispatch(task, step=f"{label} {run}",
-                              progress=functools.partial(checkpoint_progress, task.checkpoint_folder()))
+                              progress=functools.partial(checkpoint_progress, task.checkpoint_folder()),
+                              resume_batch=functools.partial(newest_batch, task.checkpoint_folder()))
     check_all_steps(result, rc, f"{label} {run}")
     ctx.write_json(result)
     return {"run": rc, "resources": ctx.resources}
