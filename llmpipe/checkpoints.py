@@ -316,16 +316,6 @@ def cut_loss_log(path: str, batch: int) -> None:
     atomic_write_bytes(path, "".join(keep).encode())
 
 
-def first_logged_loss(folder: str) -> float | None:
-    """The loss of the first line of ``<folder>/train_log.jsonl`` (the training's first logged batch), or None when
-    the log is missing, empty or unreadable."""
-    try:
-        with open(os.path.join(os.path.abspath(folder), "train_log.jsonl")) as fh:
-            return json.loads(fh.readline())["loss"]
-    except (OSError, ValueError, KeyError):
-        return None
-
-
 def write_result(folder: str, result: dict) -> None:
     """Write the finished training's train.json record as ``folder/result.json`` (atomically)."""
     atomic_write_json(os.path.join(folder, "result.json"), result)

@@ -397,7 +397,8 @@ def _wait(job, log_file: str | None, poll_s: float, what: str, slurm_poll_s: flo
 
 def run_step(fn: Callable, *args: Any, step: str, resources: dict, config: dict, log_dir: str,
              key: str, log_file: str | None = None, progress: Callable[[], str | None] | None = None,
-             resume_batch: Callable[[], int] | None = None, **kwargs: Any) -> Any:
+             resume_batch: Callable[[], int] | None = None, on_job: Callable[[str, str], None] | None = None,
+             **kwargs: Any) -> Any:
     """Run ``fn(*args, **kwargs)`` as one job on ``resources`` and return rank 0's result.
 
     The job has ``nodes x tasks_per_node`` tasks; every task calls ``fn`` (training sets up torch.distributed
@@ -416,6 +417,8 @@ def run_step(fn: Callable, *args: Any, step: str, resources: dict, config: dict,
             the batch script's set-up) is submitted again when that batch is later than when the job was submitted
             or re-attached; at most ``slurm.max_requeue_timeouts`` such ends without progress
             (:func:`resubmit_after_timeout`). Not passed to ``fn``.
+        on_job: called with ``(executor kind, job id)`` for each job this step waits for, once submitted or
+            re-attached to (e.g. to name it as the holder of a lease, :mod:`llmpipe.lease`). Not passed to ``fn``.
 
     Raises:
         StepFailed: the job failed, was cancelled or timed out (message: job id, state, log tail), or it was
@@ -429,6 +432,8 @@ def run_step(fn: Callable, *args: Any, step: str, resources: dict, config: dict,
         if job is None:
             job = _submit(fn, args, kwargs, step=step, resources=resources, config=config, log_dir=log_dir,
                           rec_path=rec_path, log_file=log_file)
+        if on_job is not None:
+            on_job(executor_kind(config), str(job.job_id))
         try:
             results = _wait_and_forget(job, config, rec_path, log_dir, step, log_file, progress)
         except StepFailed as exc:
@@ -495,13 +500,25 @@ def _reattach_recorded(config: dict, rec_path: str, step: str, log_file: str | N
     return None
 
 
+def _wrapped(fn: Callable, config: dict) -> Callable:
+    """``fn`` as a job runs it: on the local executor its tasks die with their controller, the PID the step prints
+    (:class:`llmpipe.orphans.DieWithParent`); on Slurm a finished task ignores a late time-limit signal
+    (:class:`llmpipe.requeue.IgnoreSignalAfterReturn`)."""
+    kind = executor_kind(config)
+    if kind == "local":
+        return DieWithParent(fn)
+    if kind == "slurm":
+        from llmpipe.requeue import IgnoreSignalAfterReturn
+        return IgnoreSignalAfterReturn(fn)
+    return fn
+
+
 def _submit(fn: Callable, args: tuple, kwargs: dict, *, step: str, resources: dict, config: dict, log_dir: str,
             rec_path: str, log_file: str | None):
     """Submit ``fn(*args, **kwargs)``, record it at ``rec_path`` and log where it runs; return the job."""
     os.makedirs(log_dir, exist_ok=True)
     ex = make_executor(config, resources, os.path.join(log_dir, "%j"), name=step.replace(" ", "_"))
-    # a local job's tasks die with their controller, the PID printed below (llmpipe.orphans)
-    job = ex.submit(DieWithParent(fn) if executor_kind(config) == "local" else fn, *args, **kwargs)
+    job = ex.submit(_wrapped(fn, config), *args, **kwargs)
     _write_record(rec_path, {"executor": executor_kind(config), "job_id": str(job.job_id),
                              "folder": os.path.join(log_dir, "%j"), "step": step, "name": step.replace(" ", "_"),
                              "num_tasks": int(getattr(job, "num_tasks", 1)), "submitted": time.time()})
@@ -659,7 +676,7 @@ def map_steps(fn: Callable, items: Sequence[Any], *, step: str, resources: dict,
     ex = make_executor(config, one, os.path.join(log_dir, "%j"), name=name)
     if max_parallel and hasattr(ex, "update_parameters") and slurm_kind:
         ex.update_parameters(array_parallelism=max_parallel)
-    jobs = ex.map_array(DieWithParent(fn) if executor_kind(config) == "local" else fn, list(items))
+    jobs = ex.map_array(_wrapped(fn, config), list(items))
     rec_path = _record_path(config, key) if key and slurm_kind else None
     if rec_path:
         _write_record(rec_path, {"executor": "slurm", "job_ids": [str(j.job_id) for j in jobs],

@@ -1,18 +1,21 @@
 """The lease on a training's identity folder: at most one live training writes it.
 
-Contract: rank 0 of a training takes the lease (:func:`acquire`) before it reads or writes the folder's checkpoints
-and gives it back when the training ends (:func:`release`). The lease is ``.lease.json`` in the identity folder:
-host, PID and process start time of rank 0, executor and job id. A training that finds the lease of a live other
-holder refuses to start (:class:`LeaseHeld`): two trainers on one folder would both write checkpoints and the loss
-log. A lease whose holder is not alive is stale and taken over:
+Contract: the step that trains an identity takes the lease of its identity folder (:class:`Lease`) before it submits
+the training, hands it to the job once the job has an id, and gives it back when the job has ended. The lease is
+``.lease.json`` in the identity folder: executor, job id and, for a process on this host, host, PID and process start
+time (which tells a reused PID apart). A step that finds the lease of a live training of another job waits for it to
+end (it keeps its checkpoints; the step then reuses or resumes them) and never submits a second trainer: two
+trainers on one folder would both write its checkpoints and loss log. A lease whose holder is not alive is stale and
+taken over:
 
-* Slurm: the holder's job is not live per ``squeue``/``sacct``, or it is this job (a requeued allocation of the
-  same job id starts a new process);
-* local executor: the holder's process (PID and start time, which tells a reused PID apart) is gone from this host.
+* a Slurm job: not live per ``squeue``/``sacct`` (a requeued job keeps its id and stays live throughout);
+* a local job: its controller, the PID the step printed ("submitted job N"), is gone from this host (the job's
+  tasks die with it: :mod:`llmpipe.orphans`);
+* a step that had not submitted yet: its process is gone from this host.
 
 A local holder on another host cannot be checked from here: its lease holds until it is removed by hand (the message
-says how). Before a step submits a training it waits while a live training of another job holds the folder
-(:func:`wait_until_free`), e.g. one that a killed Snakemake left running whose submission record is gone.
+says how). The lease is kept while the job it names runs on after its step stopped (a Slurm job outlives a killed
+Snakemake; the next run re-attaches to it through the submission record, :mod:`llmpipe.dispatch`).
 """
 
 from __future__ import annotations
@@ -41,13 +44,21 @@ class LeaseHeld(RuntimeError):
 
 
 def this_holder() -> dict:
-    """The lease record of this process: ``host``, ``pid``, ``start`` (clock ticks since boot), ``executor``
-    (``slurm`` inside a Slurm job, else ``local``), ``job_id`` (Slurm's, or submitit's local job id, which is the
-    PID of the job's controller; "" outside a job) and ``since`` (Unix seconds)."""
-    slurm_id = os.environ.get("SLURM_JOB_ID", "")
-    return {"host": socket.gethostname(), "pid": os.getpid(), "start": process_start_time(os.getpid()),
-            "executor": "slurm" if slurm_id else "local",
-            "job_id": slurm_id or os.environ.get("SUBMITIT_LOCAL_JOB_ID", ""), "since": round(time.time(), 3)}
+    """The lease record of this process (a step that has not submitted its job yet): ``executor`` "step",
+    ``host``, ``pid``, ``start`` (clock ticks since boot), ``job_id`` "" and ``since`` (Unix seconds)."""
+    return {"executor": "step", "host": socket.gethostname(), "pid": os.getpid(),
+            "start": process_start_time(os.getpid()), "job_id": "", "since": round(time.time(), 3)}
+
+
+def job_holder(executor: str, job_id: str) -> dict:
+    """The lease record of a submitted job: a Slurm job by its id; a local job by its controller process (submitit's
+    local job id is the controller's PID) on this host."""
+    rec = {"executor": executor, "job_id": str(job_id), "host": socket.gethostname(), "pid": None, "start": None,
+           "since": round(time.time(), 3)}
+    if executor == "local" and str(job_id).isdigit():
+        rec["pid"] = int(job_id)
+        rec["start"] = process_start_time(int(job_id))
+    return rec
 
 
 def read(folder: str) -> dict | None:
@@ -62,124 +73,121 @@ def read(folder: str) -> dict | None:
 
 
 def describe(rec: dict) -> str:
-    """``<executor> job <id> (pid <pid> on <host>, since HH:MM:SS)`` for messages."""
+    """``<executor> job <id> (pid <pid> on <host>, since HH:MM:SS)`` (the parts that are known) for messages."""
     since = time.strftime("%H:%M:%S", time.localtime(float(rec.get("since") or 0)))
-    job = f"job {rec.get('job_id')} " if rec.get("job_id") else ""
-    return f"{rec.get('executor', '?')} {job}(pid {rec.get('pid')} on {rec.get('host')}, since {since})"
+    what = {"step": "the step", "slurm": "Slurm", "local": "local"}.get(rec.get("executor"), str(rec.get("executor")))
+    job = f" job {rec['job_id']}" if rec.get("job_id") else ""
+    where = f"pid {rec['pid']} on {rec.get('host')}, " if rec.get("pid") and rec.get("executor") != "slurm" else ""
+    return f"{what}{job} ({where}since {since})"
 
 
-def holder_alive(rec: dict, me: dict | None = None) -> bool | None:
-    """Whether the holder of lease ``rec`` is a live training other than ``me`` (default :func:`this_holder`);
-    None when this host cannot tell (a local holder on another host).
+def holder_alive(rec: dict) -> bool | None:
+    """Whether the holder of lease ``rec`` is alive; None when this host cannot tell (a process on another host).
 
     A Slurm holder is asked about with :func:`llmpipe.slurm.job_info`; when Slurm does not answer it counts as
     alive (a duplicate trainer costs more than a wait).
     """
-    me = this_holder() if me is None else me
-    if rec.get("executor") == "slurm" and rec.get("job_id"):
-        if str(rec["job_id"]) == str(me.get("job_id")) and me.get("executor") == "slurm":
-            return False   # this job's earlier allocation: requeued, its processes are gone
+    if rec.get("executor") == "slurm":
         from llmpipe import slurm
 
         try:
-            info = slurm.job_info(str(rec["job_id"]), timeout=30)
+            info = slurm.job_info(str(rec.get("job_id")), timeout=30)
         except RuntimeError:
             return True
         return bool(info) and (info.get("State") or "").split(" ")[0] in _LIVE
-    if rec.get("host") != me.get("host"):
+    if rec.get("host") != socket.gethostname():
         return None
     pid = rec.get("pid")
-    if pid == me.get("pid") and rec.get("start") == me.get("start"):
-        return False   # this process
     return isinstance(pid, int) and rec.get("start") is not None and process_start_time(pid) == rec.get("start")
 
 
 @contextlib.contextmanager
 def _locked(folder: str):
-    """An exclusive ``flock`` on ``<folder>/.lease.lock`` while a lease is read and replaced (two trainings that
-    start at once must not both take over a stale lease)."""
+    """An exclusive ``flock`` on ``<folder>/.lease.lock`` while a lease is read and replaced (two steps that start
+    at once must not both take a free lease). A filesystem without ``flock`` (e.g. Lustre mounted without it) gives
+    no lock: the read-and-replace is then only as safe as its few milliseconds."""
     os.makedirs(folder, exist_ok=True)
     with open(os.path.join(folder, ".lease.lock"), "a") as fh:
-        fcntl.flock(fh, fcntl.LOCK_EX)
+        try:
+            fcntl.flock(fh, fcntl.LOCK_EX)
+            locked = True
+        except OSError:
+            locked = False
         try:
             yield
         finally:
-            fcntl.flock(fh, fcntl.LOCK_UN)
+            if locked:
+                fcntl.flock(fh, fcntl.LOCK_UN)
 
 
-def acquire(folder: str) -> tuple[dict, dict | None]:
-    """Take the lease of identity folder ``folder`` for this process; returns ``(this lease, the stale lease it
-    replaced or None)`` and prints a line when it replaced a stale one.
-
-    Raises:
-        LeaseHeld: a live training of another job holds it, or a local holder on another host does (its message
-            names the holder and the fix).
-    """
-    me = this_holder()
-    with _locked(folder):
-        old = read(folder)
-        if old is not None:
-            alive = holder_alive(old, me)
-            if alive is None:
-                raise LeaseHeld(f"{folder} is held by {describe(old)}, a local training on another host that this "
-                                f"host cannot check. Fix: if that training has ended, remove "
-                                f"{os.path.join(folder, LEASE_NAME)}; else wait for it.")
-            if alive:
-                raise LeaseHeld(f"{folder} is held by {describe(old)}, a live training of the same identity: two "
-                                f"trainers would both write its checkpoints. Fix: wait for it to end (the next run "
-                                f"then reuses or resumes its checkpoints), or stop it first.")
-        atomic_write_json(os.path.join(folder, LEASE_NAME), me)
-    if old is not None:
-        print(f"llmpipe: took over the lease of {folder} from {describe(old)}, which has ended", flush=True)
-    return me, old
+def _same(a: dict | None, b: dict | None) -> bool:
+    if not a or not b:
+        return False
+    return all(a.get(k) == b.get(k) for k in ("executor", "job_id", "host", "pid", "start"))
 
 
-def release(folder: str) -> bool:
-    """Give back this process's lease of ``folder`` (another holder's is left alone); True when one was removed."""
-    me = this_holder()
-    with _locked(folder):
-        rec = read(folder)
-        if rec is None or rec.get("pid") != me["pid"] or rec.get("host") != me["host"] \
-                or rec.get("start") != me["start"]:
-            return False
-        with contextlib.suppress(FileNotFoundError):
-            os.remove(os.path.join(folder, LEASE_NAME))
-    return True
+class Lease:
+    """The lease of one identity folder, held by a step (a context manager).
 
+    Entering waits while a live training of another job holds ``folder`` (saying once what it waits for, and when it
+    ended) and then takes the lease, replacing a stale one (said too); :meth:`hand_over` names the submitted job;
+    leaving gives the lease back unless the job it names is still alive (a Slurm job outlives its step).
 
-def wait_until_free(folder: str, say: Callable[[str], None], except_job: str | None = None,
-                    poll_s: float = 10.0) -> float:
-    """Wait while a live training other than job ``except_job`` holds ``folder``'s lease, saying once what it waits
-    for; return the seconds waited (0 when the folder is free or its lease is stale).
-
-    Called by a step before it submits a training: the holder (e.g. a training a killed Snakemake left running)
-    finishes or resumes this identity's checkpoints, and the step then reuses its result or resumes after it.
+    Args:
+        folder: the identity folder (created when missing).
+        say: prints and logs one line (the step's rule log).
+        except_job: the id of the job this step re-attaches to (its submission record): its lease is this step's.
+        poll_s: seconds between looks at a live holder.
 
     Raises:
-        LeaseHeld: a local holder on another host (cannot be checked from here).
+        LeaseHeld: (on entering) a holder this host cannot check: a local process on another host.
     """
-    t0 = time.time()
-    told = False
-    while True:
-        rec = read(folder)
-        if rec is None or (except_job and str(rec.get("job_id")) == str(except_job)):
-            break
-        alive = holder_alive(rec, {"host": socket.gethostname(), "pid": None, "start": None, "executor": "",
-                                   "job_id": ""})
-        if alive is None:
-            raise LeaseHeld(f"{folder} is held by {describe(rec)}, a local training on another host that this host "
-                            f"cannot check. Fix: if that training has ended, remove {os.path.join(folder, LEASE_NAME)}; "
-                            f"else wait for it.")
-        if not alive:
-            break
-        if not told:
-            say(f"the checkpoint folder {folder} is held by {describe(rec)}, a live training of this identity: "
-                f"waiting for it to end before submitting (it keeps its checkpoints; this step then reuses or resumes "
-                f"them)")
-            told = True
-        time.sleep(poll_s)
-    if not told:
-        return 0.0
-    waited = time.time() - t0
-    say(f"the training that held {folder} ended after {waited:.0f} s of waiting")
-    return waited
+
+    def __init__(self, folder: str, say: Callable[[str], None], except_job: str | None = None,
+                 poll_s: float = 10.0):
+        self.folder, self.say, self.except_job, self.poll_s = folder, say, except_job, poll_s
+        self.mine: dict | None = None
+        self.waited_s = 0.0
+
+    def __enter__(self) -> Lease:
+        t0, told = time.time(), False
+        while True:
+            with _locked(self.folder):
+                old = read(self.folder)
+                ours = old is not None and bool(self.except_job) and str(old.get("job_id")) == str(self.except_job)
+                alive = False if old is None or ours else holder_alive(old)
+                if alive is None:
+                    raise LeaseHeld(f"{self.folder} is held by {describe(old)}, a process on another host that this "
+                                    f"host cannot check. Fix: if that training has ended, remove "
+                                    f"{os.path.join(self.folder, LEASE_NAME)}; else wait for it.")
+                if not alive:
+                    self.mine = old if ours else this_holder()
+                    if not ours:
+                        atomic_write_json(os.path.join(self.folder, LEASE_NAME), self.mine)
+                    break
+            if not told:
+                self.say(f"the checkpoint folder {self.folder} is held by {describe(old)}, a live training of this "
+                         f"identity: waiting for it to end before submitting (it keeps its checkpoints; this step "
+                         f"then reuses or resumes them)")
+                told = True
+            time.sleep(self.poll_s)
+        if told:
+            self.waited_s = time.time() - t0
+            self.say(f"the training that held {self.folder} ended after {self.waited_s:.0f} s of waiting")
+        if old is not None and not ours:
+            self.say(f"took over the lease of {self.folder} from {describe(old)}, which has ended")
+        return self
+
+    def hand_over(self, executor: str, job_id: str) -> None:
+        """Name the job this step submitted (or re-attached to) as the holder."""
+        rec = job_holder(executor, job_id)
+        with _locked(self.folder):
+            atomic_write_json(os.path.join(self.folder, LEASE_NAME), rec)
+        self.mine = rec
+
+    def __exit__(self, *exc: object) -> None:
+        with _locked(self.folder):
+            if _same(read(self.folder), self.mine) and (self.mine.get("executor") == "step"
+                                                        or holder_alive(self.mine) is False):
+                with contextlib.suppress(FileNotFoundError):
+                    os.remove(os.path.join(self.folder, LEASE_NAME))

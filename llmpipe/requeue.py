@@ -13,8 +13,11 @@ which submitit pickles into each requeued submission.
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
 import time
+from collections.abc import Callable
 from typing import Any
 
 import submitit
@@ -32,6 +35,40 @@ class DelayedSubmission(submitit.helpers.DelayedSubmission):
 
     def set_timeout(self, timeout_min: int, max_num_timeout: int) -> None:
         super().set_timeout(timeout_min, self.allowed)
+
+
+class IgnoreSignalAfterReturn:
+    """A picklable wrapper of the function a Slurm job runs: once ``fn`` returned, the task ignores ``USR2``.
+
+    Slurm sends ``USR2`` up to 60 s before the time asked for (``--signal``): one that reaches a finished task while
+    it writes its result and exits would requeue a finished job (submitit's handler) or, after the interpreter reset
+    its handlers, kill the task (exit 140), which records the job's last allocation FAILED although its result was
+    written. Other attributes are ``fn``'s (submitit sees the same task); the submission that ``fn.checkpoint``
+    returns for a requeue runs wrapped too, so every allocation ends the same way.
+    """
+
+    def __init__(self, fn: Callable[..., Any]):
+        self.fn = fn
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        out = self.fn(*args, **kwargs)
+        with contextlib.suppress(ValueError):   # not the main thread (the debug executor): nothing to ignore
+            signal.signal(signal.SIGUSR2, signal.SIG_IGN)
+        return out
+
+    def __getattr__(self, name: str) -> Any:
+        if name == "fn":   # not set yet (unpickling): no recursion
+            raise AttributeError(name)
+        attr = getattr(self.fn, name)
+        if name != "checkpoint":
+            return attr
+
+        def checkpoint(*args: Any, **kwargs: Any) -> Any:
+            again = attr(*args, **kwargs)
+            if again is not None and not isinstance(again.function, IgnoreSignalAfterReturn):
+                again.function = IgnoreSignalAfterReturn(again.function)
+            return again
+        return checkpoint
 
 
 def resubmission(task: Any, batch: int) -> DelayedSubmission:

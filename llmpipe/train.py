@@ -16,7 +16,6 @@ on all ranks and only then lets submitit requeue the job, which resumes from it.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import os
@@ -26,7 +25,7 @@ import tempfile
 import time
 from typing import Any
 
-from llmpipe import checkpoints as ckpt, lease, throughput, tracking
+from llmpipe import checkpoints as ckpt, throughput, tracking
 from llmpipe.atomic import read_json
 from llmpipe.config import compile_settings, fused_loss_settings, world_size
 from llmpipe.fp8 import apply_fp8
@@ -410,8 +409,6 @@ def _build_monitor_class():
             self.timer.exclude()
 
         def fit_end(self, state: State, logger: Logger) -> None:
-            with contextlib.suppress(ValueError):  # training is over: Slurm's USR2 (time-limit warning) must neither
-                signal.signal(signal.SIGUSR2, signal.SIG_IGN)  # requeue nor kill (exit 140) the exiting task
             logger.log_metrics({f"llmpipe/{k}": v for k, v in self.timer.steady().items() if isinstance(v, float)})
             self.batch_checkpoint(state, logger)
 
@@ -518,7 +515,6 @@ class TrainTask:
         ``{"error": message}`` so every rank can raise them."""
         try:
             ckpt.prepare_identity_folder(os.path.dirname(save_folder), self.identity)
-            lease.acquire(save_folder)  # llmpipe.lease: refuses a folder that a live training holds
             resume = ckpt.loadable_checkpoint(save_folder)
         except (OSError, RuntimeError) as exc:
             return {"error": str(exc)}
@@ -556,8 +552,6 @@ class TrainTask:
             # training already reached its last step (the job ended after the final checkpoint but before Snakemake
             # recorded train.json): nothing to redo.
             print(f"llmpipe: rank {rank}: training already complete at {resume}; reusing its result", flush=True)
-            if rank == 0:
-                lease.release(save_folder)
             return done if rank == 0 else None
         res = self.resources
         ws = int(dist_env["world_size"])
@@ -602,8 +596,6 @@ class TrainTask:
             trainer.close()
         finally:
             os.chdir(cwd)
-            if rank == 0:
-                lease.release(save_folder)
         if int(dist_env.get("local_rank", 0)) == 0:
             shutil.rmtree(scratch, ignore_errors=True)
         for key in ("final_checkpoint", "resumed_from", "train_log"):
@@ -685,7 +677,7 @@ def summarize(rc: dict, trainer, monitor, wall_s: float, ws: int, save_folder: s
         "devices": ws,
         "global_batch_size": int(rc["train"]["global_batch_size"]),
         "concat_tokens": int(rc["data"]["concat_tokens"]),
-        "first_train_loss": monitor.first_loss if monitor.start_batch == 0 else ckpt.first_logged_loss(save_folder),
+        "first_train_loss": monitor.first_loss if monitor.start_batch == 0 else _first_logged_loss(save_folder),
         "final_train_loss": monitor.last_loss,
         "resumed_from": resumed_from,
         "batches_this_job": monitor.batches_this_job,
@@ -694,6 +686,15 @@ def summarize(rc: dict, trainer, monitor, wall_s: float, ws: int, save_folder: s
         "train_log": monitor.log_path,
         "checkpoint_save_s": monitor.save_seconds,
     }
+
+
+def _first_logged_loss(save_folder: str) -> float | None:
+    path = os.path.join(os.path.abspath(save_folder), "train_log.jsonl")
+    try:
+        with open(path) as fh:
+            return json.loads(fh.readline())["loss"]
+    except (OSError, ValueError, KeyError):
+        return None
 
 
 __all__ = ["foundry_train_config", "uses_fsdp", "TrainTask", "register", "summarize"]

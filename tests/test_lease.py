@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 import threading
 
@@ -13,8 +14,8 @@ from llmpipe.atomic import atomic_write_json
 from llmpipe.orphans import process_start_time
 
 
-def _hold(folder, **over) -> dict:
-    rec = {**lease.this_holder(), **over}
+def _hold(folder, **rec) -> dict:
+    rec = {"executor": "local", "host": socket.gethostname(), "since": 0, **rec}
     atomic_write_json(os.path.join(folder, lease.LEASE_NAME), rec)
     return rec
 
@@ -27,69 +28,77 @@ def live():
     proc.wait()
 
 
-def test_acquire_and_release(tmp_path):
-    me, stale = lease.acquire(str(tmp_path))
-    assert stale is None and lease.read(str(tmp_path)) == me and me["pid"] == os.getpid()
-    assert lease.acquire(str(tmp_path))[1] == me          # this process again: its own lease is no obstacle
-    assert lease.release(str(tmp_path)) and lease.read(str(tmp_path)) is None
-    assert not lease.release(str(tmp_path))
+def test_a_step_takes_hands_over_and_gives_back(tmp_path):
+    lines: list[str] = []
+    folder = str(tmp_path / "ident")
+    with lease.Lease(folder, lines.append) as held:
+        assert lease.read(folder)["executor"] == "step" and lease.read(folder)["pid"] == os.getpid()
+        held.hand_over("debug", "1")
+        assert lease.read(folder)["job_id"] == "1"
+    assert lease.read(folder) is None and not lines     # nothing to wait for, nothing taken over
 
 
-def test_a_live_holder_refuses_and_its_end_frees_the_folder(tmp_path, live, capsys):
-    held = _hold(tmp_path, pid=live.pid, start=process_start_time(live.pid), job_id=str(live.pid))
-    with pytest.raises(lease.LeaseHeld, match=rf"held by local job {live.pid} \(pid {live.pid} on .*two trainers"):
-        lease.acquire(str(tmp_path))
-    assert lease.read(str(tmp_path)) == held and not lease.release(str(tmp_path))   # another's lease stays
-    live.kill()
-    live.wait()
-    me, stale = lease.acquire(str(tmp_path))
-    assert stale == held and lease.read(str(tmp_path)) == me
-    assert f"took over the lease of {tmp_path} from local job {live.pid}" in capsys.readouterr().out
+def test_a_live_local_job_makes_the_step_wait_then_its_lease_is_taken_over(tmp_path, live):
+    _hold(tmp_path, job_id=str(live.pid), pid=live.pid, start=process_start_time(live.pid))
+    lines: list[str] = []
+    threading.Timer(1.0, live.kill).start()
+    with lease.Lease(str(tmp_path), lines.append, poll_s=0.1) as held:
+        assert lease.read(str(tmp_path))["pid"] == os.getpid()
+    assert 0.9 <= held.waited_s < 30, held.waited_s
+    assert f"is held by local job {live.pid} (pid {live.pid} on {socket.gethostname()}" in lines[0], lines
+    assert "waiting for it to end before submitting" in lines[0]
+    assert "ended after" in lines[1] and f"took over the lease of {tmp_path} from local job {live.pid}" in lines[2]
 
 
 def test_a_reused_pid_is_not_the_holder(tmp_path, live):
-    _hold(tmp_path, pid=live.pid, start="1", job_id="x")   # same PID, another start time: another process
-    assert lease.acquire(str(tmp_path))[1]["pid"] == live.pid
+    _hold(tmp_path, job_id="x", pid=live.pid, start="1")   # same PID, another start time: another process
+    lines: list[str] = []
+    with lease.Lease(str(tmp_path), lines.append, poll_s=0.1):
+        pass
+    assert len(lines) == 1 and "took over" in lines[0]
 
 
-def test_a_requeued_slurm_job_takes_over_its_own_lease(tmp_path, monkeypatch):
-    _hold(tmp_path, executor="slurm", job_id="4242", host="n1", pid=1, start="5")
-    monkeypatch.setenv("SLURM_JOB_ID", "4242")    # a new allocation of the same job: Slurm is not asked
-    me, stale = lease.acquire(str(tmp_path))
-    assert stale["host"] == "n1" and me["executor"] == "slurm" and me["job_id"] == "4242"
+def test_the_job_the_step_reattaches_to_is_not_waited_for(tmp_path, live):
+    held = _hold(tmp_path, job_id=str(live.pid), pid=live.pid, start=process_start_time(live.pid))
+    lines: list[str] = []
+    with lease.Lease(str(tmp_path), lines.append, except_job=str(live.pid)):
+        assert lease.read(str(tmp_path)) == held
+    assert not lines and lease.read(str(tmp_path)) == held    # still running: its lease stays
 
 
-def test_a_slurm_holder_is_alive_while_slurm_lists_its_job(tmp_path, monkeypatch):
+def test_a_slurm_holder_is_alive_while_slurm_lists_its_job(monkeypatch):
     from llmpipe import slurm
 
-    states = {"77": {"State": "RUNNING"}, "78": {"State": "COMPLETED"}}
+    states = {"77": {"State": "RUNNING"}, "78": {"State": "COMPLETED"}, "80": {"State": "PENDING"}}
     monkeypatch.setattr(slurm, "job_info", lambda jid, timeout=30: states.get(jid))
-    me = {"host": "login", "pid": 1, "start": "1", "executor": "local", "job_id": ""}
-    assert lease.holder_alive({"executor": "slurm", "job_id": "77"}, me) is True
-    assert lease.holder_alive({"executor": "slurm", "job_id": "78"}, me) is False
-    assert lease.holder_alive({"executor": "slurm", "job_id": "79"}, me) is False     # Slurm forgot it
+    assert lease.holder_alive({"executor": "slurm", "job_id": "77"}) is True
+    assert lease.holder_alive({"executor": "slurm", "job_id": "80"}) is True     # requeued: held by Slurm
+    assert lease.holder_alive({"executor": "slurm", "job_id": "78"}) is False
+    assert lease.holder_alive({"executor": "slurm", "job_id": "79"}) is False    # Slurm forgot it
 
     def unanswered(jid, timeout=30):
         raise RuntimeError("sacct timed out")
     monkeypatch.setattr(slurm, "job_info", unanswered)
-    assert lease.holder_alive({"executor": "slurm", "job_id": "77"}, me) is True      # unknown is not gone
+    assert lease.holder_alive({"executor": "slurm", "job_id": "77"}) is True     # unknown is not gone
 
 
-def test_a_local_holder_on_another_host_cannot_be_checked(tmp_path):
-    _hold(tmp_path, host="elsewhere", pid=1, start="1")
-    with pytest.raises(lease.LeaseHeld, match=r"another host that this host cannot check. Fix: .* remove "):
-        lease.acquire(str(tmp_path))
-    with pytest.raises(lease.LeaseHeld, match="cannot check"):
-        lease.wait_until_free(str(tmp_path), print)
+def test_a_slurm_job_that_outlives_its_step_keeps_the_lease(tmp_path, monkeypatch):
+    from llmpipe import slurm
+
+    state = {"State": "RUNNING"}
+    monkeypatch.setattr(slurm, "job_info", lambda jid, timeout=30: state)
+    with lease.Lease(str(tmp_path), print) as held:
+        held.hand_over("slurm", "4711")
+    assert lease.read(str(tmp_path))["job_id"] == "4711"     # the step stopped waiting; the job runs on
+    state["State"] = "COMPLETED"
+    with lease.Lease(str(tmp_path), print, except_job="4711") as held:   # the next run re-attaches, the job ends
+        pass
+    assert lease.read(str(tmp_path)) is None
 
 
-def test_wait_until_free_waits_for_a_live_holder_only(tmp_path, live):
-    lines: list[str] = []
-    assert lease.wait_until_free(str(tmp_path), lines.append) == 0 and not lines       # no lease
-    _hold(tmp_path, pid=live.pid, start=process_start_time(live.pid), job_id="91")
-    assert lease.wait_until_free(str(tmp_path), lines.append, except_job="91") == 0    # the step's own job
-    threading.Timer(1.0, live.kill).start()
-    waited = lease.wait_until_free(str(tmp_path), lines.append, poll_s=0.1)
-    assert 0.9 <= waited < 30, waited
-    assert len(lines) == 2 and f"is held by local job 91 (pid {live.pid}" in lines[0] and "waiting" in lines[0]
-    assert "ended after" in lines[1], lines
+def test_a_process_on_another_host_cannot_be_checked(tmp_path):
+    _hold(tmp_path, host="elsewhere", pid=1, start="1", job_id="5")
+    with pytest.raises(lease.LeaseHeld, match=r"on elsewhere, .*another host that this host cannot check. Fix: .*"
+                                              r"remove .*\.lease\.json"):
+        with lease.Lease(str(tmp_path), print):
+            pass

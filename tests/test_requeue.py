@@ -4,6 +4,8 @@ progress; the cap counts allocations without progress. Runs submitit's own check
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 from submitit.core import job_environment
 from submitit.helpers import DelayedSubmission
@@ -75,3 +77,42 @@ def test_the_cap_counts_allocations_without_progress(tmp_path, capsys):
 def test_a_rank_waiting_for_a_requeue_that_never_comes_ends():
     with pytest.raises(RuntimeError, match=r"rank 1: the job was not requeued within 0 s"):
         requeue.wait_to_be_requeued(timeout_s=0.05, rank=1)
+
+
+def test_a_finished_slurm_task_ignores_a_late_time_limit_signal(tmp_path):
+    """The wrapper a Slurm job runs: once the function returned, USR2 neither requeues nor kills the exiting task
+    (without it the default action ends the process: exit 140 in Slurm, the allocation recorded FAILED)."""
+    import subprocess
+    import sys
+
+    repo = str(Path(__file__).resolve().parents[1])
+    wrapped = (f"import os, signal, sys; sys.path.insert(0, {repo!r}); "
+               f"from llmpipe.requeue import IgnoreSignalAfterReturn; "
+               f"f = IgnoreSignalAfterReturn(lambda x: x + 1); assert f(1) == 2; "
+               f"os.kill(os.getpid(), signal.SIGUSR2); print('alive')")
+    bare = "import os, signal; os.kill(os.getpid(), signal.SIGUSR2); print('alive')"
+    ok = subprocess.run([sys.executable, "-c", wrapped], capture_output=True, text=True, timeout=60)
+    assert ok.returncode == 0 and ok.stdout.strip() == "alive", ok.stderr
+    killed = subprocess.run([sys.executable, "-c", bare], capture_output=True, text=True, timeout=60)
+    assert killed.returncode == -12 and "alive" not in killed.stdout      # what the wrapper prevents
+
+
+def test_the_wrapper_keeps_the_task_and_wraps_every_requeued_allocation(tmp_path):
+    import cloudpickle
+
+    t = task(tmp_path, cap=3)
+    wrapped = requeue.IgnoreSignalAfterReturn(t)
+    assert wrapped.checkpoint_folder() == t.checkpoint_folder() and wrapped.requeue_cap == 3
+    assert getattr(wrapped, "__submitit_checkpoint__", None) is None     # submitit then asks for checkpoint
+    delayed = DelayedSubmission(wrapped)
+    delayed.set_timeout(2, 3)
+    pickle_path = tmp_path / "submitted.pkl"
+    for alloc in (1, 2):
+        save_checkpoint(tmp_path, 10 * alloc)
+        reason, delayed = allocation_ends(delayed, pickle_path)
+        assert not reason and isinstance(delayed.function, requeue.IgnoreSignalAfterReturn), alloc
+        assert delayed.function.fn.requeue_start_batch == 10 * alloc
+    again = cloudpickle.loads(cloudpickle.dumps(delayed.function))
+    assert isinstance(again, requeue.IgnoreSignalAfterReturn) and again.fn.requeue_allocations == 2
+    plain = requeue.IgnoreSignalAfterReturn(lambda: 1)
+    assert not hasattr(plain, "checkpoint")      # a function without checkpoint stays not checkpointable

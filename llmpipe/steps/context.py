@@ -99,7 +99,8 @@ class StepContext:
 
     def dispatch(self, fn: Callable, *args: Any, step: str, config: dict | None = None,
                  progress: Callable[[], str | None] | None = None,
-                 resume_batch: Callable[[], int] | None = None, **kwargs: Any) -> Any:
+                 resume_batch: Callable[[], int] | None = None, on_job: Callable[[str, str], None] | None = None,
+                 **kwargs: Any) -> Any:
         """Run ``fn(*args, **kwargs)`` as this step's job (:func:`llmpipe.dispatch.run_step` on :attr:`resources`,
         logging to :attr:`log_file`, submitit files in :attr:`log_dir`) and return rank 0's result.
 
@@ -110,6 +111,7 @@ class StepContext:
             progress: the step's progress as a short text, logged when Slurm requeues the job.
             resume_batch: the batch of the step's newest complete checkpoint: a Slurm job that ends TIMEOUT after
                 checkpointing is submitted again (:func:`llmpipe.dispatch.resubmit_after_timeout`).
+            on_job: called with ``(executor, job id)`` once the step's job is submitted or re-attached to.
 
         Raises:
             llmpipe.dispatch.StepFailed: the job failed, was cancelled or timed out.
@@ -117,7 +119,7 @@ class StepContext:
         return dispatch.run_step(fn, *args, step=step, resources=self.resources,
                                  config=self.config if config is None else config, log_dir=self.log_dir,
                                  key=self.key, log_file=self.log_file, progress=progress,
-                                 resume_batch=resume_batch, **kwargs)
+                                 resume_batch=resume_batch, on_job=on_job, **kwargs)
 
     def on_submitting_machine(self) -> dict:
         """The config with ``dispatch.executor: local`` (``debug`` stays): for steps that must run where

@@ -188,15 +188,16 @@ def _train_run(ctx: StepContext, label: str) -> dict:
     run = ctx.wildcards.run
     rc = run_config(ctx.config, run)
     task = training_task(ctx, ctx.config, run, rc)  # checks peft and the vocabulary before a job waits in a queue
-    # a live training of this identity that this step did not submit (llmpipe.lease): wait for it, never a second one
-    lease.wait_until_free(task.checkpoint_folder(), lambda line: dispatch.say(f"{label} {run}: {line}", ctx.log_file),
-                          except_job=dispatch.recorded_job_id(ctx.config, ctx.key))
-    result = finished_training(ctx, rc, f"{label} {run}")
-    if result is None:
-        check_resumable(task, f"{label} {run}")
-        result = ctx.dispatch(task, step=f"{label} {run}",
-                              progress=functools.partial(checkpoint_progress, task.checkpoint_folder()),
-                              resume_batch=functools.partial(newest_batch, task.checkpoint_folder()))
+    folder = task.checkpoint_folder()
+    # one live trainer per identity folder (llmpipe.lease): wait for one this step did not submit, never start a second
+    with lease.Lease(folder, lambda line: dispatch.say(f"{label} {run}: {line}", ctx.log_file),
+                     except_job=dispatch.recorded_job_id(ctx.config, ctx.key)) as held:
+        result = finished_training(ctx, rc, f"{label} {run}")
+        if result is None:
+            check_resumable(task, f"{label} {run}")
+            result = ctx.dispatch(task, step=f"{label} {run}", on_job=held.hand_over,
+                                  progress=functools.partial(checkpoint_progress, folder),
+                                  resume_batch=functools.partial(newest_batch, folder))
     check_all_steps(result, rc, f"{label} {run}")
     ctx.write_json(result)
     return {"run": rc, "resources": ctx.resources}
