@@ -103,21 +103,20 @@ def holder_alive(rec: dict) -> bool | None:
 
 @contextlib.contextmanager
 def _locked(folder: str):
-    """An exclusive ``flock`` on ``<folder>/.lease.lock`` while a lease is read and replaced (two steps that start
-    at once must not both take a free lease). A filesystem without ``flock`` (e.g. Lustre mounted without it) gives
-    no lock: the read-and-replace is then only as safe as its few milliseconds."""
+    """An exclusive ``flock`` on the folder itself while a lease is read and replaced (two steps that start at once
+    must not both take a free lease); no lock file is left behind. Where the filesystem gives no ``flock`` on a
+    folder (NFS, Lustre mounted without it) there is no lock: the read-and-replace is then only as safe as its few
+    milliseconds."""
     os.makedirs(folder, exist_ok=True)
-    with open(os.path.join(folder, ".lease.lock"), "a") as fh:
+    fd = os.open(folder, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    try:
         try:
-            fcntl.flock(fh, fcntl.LOCK_EX)
-            locked = True
+            fcntl.flock(fd, fcntl.LOCK_EX)
         except OSError:
-            locked = False
-        try:
-            yield
-        finally:
-            if locked:
-                fcntl.flock(fh, fcntl.LOCK_UN)
+            pass
+        yield
+    finally:
+        os.close(fd)   # closing releases the lock
 
 
 def _same(a: dict | None, b: dict | None) -> bool:
