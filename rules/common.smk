@@ -310,6 +310,28 @@ def train_identity(wildcards):
     return identity_text(train_steps.train_identity(config, wildcards.run))
 
 
+def lost_train_notes():
+    """Notes on runs whose train.json a killed changed run left deleted while their training under these settings
+    finished and the results after it are up to date: Snakemake plans nothing for eval.json then, so the note names
+    the command that restores it without a job (llmpipe.kept_results.lost_train_note)."""
+    from llmpipe import kept_results
+
+    for run in cfg.known_runs(config):
+        if not kept_results.train_json_lost(RESULTS, run):
+            continue
+        try:
+            note = kept_results.lost_train_note(RESULTS, run, identity_text(train_steps.train_identity(config, run)))
+        except Exception:  # a note never stops a run; a broken run is reported when it is asked for
+            continue
+        if note:
+            yield note
+
+
+if workflow.is_main_process:
+    for line in lost_train_notes():
+        print(line, file=sys.stderr)
+
+
 # ------------------------------------------------------------------------------------------- export (rules/convert.smk)
 
 

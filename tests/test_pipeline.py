@@ -5,16 +5,21 @@ from __future__ import annotations
 import json
 import math
 import os
+import signal
+import subprocess
+import time
 
 import pytest
 import yaml
 
+from llmpipe.orphans import process_start_time
 from llmpipe.steps import THIS_RUN
-from tests.conftest import REPO, copy_run, no_symlink_env, planned_jobs, project_config, snakemake
+from tests.conftest import REPO, SNAKEMAKE, copy_run, no_symlink_env, planned_jobs, project_config, snakemake
 
 pytestmark = pytest.mark.slow
 
 AFTER_TRAIN = {"train": 1, "convert": 1, "generate": 1, "eval": 1, "all": 1}
+TRAIN = "results/mpt-tiny/train.json"
 
 
 def load(wd, rel):
@@ -132,6 +137,60 @@ def test_lost_train_json_reuses_finished_training(tiny_run, tmp_path):
     log = (wd / "results/logs/train/mpt-tiny.log").read_text()
     own = log.split(THIS_RUN)[-1]
     assert "training already complete" in log and "submitted job" not in own, log + proc.stdout[-2000:]
+
+
+def run_outputs(run) -> dict:
+    """The bytes of a run's outputs after training (train.json, the export, generate.json, eval.json), provenance
+    records left out (each execution writes its own)."""
+    paths = [run / "train.json", run / "generate.json", run / "eval.json", *sorted((run / "hf").iterdir())]
+    return {str(p.relative_to(run)): p.read_bytes() for p in paths if not p.name.endswith(".provenance.json")}
+
+
+def test_going_back_after_a_killed_changed_run_restores_every_step(tiny_run, tmp_path):
+    """A changed run (another seed) whose Snakemake is killed mid-training, after Snakemake deleted train.json; back
+    at the shipped settings, eval.json alone plans nothing (the results after training are up to date) and the
+    console names the command that restores train.json; asking for train.json and eval.json then submits no job and
+    loads no model: train.json comes from the finished training's record, the export, generate.json and eval.json
+    from their kept results ("restored from <folder>", llmpipe.kept_results), each byte for byte."""
+    from tests.test_orphans import _descendants
+
+    wd = copy_run(tiny_run, tmp_path / "wd")
+    run = wd / "results/mpt-tiny"
+    before = run_outputs(run)
+    log = wd / "results/logs/train/mpt-tiny.log"
+    log.unlink()  # the tiny run's own: the changed run's new log starts with the history and THIS_RUN
+    cmd = [*SNAKEMAKE, "-s", str(REPO / "Snakefile"), "-d", str(wd), "--cores", "2", TRAIN,
+           "--config", "models={'mpt-tiny': {'train': {'seed': 18}}}"]
+    proc = subprocess.Popen(cmd, cwd=wd, env={**os.environ, **no_symlink_env(wd)}, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL, start_new_session=True)
+    t0 = time.time()
+    while not (log.exists() and "submitted job" in log.read_text().partition(THIS_RUN)[2]) and time.time() - t0 < 300:
+        assert proc.poll() is None
+        time.sleep(0.2)
+    below = _descendants(proc.pid)
+    os.killpg(proc.pid, signal.SIGKILL)  # Snakemake and its rule script: no cleanup, no metadata written
+    proc.wait()
+    while any(process_start_time(p) is not None for p in below) and time.time() - t0 < 360:
+        time.sleep(0.2)
+    for p in below:
+        if process_start_time(p) is not None:
+            os.kill(p, signal.SIGKILL)
+    assert not (run / "train.json").exists()
+    snakemake(wd, "--unlock", TRAIN)
+
+    dry = snakemake(wd, "-n", "results/mpt-tiny/eval.json")
+    assert planned_jobs(dry) == {}
+    assert ("results/mpt-tiny/train.json is missing although its training under these settings finished" in
+            dry.stderr and "Restore it without a job: snakemake results/mpt-tiny/train.json" in dry.stderr), dry.stderr
+    snakemake(wd, "--cores", "2", TRAIN, "results/mpt-tiny/eval.json", env=no_symlink_env(wd))
+    own = {step: (wd / f"results/logs/{step}/mpt-tiny.log").read_text().split(THIS_RUN)[-1]
+           for step in ("train", "convert", "generate", "eval")}
+    assert not any("submitted job" in text for text in own.values()), own
+    assert "training already complete" in own["train"], own["train"]
+    for step in ("convert", "generate", "eval"):
+        assert f"{step} mpt-tiny: restored from results/mpt-tiny/kept/{step}/" in own[step], own[step]
+    assert run_outputs(run) == before
+    assert planned_jobs(snakemake(wd, "-n")) == {}
 
 
 def test_loss_curve_matches_committed_reference(tiny_run):

@@ -27,7 +27,9 @@ text once, with :func:`llmpipe.identity.identity_text`). :func:`run_rule` is the
 log, makes the thread variables valid (:func:`llmpipe.dispatch.normalize_thread_env`), builds the
 :class:`~llmpipe.steps.context.StepContext`, calls the step, and writes the step's provenance record beside its
 first output (:mod:`llmpipe.steps.provenance`: ``<output>.provenance.json``). A failing step's error is appended
-to the rule's log, so ``--show-failed-logs`` shows why it failed.
+to the rule's log, so ``--show-failed-logs`` shows why it failed. The steps after training (rules with
+:attr:`Rule.kept`: convert, generate, eval, finetune_eval) keep their finished results per identity and restore them
+instead of running again when the same identity comes back on the same inputs (:mod:`llmpipe.kept_results`).
 
 Nothing here imports torch: the rule files import these modules to plan the DAG.
 """
@@ -40,13 +42,31 @@ import traceback
 from typing import Any
 from collections.abc import Callable
 
-from llmpipe import dispatch
+from llmpipe import dispatch, kept_results
 from llmpipe.orphans import exit_when_snakemake_dies
 from llmpipe.steps import allreduce, convert, data, evaluate, generate, provenance, report, scaling, train
 from llmpipe.steps import lm_eval_harness
 from llmpipe.steps.context import StepContext, parse_params, wildcard_values
 
 Resources = Callable[[dict, Any], dict]
+
+
+@dataclasses.dataclass(frozen=True)
+class Kept:
+    """A rule whose finished result is kept per identity and restored instead of recomputed
+    (:mod:`llmpipe.kept_results`).
+
+    Attributes:
+        section: the config section whose ``earlier_identities_to_keep`` says how many results of other identities
+            stay kept (``convert``, ``generate``, ``eval``).
+        whole_folder: keep the folder of the first output (an export: every file of ``hf/``), not the outputs.
+        ignore_inputs: names of inputs that do not decide the result (the evaluation's ``generation``, an
+            ``ancient`` ordering input); the other inputs' contents are part of the result's key.
+    """
+
+    section: str
+    whole_folder: bool = False
+    ignore_inputs: tuple[str, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,11 +78,19 @@ class Rule:
         log_dir: the step's submitit folder under ``results/logs/`` (without ``.submitit``), as a pattern of the
             rule's wildcards (``train/{run}``); None for steps that dispatch nothing.
         resources: ``(config, wildcards) -> resources`` of the job the step dispatches; None for none.
+        kept: how the rule's finished result is kept per identity; None: never kept.
     """
 
     step: Callable[[StepContext], Any]
     log_dir: str | None = None
     resources: Resources | None = None
+    kept: Kept | None = None
+
+
+#: The kept results of the steps after training (rules ``convert``, ``generate``, ``eval``, ``finetune_eval``).
+KEPT_EXPORT = Kept("convert", whole_folder=True)
+KEPT_GENERATION = Kept("generate")
+KEPT_EVAL = Kept("eval", ignore_inputs=("generation",))
 
 
 #: Every rule that has a script: rule name -> how to run it.
@@ -75,10 +103,10 @@ RULES: dict[str, Rule] = {
     "instructions": Rule(data.instructions, "instructions/{iset}", data.single_task_resources),
     "train": Rule(train.train, "train/{run}", train.training_resources),
     "finetune": Rule(train.finetune, "finetune/{run}", train.training_resources),
-    "convert": Rule(convert.convert, "convert/{run}", convert.convert_resources),
-    "generate": Rule(generate.generate, "generate/{run}", generate.generate_resources),
-    "eval": Rule(evaluate.evaluate, "eval/{run}", evaluate.eval_resources),
-    "finetune_eval": Rule(evaluate.finetune_eval, "eval/{run}", evaluate.eval_resources),
+    "convert": Rule(convert.convert, "convert/{run}", convert.convert_resources, KEPT_EXPORT),
+    "generate": Rule(generate.generate, "generate/{run}", generate.generate_resources, KEPT_GENERATION),
+    "eval": Rule(evaluate.evaluate, "eval/{run}", evaluate.eval_resources, KEPT_EVAL),
+    "finetune_eval": Rule(evaluate.finetune_eval, "eval/{run}", evaluate.eval_resources, KEPT_EVAL),
     "lm_eval": Rule(lm_eval_harness.lm_eval, "lm_eval/{run}", lm_eval_harness.lm_eval_resources),
     "eval_task_data": Rule(evaluate.eval_task_data),
     "scaling_train": Rule(scaling.scaling_train, "scaling/{run}-nodes{nodes}", scaling.study_resources),
@@ -128,11 +156,80 @@ def context(smk: Any, rule: Rule) -> StepContext:
     return StepContext.build(smk, log_dir=log_dir, resources=resources)
 
 
+def kept_key(ctx: StepContext, kept: Kept) -> dict | None:
+    """The key of the result ``ctx`` makes (:func:`llmpipe.kept_results.result_key`): the rule's identity and the
+    contents of its inputs but ``kept.ignore_inputs``; None when the rule has no identity or an input is a folder.
+
+    Raises:
+        OSError: an input cannot be read.
+    """
+    identity = getattr(ctx.params, "identity", None)
+    if not isinstance(identity, str):
+        return None
+    ignored = set()
+    for name in kept.ignore_inputs:
+        value = getattr(ctx.input, name, None)
+        ignored.update([value] if isinstance(value, str) else list(value or []))
+    return kept_results.result_key(identity, [f for f in ctx.input if f not in ignored], ctx.config["results_dir"])
+
+
+def restore_kept(ctx: StepContext, kept: Kept) -> str | None:
+    """Put back the kept result of this exact identity and inputs in place of the rule's outputs, without a job;
+    return the kept folder, or None when there is none (the step then runs). Logs ``restored from <folder>``."""
+    key = kept_key(ctx, kept)
+    run = ctx.wildcards.run
+    store = kept_results.store_dir(ctx.config["results_dir"], run, ctx.rule)
+    folder = None if key is None else kept_results.find(store, key)
+    if folder is None:
+        return None
+    kept_results.restore(folder, os.path.join(ctx.config["results_dir"], run), earlier_to_keep(ctx, kept))
+    dispatch.say(f"{ctx.rule} {run}: restored from {folder} (kept when this identity finished on the same inputs); "
+                 f"no job submitted", ctx.log_file)
+    return folder
+
+
+def keep_result(ctx: StepContext, kept: Kept) -> str | None:
+    """Keep the finished outputs of ``ctx`` under their key (:func:`llmpipe.kept_results.keep`); return the kept
+    folder, or None when the result has no key or could not be kept (logged: a full disk never fails a finished
+    step)."""
+    run = ctx.wildcards.run
+    run_dir = os.path.join(ctx.config["results_dir"], run)
+    paths = [os.path.dirname(ctx.output[0])] if kept.whole_folder else list(ctx.output)
+    try:
+        key = kept_key(ctx, kept)
+        if key is None:
+            return None
+        return kept_results.keep(kept_results.store_dir(ctx.config["results_dir"], run, ctx.rule), key, paths,
+                                 run_dir, earlier_to_keep(ctx, kept))
+    except OSError as exc:
+        dispatch.say(f"{ctx.rule} {run}: the finished result was not kept for a later restore ({exc})", ctx.log_file)
+        return None
+
+
+def earlier_to_keep(ctx: StepContext, kept: Kept) -> int:
+    """``<kept.section>.earlier_identities_to_keep`` of the config (1 when unset)."""
+    return int((ctx.config.get(kept.section) or {}).get("earlier_identities_to_keep", 1))
+
+
 def run_step(ctx: StepContext, rule: Rule) -> Any:
     """Run ``rule``'s step in ``ctx`` and write its provenance record beside its first output; return what the
-    step returned. The record of an earlier execution is removed first."""
+    step returned. The record of an earlier execution is removed first.
+
+    A rule with :attr:`Rule.kept` first restores the kept result of its identity and inputs when there is one
+    (:func:`restore_kept`; no job, the step function is not called, the settings are ``{"restored_from": ...}``),
+    and keeps its finished result otherwise (:func:`keep_result`)."""
     provenance.forget(ctx.output[0])
-    settings = rule.step(ctx)
+    restored = restore_kept(ctx, rule.kept) if rule.kept else None
+    if restored is not None:
+        settings = {"restored_from": restored}
+    else:
+        if rule.kept:  # a step writing an output in place must never change the kept result it is a link of
+            for path in ctx.output:
+                if os.path.isfile(path) and os.stat(path).st_nlink > 1:
+                    os.unlink(path)
+        settings = rule.step(ctx)
+        if rule.kept:
+            keep_result(ctx, rule.kept)
     params = parse_params(ctx.params)
     identity = params.pop("identity", None)
     provenance.write(ctx.output[0], provenance.record(
@@ -159,4 +256,4 @@ def run_rule(smk: Any) -> None:
         raise
 
 
-__all__ = ["RULES", "Rule", "StepContext", "run_rule", "run_step", "context"]
+__all__ = ["RULES", "Rule", "Kept", "StepContext", "run_rule", "run_step", "context"]
