@@ -4,6 +4,7 @@
 #   snakemake -n results/mpt-1b/eval.json                  # the plan for MPT-1B, with each step's resources
 #   snakemake --profile slurm results/mpt-1b/eval.json     # the same DAG on a Slurm cluster
 import os
+import time
 
 from snakemake.utils import min_version
 
@@ -34,3 +35,12 @@ include: "rules/scaling.smk"
 include: "rules/report.smk"
 include: "rules/finetune.smk"
 include: "rules/lm_eval.smk"
+
+
+_STARTED = time.time()
+
+
+onsuccess:
+    from llmpipe.chain_summary import print_summary
+
+    print_summary(RESULTS, since=_STARTED)   # each changed run's loss, held-out loss, gauntlet average, folder

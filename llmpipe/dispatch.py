@@ -31,7 +31,7 @@ from collections.abc import Callable, Sequence
 
 from llmpipe import job_failures
 from llmpipe.orphans import DieWithParent
-from llmpipe.progress import ProgressEcho
+from llmpipe import progress as progress_record
 
 log = logging.getLogger("llmpipe.dispatch")
 
@@ -319,13 +319,15 @@ def _local_jobs_die_with_us(jobs: Sequence[Any], what: str, log_file: str | None
 
 
 def _wait(job, log_file: str | None, poll_s: float, what: str, slurm_poll_s: float = 30.0,
-          progress: Callable[[], str | None] | None = None) -> list:
+          progress: Callable[[], str | None] | None = None, progress_path: str | None = None,
+          progress_s: float = 30.0) -> list:
     """Block until ``job`` ends; return the results of all its tasks. Raise StepFailed with state and log.
 
     Slurm jobs: sacct is asked at least every ``slurm_poll_s`` seconds (submitit's own watcher backs off to 10
     minutes on long jobs), and each state change is logged with its reason and nodes
     (:class:`llmpipe.slurm_watch.StateLog`; ``progress`` is asked on a requeue). A job PENDING for a reason Slurm
-    never resolves is cancelled and raises :class:`StepFailed` at once.
+    never resolves is cancelled and raises :class:`StepFailed` at once. The job's progress record
+    (``progress_path``, :mod:`llmpipe.progress`) is printed on the console every ``progress_s`` seconds.
     """
     last_state = last_shown = None
     last_force = time.time()
@@ -335,7 +337,7 @@ def _wait(job, log_file: str | None, poll_s: float, what: str, slurm_poll_s: flo
         from llmpipe.slurm_watch import NeverRuns, StateLog
 
         watch = StateLog(job.job_id, what, lambda line: say(line, log_file), progress)
-    echo = ProgressEcho(job, what)   # the training's batch lines on the console (llmpipe.progress)
+    echo = progress_record.ProgressEcho(progress_path, what, progress_s)   # the job's record on the console
     while True:
         echo.poll()
         force = slurm and time.time() - last_force >= slurm_poll_s
@@ -441,7 +443,7 @@ def run_step(fn: Callable, *args: Any, step: str, resources: dict, config: dict,
                                                                   config, resources, log_file):
                 raise
             continue
-        say(f"{step}: job {job.job_id} finished", log_file)
+        say(f"{step}: job {job.job_id} finished (COMPLETED)", log_file)   # every rule log ends with the final state
         return results[0]
 
 
@@ -518,6 +520,10 @@ def _submit(fn: Callable, args: tuple, kwargs: dict, *, step: str, resources: di
     """Submit ``fn(*args, **kwargs)``, record it at ``rec_path`` and log where it runs; return the job."""
     os.makedirs(log_dir, exist_ok=True)
     ex = make_executor(config, resources, os.path.join(log_dir, "%j"), name=step.replace(" ", "_"))
+    record = progress_record.record_path(log_dir)
+    with contextlib.suppress(FileNotFoundError):
+        os.remove(record)                          # an earlier job's progress is not this one's
+    os.environ[progress_record.ENV] = record       # the job inherits it (submitit passes the environment on)
     job = ex.submit(_wrapped(fn, config), *args, **kwargs)
     _write_record(rec_path, {"executor": executor_kind(config), "job_id": str(job.job_id),
                              "folder": os.path.join(log_dir, "%j"), "step": step, "name": step.replace(" ", "_"),
@@ -533,9 +539,11 @@ def _wait_and_forget(job, config: dict, rec_path: str, log_dir: str, step: str, 
     """:func:`_wait` for ``job`` (local jobs are cancelled if this process is interrupted); once it ended, remove
     its record and submitit's empty folder pattern."""
     poll_s = float((config.get("dispatch") or {}).get("poll_s", 5))
+    progress_s = float((config.get("dispatch") or {}).get("progress_s", 30))
     try:
         with _local_jobs_die_with_us([job], step, log_file):
-            return _wait(job, log_file, poll_s, step, _slurm_poll_s(config), progress)
+            return _wait(job, log_file, poll_s, step, _slurm_poll_s(config), progress,
+                         progress_record.record_path(log_dir), progress_s)
     except StepNeverRuns:
         with contextlib.suppress(FileNotFoundError):
             os.remove(rec_path)  # cancelled: nothing to re-attach to

@@ -1,50 +1,131 @@
-"""Training progress on the console while a step waits for its job.
+"""Progress of a running job on the console: the job writes a small record, the step that waits prints it.
 
-The training's per-batch line (``llmpipe: batch 15/120  loss ...  ETA ...``, written by the job's rank 0 into its
-stdout log) otherwise reaches only that log file, and the console shows ``job N is RUNNING`` until the step ends.
-:class:`ProgressEcho` reads what rank 0's log gained since the last look, at most every ``every_s`` seconds, and
-prints the newest such line as ``[llmpipe HH:MM:SS] <step>: batch ...`` on stderr (the console, not the rule log,
-which keeps the submission and state lines).
+Contract: the step that submits a job sets :data:`ENV` (the record's path, beside the job's submitit folder) in the
+environment the job inherits (:mod:`llmpipe.dispatch`). The job's first task calls :func:`update` with what is done
+of what total (training: batches; evaluation: items; conversion: tensors) and display-ready figures; the record is
+rewritten atomically, at most every :data:`MIN_WRITE_S` seconds. While the step waits, :class:`ProgressEcho` reads
+the record every ``dispatch.progress_s`` seconds and prints one console line when it changed:
+``[llmpipe HH:MM:SS] <step>: <unit> <done>/<total> (<percent>%), <figures>, ETA <time>``.
+
+ETA: the record's own ``eta_s`` when the job gives one (training: remaining batches x the mean clean batch time,
+:mod:`llmpipe.throughput`), else the remaining count at the mean rate since the job's first record.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 import time
-from typing import Any
 
-#: The prefix of the training's progress lines (llmpipe.train's monitor).
-PREFIX = "llmpipe: batch "
+#: The environment variable that names a job's progress record.
+ENV = "LLMPIPE_PROGRESS_FILE"
+
+#: Least seconds between two writes of the record by one process.
+MIN_WRITE_S = 2.0
+
+_last_write = {"t": 0.0}
+
+
+def record_path(log_dir: str) -> str:
+    """Where a step's job writes its progress record: ``<log_dir>/progress.json`` as an absolute path (jobs work in
+    other folders; ``log_dir``: the step's submitit folder, one per step)."""
+    return os.path.join(os.path.abspath(log_dir), "progress.json")
+
+
+def update(done: int, total: int | None, unit: str, *, eta_s: float | None = None, task: str | None = None,
+           figures: dict[str, str] | None = None, force: bool = False) -> bool:
+    """Write this job's progress record (when :data:`ENV` names one): ``done`` of ``total`` ``unit`` (e.g. 40 of 120
+    ``batch``), the part being worked on (``task``, e.g. an evaluation task's name), display-ready ``figures``
+    (``{"loss": "2.3104", "tokens/s": "1,234"}``) and ``eta_s`` (seconds; None: the reader estimates it). Writes at
+    most every :data:`MIN_WRITE_S` seconds unless ``force`` (the last update of a part). Returns whether it wrote.
+    Never raises: progress must not fail a job."""
+    path = os.environ.get(ENV)
+    now = time.time()
+    if not path or (not force and now - _last_write["t"] < MIN_WRITE_S):
+        return False
+    rec = {"done": int(done), "total": None if total is None else int(total), "unit": unit, "task": task,
+           "eta_s": None if eta_s is None else round(float(eta_s), 1), "figures": dict(figures or {}),
+           "time": round(now, 3), "pid": os.getpid()}
+    try:
+        tmp = f"{path}.{os.getpid()}.tmp"
+        with open(tmp, "w") as fh:
+            json.dump(rec, fh)
+        os.replace(tmp, path)
+    except OSError:
+        return False
+    _last_write["t"] = now
+    return True
+
+
+def read(path: str) -> dict | None:
+    """The progress record at ``path``, or None when there is none yet (or it is unreadable)."""
+    try:
+        with open(path) as fh:
+            rec = json.load(fh)
+    except (OSError, ValueError):
+        return None
+    return rec if isinstance(rec, dict) and "done" in rec else None
+
+
+def format_duration(seconds: float | None) -> str:
+    """``1h02m``, ``3m20s`` or ``45s`` for a duration in seconds; ``?`` when unknown."""
+    if seconds is None or seconds != seconds or seconds < 0:
+        return "?"
+    s = int(round(seconds))
+    if s >= 3600:
+        return f"{s // 3600}h{s % 3600 // 60:02d}m"
+    if s >= 60:
+        return f"{s // 60}m{s % 60:02d}s"
+    return f"{s}s"
+
+
+def line(rec: dict, first: dict | None = None) -> str:
+    """The console text of record ``rec``; ``first`` (the job's first record seen) gives the rate for an ETA the
+    record does not carry."""
+    done, total = int(rec["done"]), rec.get("total")
+    parts = [f"{rec.get('task')}: " if rec.get("task") else ""]
+    if total:
+        parts.append(f"{rec.get('unit', '')} {done:,}/{int(total):,} ({100 * done / int(total):.0f}%)")
+    else:
+        parts.append(f"{rec.get('unit', '')} {done:,}")
+    figures = [f"{k} {v}" for k, v in (rec.get("figures") or {}).items()]
+    eta = rec.get("eta_s")
+    if eta is None and total and first is not None and rec.get("pid") == first.get("pid"):
+        span, gained = float(rec["time"]) - float(first["time"]), done - int(first["done"])
+        if span > 0 and gained > 0:
+            eta = (int(total) - done) * span / gained
+    tail = ", ".join([*figures, f"ETA {format_duration(eta)}"] if total else figures)
+    return "".join(parts) + (f", {tail}" if tail else "")
 
 
 class ProgressEcho:
-    """Echo the newest progress line of ``job``'s first task (its stdout log) every ``every_s`` seconds."""
+    """Print a job's progress record (:func:`update`) on the console while its step waits.
 
-    def __init__(self, job: Any, what: str, every_s: float = 30.0):
-        self.what, self.every_s = what, float(every_s)
-        task = (getattr(job, "_sub_jobs", None) or [job])[0]
-        try:
-            self.path = str(task.paths.stdout)
-        except Exception:  # noqa: BLE001 - a job without log paths (debug executor) echoes nothing
-            self.path = None
-        self.offset, self.last_time, self.last_line = 0, 0.0, None
+    Args:
+        path: the record's path (:func:`record_path`); None echoes nothing.
+        what: the step's name, the line's prefix.
+        every_s: least seconds between two looks (``dispatch.progress_s``).
+    """
+
+    def __init__(self, path: str | None, what: str, every_s: float = 30.0):
+        self.path, self.what, self.every_s = path, what, float(every_s)
+        self.last_time, self.last_seen, self.first = 0.0, None, None
 
     def poll(self, now: float | None = None) -> str | None:
-        """Print and return the newest progress line written since the last poll, if ``every_s`` has passed."""
+        """Print and return the line of the record when it changed since the last one printed and ``every_s`` has
+        passed since the last look; None otherwise."""
         now = time.time() if now is None else now
-        if self.path is None or now - self.last_time < self.every_s or not os.path.exists(self.path):
+        if self.path is None or now - self.last_time < self.every_s:
             return None
         self.last_time = now
-        with open(self.path, "rb") as fh:
-            fh.seek(self.offset)
-            chunk = fh.read()
-        cut = chunk.rfind(b"\n") + 1          # whole lines only; the rest is read next time
-        self.offset += cut
-        lines = [ln for ln in chunk[:cut].decode(errors="replace").splitlines() if ln.startswith(PREFIX)]
-        if not lines or lines[-1] == self.last_line:
+        rec = read(self.path)
+        if rec is None or rec == self.last_seen:
             return None
-        self.last_line = lines[-1]
-        text = f"[llmpipe {time.strftime('%H:%M:%S')}] {self.what}: {lines[-1][len('llmpipe: '):].strip()}"
+        if self.first is None or rec.get("pid") != self.first.get("pid") or rec["done"] < self.first["done"]:
+            self.first = rec   # a new job or allocation: its own rate
+        self.last_seen = rec
+        text = f"[llmpipe {time.strftime('%H:%M:%S')}] {self.what}: {line(rec, self.first)}"
         print(text, file=sys.stderr, flush=True)
         return text
+

@@ -301,7 +301,12 @@ def check(config: dict) -> None:
 
     errors = list(_validator().iter_errors(config))
     if errors:
-        raise ConfigError(message(max(errors, key=relevance)))
+        worst = max(errors, key=relevance)
+        setting = tuple(worst.absolute_path)
+        if worst.validator == "additionalProperties" and isinstance(worst.instance, dict):
+            known = set((worst.schema.get("properties") or {}) if isinstance(worst.schema, dict) else ())
+            setting += tuple(sorted(set(worst.instance) - known)[:1])   # the unknown key itself
+        raise ConfigError(message(worst), setting=setting)
 
 
 def check_part(value: Any, shape: str, where: str) -> None:
@@ -312,6 +317,50 @@ def check_part(value: Any, shape: str, where: str) -> None:
     errors = list(_validator().evolve(schema=load()["$defs"][shape]).iter_errors(value))
     if errors:
         raise ConfigError(message(max(errors, key=relevance), prefix=where.split(".")))
+
+
+def origin(setting: tuple, configfiles: list[str], overrides: dict | None) -> str | None:
+    """Where the value at ``setting`` (a path of keys) was written: ``--config`` when the command line's overrides
+    set it (they win), else the last of ``configfiles`` (YAML files, lowest precedence first) that sets it; None when
+    none does (a schema default)."""
+    import yaml
+
+    def sets(tree: Any) -> bool:
+        node = tree
+        for key in setting:
+            if isinstance(node, str):        # --config hands nested values over as YAML text
+                try:
+                    node = yaml.safe_load(node)
+                except yaml.YAMLError:
+                    return False
+            if isinstance(node, dict) and key in node:
+                node = node[key]
+            elif isinstance(node, list) and isinstance(key, int) and key < len(node):
+                node = node[key]
+            else:
+                return False
+        return bool(setting)
+
+    if sets(overrides or {}):
+        return "--config"
+    for path in reversed(configfiles):
+        try:
+            with open(path) as fh:
+                tree = yaml.safe_load(fh)
+        except (OSError, yaml.YAMLError):
+            continue
+        if sets(tree):
+            return path
+    return None
+
+
+def with_origin(exc: ConfigError, configfiles: list[str], overrides: dict | None) -> ConfigError:
+    """``exc`` with the file (or ``--config``) its setting was written in appended (:func:`origin`); ``exc``
+    itself when it names no setting or none sets it."""
+    where = origin(exc.setting, configfiles, overrides) if exc.setting else None
+    if where is None:
+        return exc
+    return ConfigError(f"{exc} (written in {where})", setting=exc.setting)
 
 
 def prepare(config: dict) -> dict:

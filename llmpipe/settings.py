@@ -25,7 +25,14 @@ RUN_KINDS = ("pretrain", "finetune")
 
 
 class ConfigError(ValueError):
-    """A setting in the experiment configuration is wrong; the message names the setting and the fix."""
+    """A setting in the experiment configuration is wrong; the message names the setting and the fix.
+
+    ``setting`` is the setting's path (a tuple of keys and list indexes) when the error is about one value of the
+    config as written (a schema error), else None."""
+
+    def __init__(self, message: str, setting: tuple | None = None):
+        super().__init__(message)
+        self.setting = setting
 
 
 def lcm(values: Iterable[int]) -> int:

@@ -22,6 +22,8 @@ from __future__ import annotations
 
 import time
 
+from llmpipe import progress
+
 WARMUP_FRACTION = 0.1
 WARMUP_MIN, WARMUP_MAX = 2, 50
 
@@ -67,6 +69,8 @@ class StepTimer:
         self._dirty = False
         self._printed_at = 0  # index into entries of the last progress line
         self.last: dict = {}  # the figures of the last progress line, for the tracking loggers
+        self.last_figures: dict[str, str] = {}  # the same, display-ready, for the progress record
+        self.last_position: tuple = (start_batch, total_batches, None)  # (batch, total, ETA s) of that line
 
     def exclude(self) -> None:
         """Mark the current interval as not steady (an evaluation or a checkpoint save ran in it)."""
@@ -128,6 +132,10 @@ class StepTimer:
         m = self._mfu(tps)
         self.last = {"llmpipe/tokens_per_s": tps, "llmpipe/mfu": m, "llmpipe/memory_gib": memory_gib,
                      "llmpipe/eta_s": eta}
+        self.last_figures = {"loss": f"{loss:.4f}" if loss is not None else "?",
+                             "tokens/s": f"{tps:,.0f}" if tps else "?",
+                             "MFU": f"{100 * m:.1f}%" if m is not None else "-"}
+        self.last_position = (batch, self.total_batches, eta)
         parts = [f"batch {batch}/{self.total_batches or '?'}",
                  f"loss {loss:.4f}" if loss is not None else "loss ?",
                  f"tokens/s {tps:,.0f}" if tps else "tokens/s ?",
@@ -157,11 +165,14 @@ def batch_end(timer: StepTimer, state) -> None:
 
 
 def report(timer: StepTimer, loss: float | None, logger, rank: int) -> None:
-    """Print the step-log line on rank 0 and hand its figures (tokens/s, MFU, memory, ETA; those known) to
-    composer's ``logger`` (the tracking loggers, :mod:`llmpipe.tracking`; rank-0 loggers ignore other ranks)."""
+    """Print the step-log line on rank 0, write it as the job's progress record (:mod:`llmpipe.progress`: batch/total,
+    loss, tokens/s, MFU, ETA) and hand its figures (tokens/s, MFU, memory, ETA; those known) to composer's ``logger``
+    (the tracking loggers, :mod:`llmpipe.tracking`; rank-0 loggers ignore other ranks)."""
     line = timer.progress(loss, memory_gib())
     if rank == 0:
         print(line, flush=True)
+        batch, total, eta = timer.last_position
+        progress.update(batch, total, "batch", eta_s=eta, figures=timer.last_figures)   # the step's console line
     logger.log_metrics({k: v for k, v in timer.last.items() if v is not None})
 
 

@@ -21,7 +21,12 @@ from llmpipe.tracking import settings as tracking_settings
 
 # The config against schemas/config.schema.yaml: --config values typed as in a YAML file, then an unknown key or a
 # wrong value stops here naming its path and the fix (ConfigError); validate() fills the settings' defaults.
-schema.prepare(config)
+try:
+    schema.prepare(config)
+except cfg.ConfigError as exc:   # name the user's file (or --config) the wrong value is written in
+    given = [str(f) for f in workflow.config_settings.configfiles]   # --configfile: over the Snakefile's own
+    files = [str(f) for f in workflow.configfiles if str(f) not in given] + given
+    raise schema.with_origin(exc, files, workflow.config_settings.config) from None
 validate(config, str(schema.SCHEMA_PATH))
 
 RESULTS = config["results_dir"]
@@ -116,7 +121,14 @@ def preflight(step, run=None):
     where = (
         f"models.{run}.resources" if step == "train" else ("data_resources" if step == "data" else f"{step}.resources")
     )
-    slurm.preflight(config, cfg.step_resources(config, step, run), where=where)
+    try:
+        slurm.preflight(config, cfg.step_resources(config, step, run), where=where)
+    except cfg.ConfigError as exc:
+        # Snakemake shows a resource error as its message alone ("WorkflowError in rule ..."), not as an input
+        # function's traceback
+        from snakemake.exceptions import ResourceValidationError
+
+        raise ResourceValidationError(f"{type(exc).__name__}: {exc}") from None
     _PREFLIGHT_DONE.add((step, run))
 
 

@@ -89,7 +89,8 @@ def tiny_run(tmp_path_factory) -> Path:
     """
     wd = tmp_path_factory.mktemp("tiny-run")
     t0 = time.time()
-    proc = snakemake(wd, "--cores", "2", env=no_symlink_env(wd))
+    # progress lines every second (dispatch.progress_s), so that the console output shows them for every step
+    proc = snakemake(wd, "--cores", "2", "--config", "dispatch={'progress_s': 1}", env=no_symlink_env(wd))
     (wd / "pipeline-stdout.txt").write_text(proc.stdout + proc.stderr + f"\nseconds: {time.time() - t0:.1f}\n")
     return wd
 

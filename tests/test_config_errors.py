@@ -422,6 +422,24 @@ def test_misspelled_train_setting_fails_the_dry_run_where_it_is_written(workdir)
     assert "eval.val_batchs is not a setting of `eval:`; did you mean val_batches?" in out
 
 
+def test_a_wrong_setting_names_the_file_or_option_it_is_written_in(workdir):
+    """The user's own config file (--configfile) wins over config/config.yaml, --config over both; the error names
+    where the wrong value was written."""
+    mine = workdir / "my-experiment.yaml"
+    mine.write_text("models:\n  mpt-tiny:\n    train:\n      microbatch: 8\n    arch:\n      d_model: 64\n")
+    out = dry_fail(workdir, "results/mpt-tiny/train.json", "--configfile", str(mine))
+    assert ("models.mpt-tiny.train.microbatch is not a train setting; did you mean microbatch_size?" in out
+            and f"(written in {mine})" in out), out[-3000:]
+    mine.write_text("models:\n  mpt-tiny:\n    arch:\n      d_model: -3\n")
+    out = dry_fail(workdir, "results/mpt-tiny/train.json", "--configfile", str(mine))
+    assert "models.mpt-tiny.arch.d_model is -3" in out and f"(written in {mine})" in out, out[-3000:]
+    out = dry_fail(workdir, "results/mpt-tiny/train.json", "--configfile", str(mine), "--config",
+                   "models={'mpt-tiny': {'arch': {'d_model': -5}}}")
+    assert "models.mpt-tiny.arch.d_model is -5" in out and "(written in --config)" in out, out[-3000:]
+    out = dry_fail(workdir, "results/mpt-tiny/train.json", "--config", "eval={'val_batches': 0}")
+    assert "(written in --config)" in out, out[-3000:]
+
+
 def test_misspelled_slurm_setting_fails_the_dry_run_of_the_slurm_profile(workdir):
     out = dry_fail(workdir, "results/mpt-tiny/train.json", "--profile", str(REPO / "profiles/slurm"), "--config",
                    "slurm={'partiton': 'gpu'}")

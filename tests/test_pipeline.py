@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import os
 import signal
 import subprocess
@@ -65,6 +66,20 @@ def test_tiny_pipeline_trains_and_evaluates(tiny_run):
     hf = load(tiny_run, "mpt-tiny/hf/manifest.json")
     assert hf["dtype"] == "bfloat16" and hf["attn_impl"] == "torch"
     assert hf["bytes"] < train["checkpoint_size_bytes"]  # optimizer state dropped, bf16 weights
+
+
+def test_console_shows_each_steps_progress_and_a_summary_at_the_end(tiny_run):
+    """With dispatch.progress_s 1, the console (Snakemake's output) has the training's progress record as lines of
+    done/total with figures and an ETA, and the chain's summary names the run's scores and folder."""
+    out = (tiny_run / "pipeline-stdout.txt").read_text()
+    batches = [int(b) for b in re.findall(r"\] train mpt-tiny: batch (\d+)/120 \(\d+%\), loss \d+\.\d{4}, "
+                                          r"tokens/s [\d,]+, MFU -, ETA \d+(?:m\d\ds|s)\n", out)]
+    assert len(batches) >= 2 and batches == sorted(set(batches)), out[-5000:]
+    train, ev = load(tiny_run, "mpt-tiny/train.json"), load(tiny_run, "mpt-tiny/eval.json")
+    summary = out[out.index("llmpipe: summary of the runs this chain changed:"):]
+    assert (f"  mpt-tiny: train loss {train['final_train_loss']:.4f} after 120 batches, held-out loss "
+            f"{ev['val']['loss']:.4f}, gauntlet average {ev['gauntlet']['average']:.4f}, 2 prompt(s) answered; "
+            f"files: results/mpt-tiny/") in summary, summary
 
 
 @pytest.mark.parametrize("change,expected", [

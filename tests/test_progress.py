@@ -1,31 +1,69 @@
-"""The training's batch lines reach the console while the step waits (llmpipe.progress)."""
+"""A job's progress record reaches the console while its step waits (llmpipe.progress)."""
 
 from __future__ import annotations
 
-from types import SimpleNamespace
+import json
 
+from llmpipe import progress, throughput
 from llmpipe.progress import ProgressEcho
 
 
-def _job(path):
-    return SimpleNamespace(paths=SimpleNamespace(stdout=path))
+def test_update_writes_the_record_named_by_the_environment_at_most_every_few_seconds(tmp_path, monkeypatch):
+    path = tmp_path / "progress.json"
+    monkeypatch.delenv(progress.ENV, raising=False)
+    assert not progress.update(1, 10, "batch", force=True)            # no record asked for
+    monkeypatch.setenv(progress.ENV, str(path))
+    assert progress.update(5, 120, "batch", eta_s=61.26, figures={"loss": "7.1000"}, force=True)
+    rec = json.loads(path.read_text())
+    assert (rec["done"], rec["total"], rec["unit"], rec["eta_s"], rec["figures"]) == (5, 120, "batch", 61.3,
+                                                                                     {"loss": "7.1000"})
+    assert not progress.update(6, 120, "batch")                       # within MIN_WRITE_S of the last write
+    assert json.loads(path.read_text())["done"] == 5
+    monkeypatch.setenv(progress.ENV, str(tmp_path / "missing" / "progress.json"))
+    assert not progress.update(7, 120, "batch", force=True)           # an unwritable record never fails a job
 
 
-def test_newest_batch_line_is_echoed_at_most_every_interval(tmp_path, capsys):
-    log = tmp_path / "0_log.out"
-    echo = ProgressEcho(_job(log), "train mpt-tiny", every_s=30)
-    assert echo.poll(now=100.0) is None                      # no log yet
-    log.write_text("config ...\nllmpipe: batch 5/120  loss 7.1  ETA 0:01:00\nllmpipe: batch 10/120  loss 6.9  ETA "
-                   "0:00:55\nllmpipe: batch 15/1")             # the last line is not complete yet
+def test_the_echo_prints_a_changed_record_at_most_every_interval(tmp_path, capsys):
+    path = tmp_path / "progress.json"
+    echo = ProgressEcho(str(path), "train mpt-tiny", every_s=30)
+    assert echo.poll(now=100.0) is None                              # no record yet
+    path.write_text(json.dumps({"done": 10, "total": 120, "unit": "batch", "eta_s": 55, "time": 1.0, "pid": 7,
+                                "figures": {"loss": "6.9000", "tokens/s": "1,234", "MFU": "-"}}))
     line = echo.poll(now=130.0)
-    assert line.endswith("train mpt-tiny: batch 10/120  loss 6.9  ETA 0:00:55")
-    assert "batch 10/120" in capsys.readouterr().err
-    with open(log, "a") as fh:
-        fh.write("20  loss 6.5  ETA 0:00:50\n")
-    assert echo.poll(now=140.0) is None                      # within the interval
-    assert echo.poll(now=170.0).endswith("batch 15/120  loss 6.5  ETA 0:00:50")
-    assert echo.poll(now=300.0) is None                      # nothing new
+    assert line.endswith("train mpt-tiny: batch 10/120 (8%), loss 6.9000, tokens/s 1,234, MFU -, ETA 55s"), line
+    assert line in capsys.readouterr().err
+    path.write_text(json.dumps({"done": 15, "total": 120, "unit": "batch", "eta_s": 3725, "time": 2.0, "pid": 7,
+                                "figures": {"loss": "6.5000"}}))
+    assert echo.poll(now=140.0) is None                              # within the interval
+    assert echo.poll(now=170.0).endswith("batch 15/120 (12%), loss 6.5000, ETA 1h02m")   # the changed record
+    assert echo.poll(now=300.0) is None                              # unchanged: nothing printed
 
 
-def test_a_job_without_log_paths_echoes_nothing():
-    assert ProgressEcho(SimpleNamespace(), "x", every_s=0).poll(now=1.0) is None
+def test_an_eta_the_record_lacks_comes_from_the_rate_since_the_first_record(tmp_path):
+    path = tmp_path / "progress.json"
+    echo = ProgressEcho(str(path), "eval mpt-tiny", every_s=0)
+    path.write_text(json.dumps({"done": 100, "total": 1000, "unit": "item", "task": "arc_easy", "time": 10.0,
+                                "pid": 3}))
+    assert echo.poll(now=1.0).endswith("eval mpt-tiny: arc_easy: item 100/1,000 (10%), ETA ?")
+    path.write_text(json.dumps({"done": 300, "total": 1000, "unit": "item", "task": "arc_easy", "time": 30.0,
+                                "pid": 3}))
+    assert echo.poll(now=2.0).endswith("item 300/1,000 (30%), ETA 1m10s")   # 200 items in 20 s, 700 to go
+
+
+def test_no_record_path_echoes_nothing():
+    assert ProgressEcho(None, "x", every_s=0).poll(now=1.0) is None
+
+
+def test_the_training_step_log_line_is_also_the_progress_record(tmp_path, monkeypatch):
+    path = tmp_path / "progress.json"
+    monkeypatch.setenv(progress.ENV, str(path))
+    monkeypatch.setitem(progress._last_write, "t", 0.0)
+    clock = iter(float(t) for t in range(100))
+    timer = throughput.StepTimer(120, 0, clock=lambda: next(clock))
+    for b in range(1, 21):
+        timer.batch_end(b, 1000 * b)
+    logger = type("L", (), {"log_metrics": lambda self, m: None})()
+    throughput.report(timer, 2.5, logger, rank=0)
+    rec = json.loads(path.read_text())
+    assert (rec["done"], rec["total"], rec["unit"], rec["figures"]["loss"]) == (20, 120, "batch", "2.5000"), rec
+    assert rec["eta_s"] == timer.last["llmpipe/eta_s"] and rec["eta_s"] > 0

@@ -499,11 +499,13 @@ def test_step_failing_at_run_time_reports_job_state_and_log(two_node_run, site, 
     job_id = row["JobID"]
     assert row["State"] == "FAILED", row
     log = rule_log(wd, "generate")
-    for text in (out, log):   # Snakemake's output (--show-failed-logs) and the rule's log
+    for text in (out, log):   # Snakemake's output (the step's own short summary) and the rule's log
         assert f"generate mpt-tiny: job {job_id} ended in state FAILED" in text, text[-5000:]
         assert "model.safetensors" in text and "no file named" in text, text[-5000:]   # transformers' error
-        assert "--- stderr (last 40 lines) ---" in text                       # the tail of the job's log
+        assert "--- stderr (last " in text                                    # the tail of the job's log
         assert f"results/logs/generate/mpt-tiny.submitit/{job_id}/{job_id}_0_log.err" in text
+    assert out.count(f"job {job_id} ended in state FAILED") == 1, out[-5000:]   # once, not once per printer
+    assert "rule log: results/logs/generate/mpt-tiny.log" in out and "--- stderr (last 40 lines) ---" in log
     assert not (wd / "results/mpt-tiny/generate.json").exists()
     assert not list((wd / ".llmpipe/jobs").glob("*.json"))
     # fixed: only that step runs again
@@ -548,6 +550,8 @@ def test_preflight_fails_the_dry_run(slurm_cluster, site, tmp_path, change, expe
     assert proc.returncode != 0
     assert "Using profiles slurm" in out, out[-2000:]
     assert re.search(r"ConfigError: " + expected, out, re.S), out[-4000:]
+    # the message alone, not wrapped as an input function's failure with a traceback
+    assert "InputFunctionException" not in out and "Traceback" not in out, out[-4000:]
     after = slurm_cluster.run("sacct", "--noheader", "--allocations", "--starttime", "now-1days", "--format", "JobID")
     assert before == after  # nothing was submitted
 

@@ -17,7 +17,8 @@ import pytest
 
 from llmpipe.config import run_config
 from llmpipe.identity import identity_text, parse_identity, same_identity
-from llmpipe.steps import RULES, THIS_RUN, Rule, context, run_rule, run_step
+from llmpipe.dispatch import StepFailed
+from llmpipe.steps import RULES, THIS_RUN, Rule, console_failure, context, run_rule, run_step
 from llmpipe.steps.data import mds_identity
 from llmpipe.steps.provenance import provenance_path
 from llmpipe.steps.train import train_identity
@@ -252,15 +253,33 @@ def test_a_step_writes_its_provenance_beside_its_output(tmp_path):
     assert rec["packages"]["snakemake"] and rec["host"] and rec["time"].endswith("+00:00")
 
 
-def test_a_failed_step_leaves_no_provenance(tmp_path):
+def test_a_failed_step_leaves_no_provenance(tmp_path, capsys):
     smk = gate_smk(tmp_path, busbw=0.5)  # below the gate's threshold: the step raises
     os.makedirs(os.path.dirname(smk.output[0]))
     with open(provenance_path(smk.output[0]), "w") as fh:
         fh.write("{}")  # an earlier execution's record
-    with pytest.raises(RuntimeError, match="training refuses to start"):
+    with pytest.raises(SystemExit) as ended:
         run_rule(smk)
+    assert ended.value.code == 1
     assert not os.path.exists(smk.output[0]) and not os.path.exists(provenance_path(smk.output[0]))
-    assert "ERROR: RuntimeError" in Path(smk.log[0]).read_text()
+    log = Path(smk.log[0]).read_text()
+    assert "ERROR: RuntimeError" in log and "training refuses to start" in log and "Traceback" in log
+    # the console: the error once, no traceback, and where the rule log is
+    err = capsys.readouterr().err
+    assert err.count("training refuses to start") == 1 and "Traceback" not in err, err
+    assert f"rule log (with the traceback): {smk.log[0]}" in err, err
+
+
+def test_a_failed_job_shows_its_error_and_a_short_log_tail_on_the_console():
+    tail = "\n".join(f"line {i}" for i in range(40))
+    exc = StepFailed(f"eval r: job 7 ended in state FAILED: KeyError: 'x'\nlog: /logs/7_0_log.err\n"
+                     f"--- stderr (last 40 lines) ---\n{tail}\n--- stdout (last 40 lines) ---\nonly one", "FAILED")
+    text = console_failure(exc, "results/logs/eval/r.log")
+    assert text.splitlines()[:2] == ["StepFailed: eval r: job 7 ended in state FAILED: KeyError: 'x'",
+                                     "log: /logs/7_0_log.err"]
+    assert "--- stderr (last 12 lines; the rule log has more) ---\nline 28\n" in text and "line 27" not in text
+    assert text.endswith("--- stdout (last 12 lines; the rule log has more) ---\nonly one\n"
+                         "rule log: results/logs/eval/r.log"), text
 
 
 def test_provenance_records_identity_and_version(tmp_path):

@@ -38,6 +38,8 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
+import sys
 import traceback
 from typing import Any
 from collections.abc import Callable
@@ -149,6 +151,31 @@ def log_error(log_file: str, exc: BaseException) -> None:
             fh.write(traceback.format_exc())
 
 
+#: Lines of each log tail a failure shows on the console (the rule log keeps the whole message).
+CONSOLE_TAIL_LINES = 12
+
+
+def console_failure(exc: BaseException, log_file: str) -> str:
+    """What a failing step prints on the console, once: the error (for a failed job its state, first error and job
+    log, with each log tail cut to its last :data:`CONSOLE_TAIL_LINES` lines) and the rule log that has all of it
+    (the traceback too, for an error of the step itself)."""
+    out: list[str] = []
+    tail: list[str] | None = None
+    for line in f"{type(exc).__name__}: {exc}".splitlines():
+        head = re.fullmatch(r"--- (\w+) \(last \d+ lines\) ---", line)
+        if head:
+            out += (tail or [])[-CONSOLE_TAIL_LINES:]
+            out.append(f"--- {head.group(1)} (last {CONSOLE_TAIL_LINES} lines; the rule log has more) ---")
+            tail = []
+        elif tail is not None:
+            tail.append(line)
+        else:
+            out.append(line)
+    out += (tail or [])[-CONSOLE_TAIL_LINES:]
+    traced = not isinstance(exc, (dispatch.StepFailed, ValueError))
+    return "\n".join([*out, f"rule log{' (with the traceback)' if traced else ''}: {log_file}"])
+
+
 def context(smk: Any, rule: Rule) -> StepContext:
     """The :class:`StepContext` of Snakemake's ``smk`` for ``rule``."""
     log_dir = None if rule.log_dir is None else rule.log_dir.format(**wildcard_values(smk.wildcards))
@@ -243,7 +270,7 @@ def run_rule(smk: Any) -> None:
 
     Raises:
         KeyError: the rule has no entry in :data:`RULES`.
-        Exception: whatever the step raised, after appending it to the rule's log.
+        SystemExit: (code 1) the step raised; its error is in the rule's log and, shortened, on stderr.
     """
     rule = RULES[smk.rule]
     dispatch.normalize_thread_env()  # threads: 0 of Slurm-waiting rules -> OMP_NUM_THREADS=0 from Snakemake
@@ -253,7 +280,9 @@ def run_rule(smk: Any) -> None:
         run_step(context(smk, rule), rule)
     except Exception as exc:
         log_error(smk.log[0], exc)
-        raise
+        # once, on the console: no traceback and no whole log tail here (the rule log has them; Snakemake names it)
+        print(f"[llmpipe] {smk.rule} failed: {console_failure(exc, smk.log[0])}", file=sys.stderr, flush=True)
+        raise SystemExit(1) from None
 
 
 __all__ = ["RULES", "Rule", "Kept", "StepContext", "run_rule", "run_step", "context"]
