@@ -493,6 +493,8 @@ def finetune_run_config(config: dict, run: str) -> dict:
     the weights and their config come from the hub). ``data`` holds the finetune's data settings plus, for the
     shared steps, ``tokenizer`` (default: the base run's), ``corpus`` (the corpus of the ICL tasks: ``icl_corpus``,
     default the base run's corpus) and ``concat_tokens`` (= ``max_seq_len``, the sequence length used for MFU).
+    ``generate`` is the finetune's own generation settings (``finetune_defaults`` overlaid with ``finetunes[run]``;
+    :func:`llmpipe.steps.generate.generate_settings` puts them over the ``generate:`` section).
 
     Raises:
         ConfigError: the base names an unknown run, or names both or neither of ``run`` and ``hub``.
@@ -532,6 +534,7 @@ def finetune_run_config(config: dict, run: str) -> dict:
         "lora": ft.get("lora") or None,
         "node_counts": [int(n) for n in (ft.get("node_counts") or [])],
         "step_resources": ft.get("step_resources") or {},
+        "generate": ft.get("generate") or {},
     }
 
 

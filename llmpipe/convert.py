@@ -6,6 +6,8 @@ flattened (llm-foundry's own ``edit_files_for_hf_compatibility``), so that
 ``AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True)`` works without llm-foundry installed.
 Attention implementations that exist only in our package (``sdpa``) are mapped back to llm-foundry's stock
 ``torch`` implementation in the exported config, as llm-foundry's own HF checkpointer does.
+The tokenizer is saved for transformers' usual calls (:func:`save_export_tokenizer`): ``model(**tok(text))``,
+``model.generate(**tok(texts, padding=True))`` and ``pipeline("text-generation", folder)``.
 """
 
 from __future__ import annotations
@@ -19,6 +21,10 @@ from llmpipe.throughput import peak_host_rss_gib
 
 #: attention implementations that the exported code knows; anything else is mapped to ``torch``.
 STOCK_ATTN_IMPLS = ("torch", "flash")
+#: What the exported tokenizer returns: MPT's forward takes no ``token_type_ids``.
+MODEL_INPUT_NAMES = ("input_ids", "attention_mask")
+#: MPT generates from left-padded batches only (its ``prepare_inputs_for_generation`` refuses right padding).
+PADDING_SIDE = "left"
 
 
 def mpt_config_dict(rc: dict) -> dict:
@@ -116,15 +122,15 @@ def convert_checkpoint(rc: dict, ckpt_path: str, tokenizer_dir: str, out_dir: st
     before verification is about one ``dtype`` copy of the weights; the manifest records it
     (``peak_rss_gib_export``, the process's peak resident set, interpreter and libraries included) beside the
     weights' size (``weights_gib``) and the time. A LoRA finetune's adapters are merged into the exported weights;
-    ``lora`` in the manifest holds the merge check (:func:`llmpipe.lora.merge_adapters`).
+    ``lora`` in the manifest holds the merge check (:func:`llmpipe.lora.merge_adapters`). The tokenizer is the run's
+    with a pad token and left padding (:func:`save_export_tokenizer`; ``tokenizer`` in the manifest).
 
     Raises:
-        ValueError: unknown dtype.
+        ValueError: unknown dtype, or a tokenizer that would grow when given its pad token.
     """
     import torch
     from llmfoundry.models.mpt import MPTConfig, MPTForCausalLM
     from llmfoundry.utils.huggingface_hub_utils import edit_files_for_hf_compatibility
-    from transformers import AutoTokenizer
 
     dtypes = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
     if dtype not in dtypes:
@@ -146,8 +152,10 @@ def convert_checkpoint(rc: dict, ckpt_path: str, tokenizer_dir: str, out_dir: st
     MPTForCausalLM.register_for_auto_class("AutoModelForCausalLM")
     export = model.to(dtypes[dtype])
     export.config.torch_dtype = dtypes[dtype]
+    tokenizer = save_export_tokenizer(tokenizer_dir, tmp)
+    # transformers' pipeline() loads a remote-code model's tokenizer only when its config names the class
+    export.config.tokenizer_class = tokenizer["class"]
     export.save_pretrained(tmp, safe_serialization=True, max_shard_size=max_shard_size)
-    AutoTokenizer.from_pretrained(tokenizer_dir).save_pretrained(tmp)
     edit_files_for_hf_compatibility(tmp)
     state_tied_embeddings(tmp, bool(getattr(export.config, "tie_word_embeddings", True)))
     give_umask_modes(tmp)
@@ -168,6 +176,7 @@ def convert_checkpoint(rc: dict, ckpt_path: str, tokenizer_dir: str, out_dir: st
         "bytes": int(sum(os.path.getsize(os.path.join(out_dir, f)) for f in os.listdir(out_dir))),
         "weights_gib": round(sum(p.numel() * p.element_size() for p in export.parameters()) / 2**30, 4),
         "max_shard_size": max_shard_size,
+        "tokenizer": tokenizer,
         "safetensors_files": sorted(f for f in os.listdir(out_dir) if f.endswith(".safetensors")),
         "peak_rss_gib_export": round(peak_host_rss_gib(), 3),
         "export_seconds": round(time.time() - t0, 2),
@@ -182,6 +191,40 @@ def convert_checkpoint(rc: dict, ckpt_path: str, tokenizer_dir: str, out_dir: st
     manifest["seconds"] = round(time.time() - t0, 2)
     atomic_write_json(os.path.join(out_dir, "manifest.json"), manifest)  # last: the folder is complete now
     return manifest
+
+
+def save_export_tokenizer(tokenizer_dir: str, out_dir: str) -> dict:
+    """Save the tokenizer of ``tokenizer_dir`` into the export ``out_dir`` for transformers' usual calls.
+
+    Its pad token is its own, else its EOS token, a token it has: no token is added and the embeddings keep their
+    size, and padded positions are masked by ``attention_mask``, so no score changes. It pads on the left
+    (:data:`PADDING_SIDE`) and returns :data:`MODEL_INPUT_NAMES` only. The three are init arguments of the
+    tokenizer, which ``save_pretrained`` writes to ``tokenizer_config.json``.
+
+    Returns:
+        ``{"class", "pad_token", "pad_token_id", "padding_side", "model_input_names"}`` of the saved tokenizer
+        (``class``: the ``tokenizer_class`` of its ``tokenizer_config.json``, for the model's config).
+
+    Raises:
+        ValueError: the tokenizer has more tokens after the change (the model's embeddings would not cover them).
+    """
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tokenizer_dir)
+    size = len(tok)
+    kwargs = {"padding_side": PADDING_SIDE, "model_input_names": list(MODEL_INPUT_NAMES)}
+    if tok.pad_token is None and tok.eos_token is not None:
+        kwargs["pad_token"] = tok.eos_token
+    tok = AutoTokenizer.from_pretrained(tokenizer_dir, **kwargs)
+    if len(tok) != size:
+        raise ValueError(f"the tokenizer {tokenizer_dir} grew from {size} to {len(tok)} tokens when given its pad "
+                         f"token {kwargs.get('pad_token')!r}; the exported model has no embedding for the new one")
+    tok.save_pretrained(out_dir)
+    from llmpipe.atomic import read_json
+    saved = read_json(os.path.join(out_dir, "tokenizer_config.json"), {}) or {}
+    return {"class": saved.get("tokenizer_class") or type(tok).__name__, "pad_token": tok.pad_token,
+            "pad_token_id": tok.pad_token_id, "padding_side": tok.padding_side,
+            "model_input_names": list(tok.model_input_names)}
 
 
 def state_tied_embeddings(folder: str, tied: bool) -> None:

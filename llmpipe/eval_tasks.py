@@ -20,6 +20,7 @@ recorded as a subset), whatever the batch sizes. No module here imports torch: t
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 from collections.abc import Mapping
@@ -213,7 +214,8 @@ def check_suite(config: Mapping, run: str) -> tuple[str, dict]:
     no remote URI (evaluation never uses the network); keys fit the task's type; a local file exists and has
     items; ``num_fewshot`` leaves at least one other item (built tasks: ``num_items``; local files: their items);
     ``subset_items`` is at most the items of a local file; gauntlet benchmarks name a task and shot count of the
-    suite with a baseline in [0, 1).
+    suite with a baseline in [0, 1); every answer leaves room for context in the run's context
+    (:func:`check_answers_fit`, for the task files and the tokenizer already on disk).
 
     Raises:
         ConfigError: naming the setting's path and the fix.
@@ -254,7 +256,77 @@ def check_suite(config: Mapping, run: str) -> tuple[str, dict]:
         raise ConfigError(f"{where[:-len('icl_tasks')]}eval_gauntlet.averages.core_average names {unknown}, which "
                           f"no category of the gauntlet is (categories: {sorted(known)}); the average would cover "
                           f"a silent subset. Fix: name existing categories.")
+    check_answers_fit(config, run, name, s)
     return name, s
+
+
+def file_on_disk(config: Mapping, task: Mapping, suite_name_: str, corpus: str) -> str | None:
+    """The file a task will be scored on when the dry run can read it now: a local file, a built task's file once
+    built, a standard file in the local mirror (``eval.task_data.source: local``) or fetched earlier; else None."""
+    src = data_source(task)
+    uri = str(task.get("dataset_uri") or "")
+    td = (config.get("eval") or {}).get("task_data") or {}
+    if src == "foundry" and td.get("source") == "local" and td.get("local_dir"):
+        path = os.path.join(td["local_dir"], uri)
+    else:
+        path = task_path(task, results_dir=str(config.get("results_dir", "results")), corpus=corpus,
+                         suite=suite_name_)
+    return path if os.path.isfile(path) else None
+
+
+def foundry_task(task: Mapping) -> dict:
+    """A task's llm-foundry keys (:data:`TASK_KEYS`; a built task gets its kind's type and delimiters)."""
+    out = {k: v for k, v in task.items() if k in TASK_KEYS}
+    if data_source(task) == "built":
+        out.update(BUILT_KINDS[task["kind"]])
+    return out
+
+
+def check_answers_fit(config: Mapping, run: str, suite_name_: str, s: Mapping) -> None:
+    """Refuse a task that cannot be scored in the run's context: an item whose answer leaves no context token
+    (:func:`llmpipe.icl_tokens.context_fit`), counted with the run's prepared tokenizer
+    (``<results_dir>/tokenizers/<data.tokenizer>``). Checks only what is on disk (:func:`file_on_disk`, the
+    tokenizer folder's manifest); the evaluation job checks the rest and records such a task as not scored.
+
+    Raises:
+        ConfigError: naming the task's config path, the counts and the fix.
+    """
+    from llmpipe.config import run_config
+
+    data = run_config(config, run)["data"]  # type: ignore[arg-type]
+    tok_dir = os.path.join(str(config.get("results_dir", "results")), "tokenizers", str(data["tokenizer"]))
+    manifest = os.path.join(tok_dir, "manifest.json")
+    if not os.path.isfile(manifest):
+        return
+    for i, t in enumerate(s["icl_tasks"]):
+        path = file_on_disk(config, t, suite_name_, str(data["corpus"]))
+        if path is None:
+            continue
+        task = foundry_task(t)
+        seq = int(task.get("max_seq_len") or data["concat_tokens"])
+        st, mt = os.stat(path), os.stat(manifest)
+        fit = _answers_fit(path, st.st_mtime_ns, st.st_size, tok_dir, mt.st_mtime_ns, json.dumps(task, sort_keys=True),
+                           seq, t.get("subset_items"))
+        if fit["items_too_long"]:
+            from llmpipe.icl_tokens import too_long_reason
+
+            setting = f"{s['where']}[{i}].max_seq_len" if task.get("max_seq_len") else f"data.concat_tokens of {run}"
+            raise ConfigError(f"{s['where']}[{i}]: " + too_long_reason(t["label"], fit, setting))
+
+
+@functools.lru_cache(maxsize=256)
+def _answers_fit(path: str, mtime_ns: int, size: int, tok_dir: str, tok_mtime_ns: int, task_json: str, seq: int,
+                 subset: int | None) -> dict:
+    """:func:`llmpipe.icl_tokens.context_fit` of a file's answers (cached per file, tokenizer, task and context:
+    the DAG asks once per job)."""
+    from llmpipe import icl_tokens
+
+    task = json.loads(task_json)
+    items = icl_tokens.read_items(path)
+    if subset is not None:
+        items = items[:int(subset)]
+    tokens = icl_tokens.item_tokens(task, items, icl_tokens.Encoder.from_folder(tok_dir), context=False)
+    return icl_tokens.context_fit(task["icl_task_type"], tokens, seq)
 
 
 def check_task_data(config: Mapping, files: list[str]) -> None:
@@ -374,9 +446,7 @@ def foundry_tasks(tasks: list[Mapping], paths: Mapping[str, str], scratch: str) 
         if max(fewshot) > n - 1:
             raise ValueError(f"ICL task {label}: {max(fewshot)} shots need {max(fewshot) + 1} items, the file has "
                              f"{n}. Fix: lower num_fewshot.")
-        task = {k: v for k, v in t.items() if k in TASK_KEYS}
-        if data_source(t) == "built":
-            task.update(BUILT_KINDS[t["kind"]])
+        task = foundry_task(t)
         task.update(dataset_uri=path, num_fewshot=fewshot)
         out.append(task)
         info[label] = {"items": n, "items_in_file": total, "subset": n < total, "file": os.path.abspath(paths[label]),
@@ -451,27 +521,30 @@ def gauntlet_average(scores: Mapping[str, Mapping[str, Mapping]], gauntlet: Mapp
     random baseline (0 at chance, 1 when every item is right, below 0 under chance); a category scores the mean of
     its benchmarks; the average is the mean of the categories (``core_average`` over the categories listed in
     ``averages`` when given, else over all of them). A category with a benchmark that has no score is left out,
-    and listed in ``categories_left_out``.
+    and listed in ``categories_left_out``; the benchmarks without a score are listed in ``missing`` and
+    ``partial`` is then true (the average covers part of the gauntlet).
 
     Returns:
-        ``{"average", "categories": {name: score}, "benchmarks": {"<task>/<k>-shot": score}, "categories_left_out",
-        "source"}``, or None without a gauntlet.
+        ``{"average", "over", "categories": {name: score}, "benchmarks": {"<task>/<k>-shot": score},
+        "categories_left_out", "partial", "missing": ["<task>/<k>-shot", ...], "source"}``, or None without a
+        gauntlet.
     """
     if not gauntlet or not gauntlet.get("categories"):
         return None
-    cats, bench, left_out = {}, {}, []
+    cats, bench, left_out, missing = {}, {}, [], []
     for cat in gauntlet["categories"]:
-        vals = []
+        vals, complete = [], True
         for b in cat.get("benchmarks") or []:
             key = f"{b['name']}/{int(b['num_fewshot'])}-shot"
             rec = (scores.get(b["name"]) or {}).get(f"{int(b['num_fewshot'])}-shot")
             if rec is None:
-                vals = None
-                break
+                missing.append(key)
+                complete = False
+                continue
             base = float(b["random_baseline"])
             bench[key] = (float(rec["accuracy"]) - base) / (1.0 - base)
             vals.append(bench[key])
-        if vals:
+        if vals and complete:
             cats[cat["name"]] = sum(vals) / len(vals)
         else:
             left_out.append(cat["name"])
@@ -479,7 +552,7 @@ def gauntlet_average(scores: Mapping[str, Mapping[str, Mapping]], gauntlet: Mapp
     core = averages.get("core_average") if isinstance(averages, Mapping) else None
     used = [c for c in (core or cats) if c in cats]
     return {"average": sum(cats[c] for c in used) / len(used) if used else None, "over": used, "categories": cats,
-            "benchmarks": bench, "categories_left_out": left_out,
+            "benchmarks": bench, "categories_left_out": left_out, "partial": bool(missing), "missing": missing,
             "source": "llm-foundry eval gauntlet (EQUAL weighting, random baseline subtracted and rescaled)"}
 
 

@@ -15,7 +15,7 @@ import shutil
 import tempfile
 import time
 
-from llmpipe import eval_tasks
+from llmpipe import eval_tasks, icl_tokens
 
 
 def evaluate(rc: dict, model_dir: str, data_dir: str | None, icl_files: dict[str, str], *, eval_settings: dict,
@@ -34,9 +34,13 @@ def evaluate(rc: dict, model_dir: str, data_dir: str | None, icl_files: dict[str
             (a finetune's held-out instructions, see :func:`llmpipe.finetune.evaluate_finetune`).
 
     Returns:
-        ``{"harness": "llm-foundry <version>", "val": {"loss", "perplexity", "token_accuracy", "tokens"},
-        "icl": {label: {"<k>-shot": accuracy}}, "tasks": {label: {"<k>-shot": {"accuracy", "items", ...}}},
-        "gauntlet": :func:`llmpipe.eval_tasks.gauntlet_average`, "metrics": every metric llm-foundry computed,
+        ``{"harness": "llm-foundry <version>", "val": {"loss", "perplexity", "token_accuracy", "tokens" (count),
+        "split" ("val"), "token_scope" ("all": every token of the held-out text)}, "icl": {label: {"<k>-shot":
+        accuracy}}, "tasks": {label: {"<k>-shot": {"accuracy", "items", "items_cut" (items whose context llm-foundry
+        cut from the left to fit ``seq_len``, :func:`llmpipe.icl_tokens.context_fit`), ...}}}, "not_scored": {label:
+        {"reason", ...}} (tasks left out because an answer leaves no context token,
+        :func:`llmpipe.icl_tokens.task_fits`), "gauntlet": :func:`llmpipe.eval_tasks.gauntlet_average` (``partial``
+        when a benchmark has no score), "metrics": every metric llm-foundry computed,
         "processes", "fsdp" (whether it ran under FSDP), "seconds", ...}``. Loss in nats per token. Every process
         of the job returns it, each with the metrics and counts summed over all of them (torchmetrics syncs when a
         metric is computed); the step writes rank 0's (:func:`llmpipe.dispatch.run_step`).
@@ -63,6 +67,23 @@ def evaluate(rc: dict, model_dir: str, data_dir: str | None, icl_files: dict[str
     suite = suite or {"name": "default", "icl_tasks": ecfg.get("icl_tasks", []), "eval_gauntlet": None}
     scratch = tempfile.mkdtemp(prefix="llmpipe-eval-")
     tasks, task_info = eval_tasks.foundry_tasks(suite["icl_tasks"], icl_files, os.path.join(scratch, "subsets"))
+    # before the model loads: a task with an answer that leaves no context token would stop llm-foundry's whole
+    # evaluation; it is left out and recorded, the others are scored
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(os.path.abspath(model_dir), model_max_length=int(1e30))
+    encoder = icl_tokens.Encoder.from_transformers(tokenizer)
+    fits, not_scored = icl_tokens.task_fits(tasks, encoder, seq, f"data.concat_tokens of {run}")
+    tasks = [t for t in tasks if t["label"] not in not_scored]
+    for label, rec in not_scored.items():
+        rec["items_in_file"] = task_info.pop(label)["items_in_file"]
+        if int(dist_env.get("rank", 0)) == 0:
+            print(f"[llmpipe] eval {run}: not scored: {rec['reason']}", flush=True)
+    for label, by_shot in fits.items():
+        for shots, fit in by_shot.items():
+            if fit["items_cut"] and int(dist_env.get("rank", 0)) == 0:
+                print(f"[llmpipe] eval {run}: {label} {shots}: {fit['items_cut']} of {fit['items']} items cut from "
+                      f"the left to fit the {fit['max_seq_len']}-token context", flush=True)
     cfg = {
         "run_name": f"eval-{run}",
         "seed": 17,
@@ -129,20 +150,23 @@ def evaluate(rc: dict, model_dir: str, data_dir: str | None, icl_files: dict[str
     scores = eval_tasks.task_scores(state_metrics, task_info)
     icl = {task: {shots: rec["accuracy"] for shots, rec in by_shot.items()} for task, by_shot in scores.items()}
     for task, by_shot in scores.items():
-        for rec in by_shot.values():
+        for shots, rec in by_shot.items():
             rec.update({k: task_info[task][k] for k in ("items_in_file", "subset", "icl_task_type")})
+            rec["items_cut"] = fits[task][shots]["items_cut"]
     loss = heldout.get("LanguageCrossEntropy")
     return {
         "run": run,
+        "kind": "pretrain",  # llmpipe.finetune.evaluate_finetune writes "finetune"
         "model": model_dir,
         "val": {"loss": loss, "perplexity": heldout.get("LanguagePerplexity", math.exp(loss) if loss else None),
                 "token_accuracy": heldout.get("TokenAccuracy"), "tokens": tokens,
                 "batches": int(ecfg.get("val_batches", -1)),
-                "batch_size": bs, "seq_len": seq},
+                "batch_size": bs, "seq_len": seq, "split": "val", "token_scope": "all"},
         "harness": f"llm-foundry {llmfoundry.__version__}",
         "suite": suite.get("name"),
         "icl": icl,
         "tasks": scores,
+        "not_scored": not_scored,
         "gauntlet": eval_tasks.gauntlet_average(scores, suite.get("eval_gauntlet")),
         "metrics": metrics,
         "device": torch.cuda.get_device_name() if on_gpu else "cpu",

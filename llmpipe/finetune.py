@@ -243,7 +243,8 @@ def evaluate_finetune(rc: dict, model_dir: str, instructions_dir: str, icl_files
 
     Returns:
         pretraining's eval.json keys (``val``: loss, perplexity, token_accuracy; ``icl``; ``metrics`` ...), with
-        ``kind: finetune`` and ``val.split: test``, ``val.tokens: response``.
+        ``kind: finetune`` and ``val.split: test``, ``val.token_scope: response`` (``val.tokens`` counts the
+        response tokens scored, an integer as in every run).
     """
     from llmpipe.evaluate import evaluate
 
@@ -252,7 +253,7 @@ def evaluate_finetune(rc: dict, model_dir: str, instructions_dir: str, icl_files
     loader.update(num_workers=0, prefetch_factor=None, persistent_workers=False)
     result = evaluate(rc, model_dir, None, icl_files, eval_settings=eval_settings, eval_loader=loader, suite=suite)
     result["kind"] = "finetune"
-    result["val"].update(split="test", tokens="response")
+    result["val"].update(split="test", token_scope="response")
     return result
 
 

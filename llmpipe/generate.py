@@ -7,11 +7,20 @@ the new tokens get ``reserve = min(max_new_tokens, context // 2)`` positions, an
 ``handle_long_generation="hole"``) and recorded as such, or, with ``long_prompts: fail``, not answered and recorded
 with an error; the other prompts are answered either way. A prompt that fits keeps every token and gets the new
 tokens that fit behind it, at most ``max_new_tokens``.
+
+The model continues each prompt put into ``template`` (``{prompt}`` replaced by the prompt, as
+:func:`llmpipe.data.instructions.apply_template` builds a finetune's training prompts); the tokens counted above are
+that text's. A prompt that cannot be answered (not text, no tokens, too long under ``long_prompts: fail``, or an
+error raised while generating it) is recorded with its error and the other prompts are answered.
 """
 
 from __future__ import annotations
 
+import sys
 import time
+import traceback
+
+from llmpipe.data.instructions import PROMPT_FIELD, apply_template
 
 #: ``generate.long_prompts``: what happens to a prompt too long for the context.
 LONG_PROMPT_MODES = ("truncate", "fail")
@@ -39,37 +48,45 @@ def prompt_budget(prompt_tokens: int, context: int, max_new_tokens: int) -> tupl
     return kept, min(max_new_tokens, context - kept)
 
 
-def generate(model_dir: str, gen_cfg: dict, *, gpus: int | None = None) -> dict:
+def generate(model_dir: str, gen_cfg: dict, *, gpus: int | None = None,
+             prompts_at: str = "generate.prompts") -> dict:
     """Answer each prompt of ``gen_cfg['prompts']`` with the model in ``model_dir``.
 
     Args:
         model_dir: a folder written by :func:`llmpipe.convert.convert_checkpoint`.
-        gen_cfg: ``prompts`` (list of str), ``max_new_tokens``, ``do_sample``, ``temperature``, ``top_p``, ``seed``,
-            ``long_prompts`` (``truncate`` | ``fail``, see the module docstring).
+        gen_cfg: ``prompts`` (list of str), ``template`` (text with ``{prompt}``; None: the prompt alone),
+            ``max_new_tokens``, ``do_sample``, ``temperature``, ``top_p``, ``seed``, ``long_prompts``
+            (``truncate`` | ``fail``, see the module docstring).
         gpus: the job's GPUs (``resources.gpus_per_node``; None: every visible one). The model is placed across
             them (:func:`llmpipe.inference_placement.generation_placement`: ``device_map``), on the CPU when the
             host has none.
+        prompts_at: the setting the prompts are written at, named in messages (``finetunes.<run>.generate.prompts``).
 
     Returns:
         ``{"model", "device", "gpus" (the model was placed across; 0: CPU), "context_tokens", "settings", "outputs",
         "tokens_per_s"}``; each output is
-        ``{"prompt", "prompt_tokens", "prompt_tokens_kept", "prompt_truncated", "completion", "new_tokens",
-        "seconds", "truncated_to_context"}`` (``truncated_to_context``: fewer than ``max_new_tokens`` new tokens fit),
-        or, for a too-long prompt under ``long_prompts: fail``, ``{"prompt", "prompt_tokens", "error"}``.
-        tokens/s counts generated tokens over generation time.
+        ``{"prompt", "text" (the template applied: what the model continued), "prompt_tokens" (of the text),
+        "prompt_tokens_kept", "prompt_truncated", "completion", "new_tokens", "seconds", "truncated_to_context"}``
+        (``truncated_to_context``: fewer than ``max_new_tokens`` new tokens fit), or, for a prompt that was not
+        answered, ``{"prompt", "text", "prompt_tokens" (when tokenized), "error"}`` with ``exception`` (its type's
+        name) when generating it raised. tokens/s counts generated tokens over generation time.
 
     Raises:
-        ValueError: no prompts configured, or an unknown ``long_prompts``.
+        ValueError: no prompts configured, an unknown ``long_prompts``, or a template without ``{prompt}``.
     """
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     prompts = list(gen_cfg.get("prompts") or [])
     if not prompts:
-        raise ValueError("generate.prompts is empty. Fix: list at least one prompt under generate.prompts.")
+        raise ValueError(f"{prompts_at} is empty. Fix: list at least one prompt under {prompts_at}.")
     mode = gen_cfg.get("long_prompts") or "truncate"
     if mode not in LONG_PROMPT_MODES:
         raise ValueError(f"generate.long_prompts is {mode!r}; it must be one of {', '.join(LONG_PROMPT_MODES)}.")
+    template = gen_cfg.get("template") or PROMPT_FIELD
+    if not isinstance(template, str) or PROMPT_FIELD not in template:
+        raise ValueError(f"the generation template {template!r} has no {PROMPT_FIELD}. Fix: write {PROMPT_FIELD} "
+                         f"where the prompt goes (generate.template).")
     from llmpipe.inference_placement import generation_placement
 
     place = generation_placement(gpus)
@@ -89,30 +106,47 @@ def generate(model_dir: str, gen_cfg: dict, *, gpus: int | None = None) -> dict:
     context = int(getattr(model.config, "max_seq_len", 2048))
     outputs, total_new, total_s = [], 0, 0.0
     for i, prompt in enumerate(prompts):
-        ids = tok(prompt, return_tensors="pt").input_ids.to(device)
-        n = int(ids.shape[1])
-        kept, budget = prompt_budget(n, context, max_new)
-        if kept < n and mode == "fail":
-            outputs.append({"prompt": prompt, "prompt_tokens": n, "error": (
-                f"generate.prompts[{i}] ({prompt[:40]!r}{'...' if len(prompt) > 40 else ''}) has {n} tokens; the "
-                f"model's context is {context} tokens and {context - kept} of them are kept for new tokens, so a "
-                f"prompt may have at most {kept}. Fix: shorten the prompt, or set generate.long_prompts: truncate "
-                f"(its first {n - kept} tokens are dropped).")})
+        shown = f"{prompts_at}[{i}] ({str(prompt)[:40]!r}{'...' if len(str(prompt)) > 40 else ''})"
+        if not isinstance(prompt, str):
+            outputs.append({"prompt": prompt, "text": None, "error": (
+                f"{prompts_at}[{i}] is {prompt!r}, not text. Fix: write the prompt as text (quoted in YAML).")})
             continue
-        ids = ids[:, n - kept:]
-        t0 = time.time()
-        with torch.no_grad():
-            out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=budget, **kwargs)
-        dt = time.time() - t0
-        new = out[0, ids.shape[1]:]
-        outputs.append({"prompt": prompt, "prompt_tokens": n, "prompt_tokens_kept": kept, "prompt_truncated": kept < n,
-                        "completion": tok.decode(new, skip_special_tokens=True), "new_tokens": int(new.numel()),
+        text = apply_template(template, prompt)
+        record: dict = {"prompt": prompt, "text": text}
+        try:
+            ids = tok(text, return_tensors="pt").input_ids.to(device)
+            n = record["prompt_tokens"] = int(ids.shape[1])
+            if n == 0:  # MPT's generate indexes the last position of the prompt
+                outputs.append({**record, "error": f"{shown} has no tokens (the text sent is {text!r}), so there is "
+                                                  f"nothing to continue. Fix: write the prompt's text."})
+                continue
+            kept, budget = prompt_budget(n, context, max_new)
+            if kept < n and mode == "fail":
+                outputs.append({**record, "error": (
+                    f"{shown} has {n} tokens; the model's context is {context} tokens and {context - kept} of them "
+                    f"are kept for new tokens, so a prompt may have at most {kept}. Fix: shorten the prompt, or set "
+                    f"generate.long_prompts: truncate (its first {n - kept} tokens are dropped).")})
+                continue
+            ids = ids[:, n - kept:]
+            t0 = time.time()
+            with torch.no_grad():
+                out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=budget, **kwargs)
+            dt = time.time() - t0
+            new = out[0, ids.shape[1]:]
+            completion = tok.decode(new, skip_special_tokens=True)
+        except Exception as exc:  # recorded for this prompt alone; the others are still answered
+            print(f"{shown}: generation failed:\n{traceback.format_exc()}", file=sys.stderr, flush=True)
+            outputs.append({**record, "error": f"{shown}: generation failed: {type(exc).__name__}: {exc}",
+                            "exception": type(exc).__name__})
+            continue
+        outputs.append({**record, "prompt_tokens_kept": kept, "prompt_truncated": kept < n,
+                        "completion": completion, "new_tokens": int(new.numel()),
                         "seconds": round(dt, 3), "truncated_to_context": budget < max_new})
         total_new += int(new.numel())
         total_s += dt
     return {"model": model_dir, "device": torch.cuda.get_device_name() if place["gpus"] else "cpu",
             "gpus": place["gpus"],
             "context_tokens": context,
-            "settings": {k: gen_cfg.get(k) for k in ("max_new_tokens", "do_sample", "temperature", "top_p", "seed",
-                                                     "long_prompts")},
+            "settings": {**{k: gen_cfg.get(k) for k in ("max_new_tokens", "do_sample", "temperature", "top_p",
+                                                        "seed", "long_prompts")}, "template": template},
             "outputs": outputs, "tokens_per_s": round(total_new / total_s, 2) if total_s else None}

@@ -54,11 +54,28 @@ def standin_tasks(d):
     ]
 
 
+def context_tasks(d):
+    """Tasks for the repeat model's 64-token context (one token per word, no BOS): ``cut`` has contexts of 10, 62,
+    63, 64 and 100 words before a one-word answer (its context's last word, so every item is right); ``long`` is
+    a 3-item multiple-choice task whose second item has a 70-word choice (PIQA's case: an answer longer than the
+    context)."""
+    cut = [{"context": " ".join(WORDS[(i + j) % 20] for j in range(n)), "continuation": WORDS[(i + n - 1) % 20]}
+           for i, n in enumerate([10, 62, 63, 64, 100])]
+    long = [{"query": f"{WORDS[0]} {WORDS[i]}", "choices": [WORDS[i], " ".join([WORDS[1]] * (70 if i == 1 else 2))],
+             "gold": 0} for i in range(3)]
+    return [{"label": "cut", "dataset_uri": write_jsonl(d / "cut.jsonl", cut), "icl_task_type": "language_modeling",
+             "num_fewshot": [0, 1]},
+            {"label": "long", "dataset_uri": write_jsonl(d / "long.jsonl", long), "icl_task_type": "multiple_choice",
+             "num_fewshot": [0]}]
+
+
 @pytest.mark.slow
 def test_standin_suite_is_scored_as_hand_computed(tmp_path, monkeypatch):
     """Every task type scores its hand-computed accuracy over every item (7 multiple-choice items need 7 batches of
     one question: more than val_batches, which caps the held-out loader only), the subset is recorded, and the
-    held-out loss is the model's exact -log p(w | w)."""
+    held-out loss is the model's exact -log p(w | w). A task whose answer is longer than the context is recorded
+    as not scored while the others are scored, the gauntlet average says it is partial, and each task counts the
+    items whose context was cut to fit."""
     from streaming import MDSWriter
 
     # evaluate() runs in this process here: the single-process torch.distributed variables it sets must not reach
@@ -72,19 +89,33 @@ def test_standin_suite_is_scored_as_hand_computed(tmp_path, monkeypatch):
     with MDSWriter(out=str(tmp_path / "mds" / "val"), columns={"text": "str"}) as w:
         for i in range(5):
             w.write({"text": " ".join([WORDS[i]] * 40)})
-    tasks = standin_tasks(tmp_path)
+    tasks = standin_tasks(tmp_path) + context_tasks(tmp_path)
     gauntlet = {"categories": [
         {"name": "choice", "benchmarks": [{"name": "mc", "num_fewshot": 0, "random_baseline": 0.5},
                                           {"name": "schema", "num_fewshot": 0, "random_baseline": 0.5}]},
         {"name": "free", "benchmarks": [{"name": "lm", "num_fewshot": 0, "random_baseline": 0.0},
-                                        {"name": "gen", "num_fewshot": 0, "random_baseline": 0.0}]}]}
+                                        {"name": "gen", "num_fewshot": 0, "random_baseline": 0.0}]},
+        {"name": "long_answers", "benchmarks": [{"name": "long", "num_fewshot": 0, "random_baseline": 0.5}]}]}
     ev = evaluate({"name": "repeat", "data": {"concat_tokens": 64}}, model, str(tmp_path / "mds"),
                   {t["label"]: t["dataset_uri"] for t in tasks}, eval_settings={"batch_size": 2, "val_batches": 1},
                   suite={"name": "stand-in", "icl_tasks": tasks, "eval_gauntlet": gauntlet})
     want = {("mc", "0-shot"): (5, 7), ("mc_first3", "0-shot"): (3, 3), ("lm", "0-shot"): (3, 5),
-            ("lm", "2-shot"): (3, 5), ("schema", "0-shot"): (4, 6), ("gen", "0-shot"): (2, 4)}
+            ("lm", "2-shot"): (3, 5), ("schema", "0-shot"): (4, 6), ("gen", "0-shot"): (2, 4),
+            ("cut", "0-shot"): (5, 5), ("cut", "1-shot"): (5, 5)}
     got = {(t, s): (r["correct"], r["items"]) for t, by in ev["tasks"].items() for s, r in by.items()}
     assert got == want
+    # cut to fit: 0-shot, context + 1-word answer > 64 for the 64- and 100-word contexts; 1-shot, another item
+    # (10 words or more) and its answer come first, so every item is cut (10 + 1 + 62 + 1 > 64 at the least)
+    cuts = {(t, s): r["items_cut"] for t, by in ev["tasks"].items() for s, r in by.items()}
+    assert cuts == {**{k: 0 for k in want}, ("cut", "0-shot"): 2, ("cut", "1-shot"): 5}
+    assert ev["not_scored"] == {"long": {
+        "reason": ev["not_scored"]["long"]["reason"], "icl_task_type": "multiple_choice", "items": 3,
+        "items_too_long": 1, "longest_answer_tokens": 70, "max_seq_len": 64, "items_in_file": 3}}
+    assert ev["not_scored"]["long"]["reason"].startswith("ICL task long: 1 of 3 items have an answer of 64 tokens "
+                                                         "or more (e.g. item 2; the longest 70 tokens)")
+    assert "data.concat_tokens of repeat" in ev["not_scored"]["long"]["reason"]
+    assert "Fix: drop long from the run's suite" in ev["not_scored"]["long"]["reason"]
+    assert "long" not in ev["icl"] and "long" not in ev["tasks"]
     for (task, shots), (right, n) in want.items():
         assert ev["icl"][task][shots] == pytest.approx(right / n)
     assert ev["tasks"]["mc_first3"]["0-shot"]["subset"] is True
@@ -94,11 +125,14 @@ def test_standin_suite_is_scored_as_hand_computed(tmp_path, monkeypatch):
     choice, free = ((5 / 7 - 0.5) / 0.5 + (4 / 6 - 0.5) / 0.5) / 2, (3 / 5 + 2 / 4) / 2
     assert ev["gauntlet"]["categories"] == pytest.approx({"choice": choice, "free": free})
     assert ev["gauntlet"]["average"] == pytest.approx((choice + free) / 2)
+    assert ev["gauntlet"]["partial"] is True and ev["gauntlet"]["missing"] == ["long/0-shot"]
+    assert ev["gauntlet"]["categories_left_out"] == ["long_answers"]
     # held-out: one batch of 2 samples of 40 words, 39 predicted tokens each; loss log(e^(s*d) + V - 1) - s*d
     vocab = len(SPECIAL) + len(WORDS)
     assert ev["val"]["tokens"] == 2 * 39
     assert ev["val"]["loss"] == pytest.approx(math.log(math.exp(SCALE * DIM) + vocab - 1) - SCALE * DIM, rel=0.05)
     assert ev["val"]["token_accuracy"] == 1.0
+    assert ev["val"]["split"] == "val" and ev["val"]["token_scope"] == "all" and ev["kind"] == "pretrain"
     assert ev["harness"].startswith("llm-foundry 0.22")
     json.dumps(ev, allow_nan=False)  # nothing NaN or infinite
 

@@ -127,21 +127,28 @@ def test_new_tokens_beyond_the_context_keep_half_the_context_for_the_prompt():
     assert prompt_budget(1000, 2048, 256) == (1000, 256)
 
 
+def step_context(export: Path, tmp_path: Path, generate: dict, run: str = "mpt-tiny"):
+    """A rule ``generate`` context for ``run`` on ``export`` with the shipped config and ``generate`` over its
+    ``generate:`` section, the job run in this process; returns ``(ctx, generate.json path)``."""
+    from llmpipe.config import deep_merge
+
+    out = tmp_path / run / "generate.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    ctx = types.SimpleNamespace(
+        wildcards=types.SimpleNamespace(run=run), input=[str(export / "manifest.json")], output=[str(out)],
+        config=deep_merge(project_config(), {"generate": generate}), resources={"gpus_per_node": 0},
+        log=print, dispatch=lambda fn, *args, step, **kwargs: fn(*args, **kwargs),
+        write_json=lambda obj, path=None: Path(path or out).write_text(json.dumps(obj)))
+    return ctx, out
+
+
 def test_strict_mode_fails_naming_the_prompt_and_keeps_the_other_completions(tiny_export, tmp_path):
     """generate.long_prompts: fail: the step fails naming the prompt and the context length, generate.json is not
     written, and the other prompts' completions are in generate.partial.json."""
     from llmpipe.config import ConfigError
     from llmpipe.steps import generate as step
 
-    out = tmp_path / "mpt-tiny" / "generate.json"
-    out.parent.mkdir()
-    log = tmp_path / "generate.log"
-    log.write_text("")
-    ctx = types.SimpleNamespace(
-        wildcards=types.SimpleNamespace(run="mpt-tiny"), input=[str(tiny_export / "manifest.json")],
-        output=[str(out)], config={"generate": settings(long_prompts="fail")}, resources={"gpus_per_node": 0},
-        log=print, dispatch=lambda fn, *args, step, **kwargs: fn(*args, **kwargs),
-        write_json=lambda obj, path=None: Path(path or out).write_text(json.dumps(obj)))
+    ctx, out = step_context(tiny_export, tmp_path, settings(long_prompts="fail"))
     with pytest.raises(ConfigError, match=r"generate\.prompts\[1\] \('The documentation.*has \d+ tokens; the model's "
                                           r"context is 128 tokens.*Fix: shorten the prompt, or set "
                                           r"generate\.long_prompts: truncate"):
@@ -149,7 +156,7 @@ def test_strict_mode_fails_naming_the_prompt_and_keeps_the_other_completions(tin
     assert not out.exists()
     partial = json.loads((out.parent / "generate.partial.json").read_text())
     assert [o["prompt"] for o in partial["outputs"] if "completion" in o] == SHORT
-    ctx.config["generate"] = settings(prompts=SHORT, long_prompts="fail")
+    ctx.config["generate"].update(settings(prompts=SHORT, long_prompts="fail"))
     step.generate(ctx)  # every prompt fits: generate.json, and the stale partial answers are gone
     assert out.exists() and not (out.parent / "generate.partial.json").exists()
 
@@ -178,3 +185,182 @@ def test_generation_through_the_placement_gives_the_tokens_of_a_plain_greedy_gen
             ref = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=12, do_sample=False,
                                  pad_token_id=tok.eos_token_id, eos_token_id=tok.eos_token_id)[0, ids.shape[1]:]
         assert out["new_tokens"] == ref.numel() and out["completion"] == tok.decode(ref, skip_special_tokens=True)
+
+
+# ------------------------------------------------------------------------------------------- templates and errors
+
+def test_each_prompt_is_sent_in_the_template_and_the_text_sent_is_recorded(tiny_export):
+    """The model continues the template applied to the prompt, token for token what it does given that text bare;
+    generate.json records the text; without a template the text is the prompt itself."""
+    from llmpipe.data.instructions import BUILTIN_TEMPLATE, apply_template
+    from llmpipe.generate import generate
+
+    got = generate(str(tiny_export), settings(prompts=SHORT, template=BUILTIN_TEMPLATE))
+    texts = [apply_template(BUILTIN_TEMPLATE, p) for p in SHORT]
+    assert [o["text"] for o in got["outputs"]] == texts == [f"Question: {p}\nAnswer:" for p in SHORT]
+    assert [o["prompt"] for o in got["outputs"]] == SHORT and got["settings"]["template"] == BUILTIN_TEMPLATE
+    bare = generate(str(tiny_export), settings(prompts=texts))
+    assert [o["text"] for o in bare["outputs"]] == texts and bare["settings"]["template"] == "{prompt}"
+    for o, b in zip(got["outputs"], bare["outputs"], strict=True):
+        assert (o["completion"], o["new_tokens"], o["prompt_tokens"]) == (b["completion"], b["new_tokens"],
+                                                                          b["prompt_tokens"])
+    braces = generate(str(tiny_export), settings(prompts=SHORT[:1], template='{"q": "{prompt}"} =>'))
+    assert braces["outputs"][0]["text"] == '{"q": "' + SHORT[0] + '"} =>'  # other braces are literal text
+
+
+def test_a_prompt_that_fails_is_recorded_for_it_and_the_others_are_answered(tiny_export, tmp_path, monkeypatch):
+    """Prompts the dry run would refuse ("", not text) reach generation when the function is called directly, and a
+    prompt can fail while generating: each is recorded with its error in generate.partial.json, the others get their
+    completions, and the step fails naming the prompt (ConfigError for a prompt, RuntimeError for a raise)."""
+    import transformers
+
+    from llmpipe.config import ConfigError
+    from llmpipe.steps import generate as step
+
+    ctx, out = step_context(tiny_export, tmp_path, settings(prompts=[SHORT[0], "", 3, SHORT[1]]))
+    with pytest.raises(ConfigError, match=r"generate\.prompts\[1\] \(''\) has no tokens.*Fix: write the prompt's "
+                                          r"text\.\ngenerate\.prompts\[2\] is 3, not text\. Fix:.*\nThe other "
+                                          r"prompts' completions \(2 of 4\)"):
+        step.generate(ctx)
+    partial = json.loads((out.parent / "generate.partial.json").read_text())["outputs"]
+    assert not out.exists() and [("completion" in o, "error" in o) for o in partial] == [
+        (True, False), (False, True), (False, True), (True, False)]
+
+    real = transformers.GenerationMixin.generate
+    calls = []
+
+    def generate_failing_on_the_second_call(self, *args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:
+            raise RuntimeError("CUDA out of memory (simulated)")
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(transformers.GenerationMixin, "generate", generate_failing_on_the_second_call)
+    ctx.config["generate"]["prompts"] = [SHORT[0], "Modules, functions", SHORT[1]]
+    with pytest.raises(RuntimeError, match=r"^generate\.prompts\[1\] \('Modules, functions'\): generation failed: "
+                                           r"RuntimeError: CUDA out of memory \(simulated\)\nThe other prompts' "
+                                           r"completions \(2 of 3\)"):
+        step.generate(ctx)
+    partial = json.loads((out.parent / "generate.partial.json").read_text())["outputs"]
+    assert partial[1]["exception"] == "RuntimeError" and partial[1]["text"] == "Modules, functions"
+    monkeypatch.undo()
+    ctx.config["generate"]["prompts"] = SHORT
+    step.generate(ctx)  # the same prompts answered alone give the completions recorded beside the failed ones
+    final = json.loads(out.read_text())["outputs"]
+    assert [o["completion"] for o in final] == [partial[0]["completion"], partial[2]["completion"]]
+    assert not (out.parent / "generate.partial.json").exists()
+
+
+def test_each_run_generates_with_its_own_prompts_and_template():
+    """Pretraining runs send the prompt alone, finetunes their instruction set's format (the template the builtin
+    set's training prompts are built with); a run's own generate: section, then the global template, win; the
+    template is part of generation's identity."""
+    from llmpipe.config import deep_merge
+    from llmpipe.data.instructions import BUILTIN_TEMPLATE, builtin_instructions
+    from llmpipe.steps.generate import generate_identity, generate_settings
+
+    config = project_config()
+    shipped = config["generate"]["prompts"]
+    assert config["generate"]["template"] is None  # the schema's default: each run's own
+    got = {run: generate_settings(config, run) for run in ("mpt-tiny", "mpt-tiny-sft", "mpt-tiny-sft-lora",
+                                                           "mpt-7b-dolly")}
+    assert {run: (g["template"], g["template_at"], g["prompts"]) for run, g in got.items()} == {
+        "mpt-tiny": ("{prompt}", None, shipped),
+        "mpt-tiny-sft": (BUILTIN_TEMPLATE, "instruction_sets.python-docs-qa", shipped),
+        "mpt-tiny-sft-lora": (BUILTIN_TEMPLATE, "instruction_sets.python-docs-qa", shipped),
+        "mpt-7b-dolly": ("{prompt}", "instruction_sets.dolly_hhrlhf", shipped)}  # its prompts hold their format
+    row = builtin_instructions(50)["train"][0]  # the training prompts: the same template around the question
+    question = row["prompt"][len("Question: "):-len("\nAnswer:")]
+    assert row["prompt"] == BUILTIN_TEMPLATE.replace("{prompt}", question)
+
+    own = deep_merge(config, {"finetunes": {"mpt-tiny-sft": {"generate": {"prompts": ["What does json.dumps do?"]}}},
+                              "models": {"mpt-tiny": {"generate": {"template": "Q: {prompt}\nA:"}}}})
+    sft, tiny = generate_settings(own, "mpt-tiny-sft"), generate_settings(own, "mpt-tiny")
+    assert (sft["prompts"], sft["prompts_at"], sft["template"]) == (
+        ["What does json.dumps do?"], "finetunes.mpt-tiny-sft.generate.prompts", BUILTIN_TEMPLATE)
+    assert (tiny["prompts"], tiny["template"], tiny["template_at"]) == (
+        shipped, "Q: {prompt}\nA:", "models.mpt-tiny.generate.template")
+    every = deep_merge(config, {"generate": {"template": "{prompt}"}})
+    assert generate_settings(every, "mpt-tiny-sft")["template"] == "{prompt}"  # set for every run: finetunes too
+    defaults = deep_merge(config, {"finetune_defaults": {"generate": {"template": "### {prompt}"}}})
+    assert generate_settings(defaults, "mpt-tiny-sft-lora")["template_at"] == "finetune_defaults.generate.template"
+    assert generate_identity(every, "mpt-tiny-sft") != generate_identity(config, "mpt-tiny-sft")
+    assert generate_identity(every, "mpt-tiny") == generate_identity(config, "mpt-tiny")  # the same text sent
+
+
+# ------------------------------------------------------------------------------------------- the usual calls
+
+#: transformers' usual calls on an export, with llm-foundry, composer and llmpipe unimportable; prints a JSON summary.
+USUAL_CALLS = r"""
+import builtins, json, sys
+real_import = builtins.__import__
+def guard(name, globals=None, locals=None, fromlist=(), level=0):
+    if level == 0 and name.split('.')[0] in ('llmfoundry', 'composer', 'llmpipe'):
+        raise ImportError(f'{name} must not be needed to use the export')
+    return real_import(name, globals, locals, fromlist, level)
+builtins.__import__ = guard
+import torch
+import transformers
+from transformers import AutoModelForCausalLM, AutoTokenizer
+folder = sys.argv[1]
+texts = ["The answer to life is", "Python is a programming language that"]
+tok = AutoTokenizer.from_pretrained(folder)
+model = AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True, torch_dtype=torch.float32).eval()
+one = tok(texts[0], return_tensors="pt")
+batch = tok(texts, padding=True, return_tensors="pt")
+new = 6
+with torch.no_grad():
+    logits = model(**one).logits
+    padded = model(**batch).logits
+    generated = model.generate(**batch, max_new_tokens=new, do_sample=False)
+    alone = [model.generate(**tok(t, return_tensors="pt"), max_new_tokens=new, do_sample=False) for t in texts]
+    scores = [model(**tok(t, return_tensors="pt")).logits[0] for t in texts]
+width = batch["input_ids"].shape[1]
+pad_diff = max(float((padded[i][batch["attention_mask"][i].bool()] - scores[i]).abs().max())
+               for i in range(len(texts)))
+pipe = transformers.pipeline("text-generation", model=folder, trust_remote_code=True, torch_dtype=torch.float32)
+piped = pipe(texts[0], max_new_tokens=new, do_sample=False)[0]["generated_text"]
+print(json.dumps({
+    "keys": sorted(one), "logits": list(logits.shape), "pad_token": tok.pad_token, "eos_token": tok.eos_token,
+    "pad_token_id": tok.pad_token_id, "eos_token_id": tok.eos_token_id, "padding_side": tok.padding_side,
+    "tokens": len(tok), "embeddings": model.get_input_embeddings().weight.shape[0],
+    "vocab_size": model.config.vocab_size, "padded_rows": batch["attention_mask"].sum(1).tolist(),
+    "batched_new": [generated[i, width:].tolist() for i in range(len(texts))],
+    "alone_new": [a[0, a.shape[1] - new:].tolist() for a in alone], "pad_max_abs_logit_diff": pad_diff,
+    "pipeline": piped, "pipeline_expected": texts[0] + tok.decode(alone[0][0, -new:], skip_special_tokens=True),
+}))
+"""
+
+
+def usual_calls(folder: Path, tokenizer_dir: Path) -> dict:
+    """Run :data:`USUAL_CALLS` on the export ``folder`` in a fresh interpreter and check what it found against the
+    run's tokenizer in ``tokenizer_dir`` (the tokenizer the export was made from); return the summary."""
+    import subprocess
+    import sys
+
+    from transformers import AutoTokenizer
+
+    proc = subprocess.run([sys.executable, "-c", USUAL_CALLS, str(folder)], capture_output=True, text=True,
+                          cwd=folder.parent, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    source = AutoTokenizer.from_pretrained(tokenizer_dir)
+    assert got["keys"] == ["attention_mask", "input_ids"]  # no token_type_ids: MPT's forward takes none
+    assert got["pad_token"] == got["eos_token"] == source.eos_token and got["pad_token_id"] == got["eos_token_id"]
+    assert got["tokens"] == len(source) and got["embeddings"] == got["vocab_size"]  # no new token, no resize
+    assert got["padding_side"] == "left" and len(set(got["padded_rows"])) == 2  # the batch really is padded
+    assert got["batched_new"] == got["alone_new"]
+    assert got["pad_max_abs_logit_diff"] < 1e-4, got  # padding changes no score
+    assert got["pipeline"] == got["pipeline_expected"]
+    return got
+
+
+def test_the_exported_tokenizer_works_with_the_usual_calls(tiny_export):
+    """model(**tok(text)), model.generate(**tok(texts, padding=True)) and a text-generation pipeline on the export,
+    with transformers alone: the pad token is the EOS token (none added), padding is on the left (MPT generates
+    from left-padded batches only), no token_type_ids; the manifest says so."""
+    got = usual_calls(tiny_export, tiny_export.parent / "tok")
+    manifest = json.loads((tiny_export / "manifest.json").read_text())
+    assert manifest["tokenizer"] == {"class": "PreTrainedTokenizer", "pad_token": got["pad_token"],
+                                     "pad_token_id": got["pad_token_id"], "padding_side": "left",
+                                     "model_input_names": ["input_ids", "attention_mask"]}

@@ -12,9 +12,10 @@ A prepared instruction set is a folder ``{out_dir}`` with
 Sources (``iset_cfg['source']``):
 
 * ``builtin`` – written by the project, offline and deterministic for a Python version: for public functions
-  and classes of the pure-Python standard library (read with :mod:`ast`, never imported), the prompt asks
-  ``"What does json.dumps do?"`` and the response is the first sentence of its docstring. A hash of the name puts
-  ``eval_percent`` % of the items into the held-out split.
+  and classes of the pure-Python standard library (read with :mod:`ast`, never imported), the question is
+  ``"What does json.dumps do?"``, the prompt that question in :data:`BUILTIN_TEMPLATE`
+  (``"Question: What does json.dumps do?\nAnswer:"``), and the response the first sentence of its docstring. A
+  hash of the name puts ``eval_percent`` % of the items into the held-out split.
 * ``hub`` – ``datasets.load_dataset(hf_name, revision=...)`` (``mosaicml/dolly_hhrlhf``, ``kowndinya23/instruct-v3``)
   on the submitting machine (compute nodes need no hub access: training reads the local files).
 * ``local`` – the same from a folder ``local_dir`` in the hub dataset's layout (``data/train-00000-of-00001.parquet``
@@ -22,7 +23,11 @@ Sources (``iset_cfg['source']``):
 
 For hub and local sources, ``columns: {prompt: <column>, response: <column>}`` names the columns (other columns,
 such as instruct-v3's ``source``, are dropped), ``train_split`` / ``eval_split`` the source's split names, and
-``max_rows`` (optional) keeps only the first rows of each split.
+``max_rows`` (optional) keeps only the first rows of each split. Their prompt column is written as it is: any
+instruction format (dolly_hhrlhf's ``### Instruction:`` ... ``### Response:``) is already in its text.
+
+The instruction format (:func:`instruction_template`) is what a model finetuned on the set saw around each
+question; generation applies the same template to its prompts (:func:`apply_template`).
 """
 
 from __future__ import annotations
@@ -39,8 +44,12 @@ from llmpipe.data.errors import DataError, atomic_write_bytes, atomic_write_json
 
 #: File names of the prepared splits (``split`` values of the finetuning dataloader).
 SPLIT_FILES = {"train": "train.jsonl", "test": "test.jsonl"}
-#: Prompt template of the builtin set; ``{name}`` is ``module.attribute``.
-BUILTIN_PROMPT = "Question: What does {name} do?\nAnswer:"
+#: Where the question goes in an instruction template (literal text: other braces are not fields).
+PROMPT_FIELD = "{prompt}"
+#: The instruction format of the builtin set: its training prompts and its finetunes' generation prompts.
+BUILTIN_TEMPLATE = "Question: " + PROMPT_FIELD + "\nAnswer:"
+#: The question of the builtin set; ``{name}`` is ``module.attribute``.
+BUILTIN_QUESTION = "What does {name} do?"
 _SKIP_DIRS = {"test", "tests", "idle_test", "site-packages", "dist-packages", "__pycache__", "turtledemo",
               "ensurepip", "pydoc_data", "lib2to3", "idlelib", "tkinter", "distutils"}
 _SENTENCE_END = re.compile(r"(?<=[a-z0-9)\]`'\"])\.(?:\s|$)")
@@ -48,6 +57,30 @@ _SENTENCE_END = re.compile(r"(?<=[a-z0-9)\]`'\"])\.(?:\s|$)")
 
 def _where(iset_cfg: dict) -> str:
     return f"instruction_sets.{iset_cfg['key']}" if iset_cfg.get("key") else "the instruction set"
+
+
+def apply_template(template: str, prompt: str) -> str:
+    """``template`` with its :data:`PROMPT_FIELD` (``{prompt}``) replaced by ``prompt``; other text, braces included,
+    is kept as it is.
+
+    Raises:
+        ValueError: ``template`` has no ``{prompt}``.
+    """
+    if PROMPT_FIELD not in template:
+        raise ValueError(f"the template {template!r} has no {PROMPT_FIELD}, so the prompt would be lost")
+    return template.replace(PROMPT_FIELD, prompt)
+
+
+def instruction_template(iset_cfg: dict) -> str:
+    """The instruction format a model finetuned on this instruction set saw, ``{prompt}`` standing for the question.
+
+    ``builtin``: :data:`BUILTIN_TEMPLATE` (its prepared prompts are this template applied to each question).
+    ``hub`` / ``local``: ``{prompt}``, the source's prompt column as written (a format it has is in its text).
+
+    Args:
+        iset_cfg: one entry of ``instruction_sets:`` (``source``).
+    """
+    return BUILTIN_TEMPLATE if iset_cfg.get("source") == "builtin" else PROMPT_FIELD
 
 
 def first_sentence(doc: str, max_words: int = 30) -> str | None:
@@ -104,7 +137,7 @@ def builtin_items() -> Iterator[tuple[str, str, str]]:
             sent = first_sentence(doc)
             if sent:
                 seen.add(name)
-                yield name, BUILTIN_PROMPT.format(name=name), " " + sent
+                yield name, apply_template(BUILTIN_TEMPLATE, BUILTIN_QUESTION.format(name=name)), " " + sent
 
 
 def builtin_instructions(max_items: int = 2000, eval_percent: int = 10) -> dict[str, list[dict]]:

@@ -8,7 +8,7 @@ from llmpipe.config import run_config, step_resources
 from llmpipe.steps.context import StepContext, read_json
 
 #: Bump when a change in our code changes the exported folder (reruns conversion and everything after it).
-VERSION = 2
+VERSION = 3
 
 
 def convert_identity(config: dict, run: str) -> dict:

@@ -15,7 +15,7 @@ from llmpipe.steps.context import StepContext
 from llmpipe.steps.data import instructions_identity
 
 #: Bump when a change in our code changes eval.json (reruns evaluation).
-VERSIONS = {"eval": 2, "finetune_eval": 2, "eval_task_data": 1}
+VERSIONS = {"eval": 3, "finetune_eval": 3, "eval_task_data": 1}
 
 
 def eval_identity(config: dict, run: str) -> dict:
