@@ -305,8 +305,11 @@ def check_answers_fit(config: Mapping, run: str, suite_name_: str, s: Mapping) -
         task = foundry_task(t)
         seq = int(task.get("max_seq_len") or data["concat_tokens"])
         st, mt = os.stat(path), os.stat(manifest)
-        fit = _answers_fit(path, st.st_mtime_ns, st.st_size, tok_dir, mt.st_mtime_ns, json.dumps(task, sort_keys=True),
-                           seq, t.get("subset_items"))
+        try:
+            fit = _answers_fit(path, st.st_mtime_ns, st.st_size, tok_dir, mt.st_mtime_ns,
+                               json.dumps(task, sort_keys=True), seq, t.get("subset_items"))
+        except ValueError as exc:
+            raise ConfigError(f"{s['where']}[{i}] ({path}): {exc}") from None
         if fit["items_too_long"]:
             from llmpipe.icl_tokens import too_long_reason
 

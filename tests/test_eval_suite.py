@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 import hashlib
 import http.server
+import inspect
 import json
 import math
 import threading
@@ -194,6 +195,161 @@ def test_subset_file_and_fewshot_checks(tmp_path):
     with pytest.raises(ValueError, match="has 0 items"):
         eval_tasks.foundry_tasks([{"label": "e", "dataset_uri": str(empty), "icl_task_type": "schema"}],
                                  {"e": str(empty)}, str(tmp_path / "s3"))
+
+
+# ------------------------------------------------------------------------------------------- tokens per item
+
+def word_tokenizer():
+    """The repeat model's word-level tokenizer as a Rust ``tokenizers.Tokenizer``: one token per word, no special
+    tokens added (so no BOS), ``<|endoftext|>`` = 0."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    core = Tokenizer(models.WordLevel({w: i for i, w in enumerate(SPECIAL + WORDS)}, unk_token="[UNK]"))
+    core.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return core
+
+
+def words(n, start=0):
+    return " ".join(WORDS[(start + j) % len(WORDS)] for j in range(n))
+
+
+def test_item_tokens_and_cuts_as_hand_counted():
+    """Token counts per item and the items cut to fit an 8-token context, for each task type, counted by hand
+    (one token per word; llm-foundry adds a leading space to answers, which the tokenizer ignores)."""
+    from llmpipe.icl_tokens import Encoder, context_fit, item_tokens
+
+    core = word_tokenizer()
+    enc = Encoder(lambda texts, special: [e.ids for e in core.encode_batch(texts, add_special_tokens=special)], 0)
+
+    def fit(task, items):
+        toks = item_tokens(task, items, enc)
+        return toks, context_fit(task["icl_task_type"], toks, 8)
+
+    # language modelling: the 2-word prompt comes first; context + 1-word answer > 8 for 9, 10 and 14
+    lm = {"icl_task_type": "language_modeling", "prompt_string": words(2)}
+    toks, f = fit(lm, [{"context": words(n), "continuation": "alpha"} for n in (3, 7, 8, 12)])
+    assert [(t.context, t.answer) for t in toks] == [((5,), (1,)), ((9,), (1,)), ((10,), (1,)), ((14,), (1,))]
+    assert f == {"items": 4, "items_cut": 3, "items_too_long": 0, "first_too_long": 0, "longest_answer_tokens": 1,
+                 "max_seq_len": 8}
+    # multiple choice: one sequence per choice; 7 + 2 > 8 cuts the second item (at its longer choice)
+    mc = {"icl_task_type": "multiple_choice"}
+    toks, f = fit(mc, [{"query": words(q), "choices": ["alpha", "bravo charlie"], "gold": 0} for q in (2, 7)])
+    assert [(t.context, t.answer) for t in toks] == [((2, 2), (1, 2)), ((7, 7), (1, 2))]
+    assert (f["items_cut"], f["items_too_long"]) == (1, 0)
+    # schema: one sequence per context option, each followed by the 2-word continuation; 7 + 2 > 8
+    sc = {"icl_task_type": "schema"}
+    toks, f = fit(sc, [{"context_options": [words(2), words(o)], "continuation": "alpha bravo", "gold": 0}
+                       for o in (3, 7)])
+    assert [(t.context, t.answer) for t in toks] == [((2, 3), (2, 2)), ((2, 7), (2, 2))]
+    assert (f["items_cut"], f["items_too_long"]) == (1, 0)
+    # generation: llm-foundry keeps room for the longest answer or alias of the task (4 words), so contexts over
+    # 8 - 4 tokens are cut
+    gen = {"icl_task_type": "generation_task_with_answers"}
+    items = [{"context": words(4), "answer": "alpha", "aliases": []},
+             {"context": words(5), "answer": words(3), "aliases": [words(4)]}]
+    toks, f = fit(gen, items)
+    assert [(t.context, t.answer) for t in toks] == [((4,), (1,)), ((5,), (4,))]
+    assert (f["items_cut"], f["items_too_long"], f["longest_answer_tokens"]) == (1, 0, 4)
+    # with a chain-of-thought delimiter llm-foundry reserves 10 more tokens: no item can be scored in 8 tokens
+    _, f = fit(dict(gen, cot_delimiter=" ## "), items)
+    assert (f["items_too_long"], f["first_too_long"], f["longest_answer_tokens"]) == (2, 1, 14)
+    # an answer as long as the context leaves no context token: that item cannot be scored
+    toks, f = fit(lm, [{"context": words(2), "continuation": "alpha"}, {"context": words(2), "continuation": words(8)}])
+    assert (f["items_too_long"], f["first_too_long"], f["longest_answer_tokens"]) == (1, 2, 8)
+    # the dry run counts answers only
+    toks = item_tokens(lm, [{"context": words(2), "continuation": words(3)}], enc, context=False)
+    assert toks[0].context is None and context_fit("language_modeling", toks, 8)["items_cut"] == -1
+
+
+def test_item_tokens_match_llm_foundry_datasets(tmp_path):
+    """For every task type, with few-shot examples, delimiters, a prompt, categories and a chain of thought, with a
+    word-level tokenizer and a byte-level BPE that adds a BOS token: the context llm-foundry's own dataset keeps
+    for each sequence is min(counted context, room left by the answer), and its answer tokens are the counted
+    ones."""
+    import random
+
+    from tokenizers import processors
+    from transformers import PreTrainedTokenizerFast
+
+    import llmfoundry.eval.datasets  # noqa: F401 - registers the task types
+    from llmfoundry.eval.datasets import get_icl_task_dataloader
+    from llmpipe.data.tokenizer import train_bpe
+    from llmpipe.icl_tokens import Encoder, context_fit, item_tokens, read_items
+
+    rnd = random.Random(3)
+
+    def sent(lo, hi):
+        return " ".join(rnd.choice(WORDS) for _ in range(rnd.randint(lo, hi)))
+
+    bpe = train_bpe(iter([sent(30, 30) for _ in range(200)]), 300, "<|endoftext|>")
+    bpe.post_processor = processors.TemplateProcessing(single="<|endoftext|> $A",
+                                                       special_tokens=[("<|endoftext|>", 0)])
+    eos = {"eos_token": "<|endoftext|>", "unk_token": "<|endoftext|>"}
+    tokenizers = [PreTrainedTokenizerFast(tokenizer_object=word_tokenizer(), pad_token="<|endoftext|>", **eos),
+                  PreTrainedTokenizerFast(tokenizer_object=bpe, bos_token="<|endoftext|>", **eos)]
+    n = 24
+    lm = [{"context": sent(1, 30) + " ", "continuation": " " + sent(1, 4), "category": rnd.choice("ab")}
+          for _ in range(n)]
+    mc = [{"query": sent(1, 30), "choices": [sent(1, 8) for _ in range(3)], "gold": rnd.randint(0, 2)}
+          for _ in range(n)]
+    sc = [{"context_options": [sent(1, 20) for _ in range(2)], "continuation": sent(1, 5), "gold": rnd.randint(0, 1)}
+          for _ in range(n)]
+    gen = [{"context": sent(1, 30), "answer": sent(1, 3), "aliases": [sent(1, 4)], "chain_of_thought": sent(1, 3),
+            "category": rnd.choice("ab")} for _ in range(n)]
+    tasks = [
+        {"icl_task_type": "language_modeling", "dataset_uri": write_jsonl(tmp_path / "lm.jsonl", lm),
+         "has_categories": True, "prompt_string": "Read:", "continuation_delimiter": ""},
+        {"icl_task_type": "multiple_choice", "dataset_uri": write_jsonl(tmp_path / "mc.jsonl", mc),
+         "prelimiter": "Q: ", "continuation_delimiter": " A:", "fewshot_random_seed": 7},
+        {"icl_task_type": "schema", "dataset_uri": write_jsonl(tmp_path / "sc.jsonl", sc)},
+        {"icl_task_type": "generation_task_with_answers", "dataset_uri": write_jsonl(tmp_path / "gen.jsonl", gen),
+         "has_categories": True, "cot_delimiter": " ## ", "continuation_delimiter": "\nA:"},
+    ]
+    # the defaults the counts assume are those of llm-foundry's dataset classes
+    from llmfoundry.registry import icl_datasets
+    from llmpipe.icl_tokens import COMMON_DEFAULTS, TYPE_DEFAULTS
+    for ttype, own in TYPE_DEFAULTS.items():
+        params = inspect.signature(icl_datasets.get(ttype)).parameters
+        for key, value in {**COMMON_DEFAULTS, **own}.items():
+            assert key not in params or params[key].default == value, (ttype, key)
+    seen_cut = seen_whole = 0
+    for ti, tok in enumerate(tokenizers):
+        enc = Encoder.from_transformers(tok)
+        for task in tasks:
+            items = read_items(task["dataset_uri"])
+            ttype = task["icl_task_type"]
+            for seq, shots in ((64, 0), (64, 2), (400, 3)):
+                mine = item_tokens(task, items, enc, num_fewshot=shots)
+                assert context_fit(ttype, mine, seq)["items_too_long"] == 0
+                kwargs = {k: v for k, v in task.items() if k not in ("icl_task_type", "dataset_uri", "has_categories")}
+                kwargs.update(max_seq_len=seq, pad_tok_id=-1, num_fewshot=shots)
+                dls = get_icl_task_dataloader(ttype, task["dataset_uri"], tok, 4,
+                                              has_categories=task.get("has_categories", False),
+                                              destination_path=str(tmp_path / f"{ti}-{ttype}-{seq}-{shots}.jsonl"),
+                                              kwargs=kwargs)
+                parts = {c: dl.dataloader.dataset for c, dl in dls.items()} if isinstance(dls, dict) \
+                    else {None: dls.dataloader.dataset}
+                for cat, ds in parts.items():
+                    idx = [i for i, it in enumerate(items) if cat is None or it["category"] == cat]
+                    reserved = max(mine[i].answer[0] for i in idx)
+                    for j, i in enumerate(idx):
+                        got, t = ds[j], mine[i]
+                        if ttype == "generation_task_with_answers":
+                            assert ds.padding_size == seq - reserved
+                            kept = (sum(1 for x in got["context"] if x != -1),)
+                            want = (min(t.context[0], seq - reserved),)
+                        else:
+                            spans = got["continuation_indices"]
+                            spans = [spans] if ttype == "language_modeling" else spans
+                            kept = tuple(int(sp[0]) for sp in spans)
+                            answers = got["continuation"] if ttype == "language_modeling" else got["answer"]
+                            answers = [answers] if ttype == "language_modeling" else answers
+                            assert tuple(len(a) for a in answers) == t.answer
+                            want = tuple(min(c, seq - a) for c, a in zip(t.context, t.answer))
+                        assert kept == want, (ti, ttype, seq, shots, i)
+                        seen_cut += kept != t.context
+                        seen_whole += kept == t.context
+    assert seen_cut > 50 and seen_whole > 50  # both cut and whole contexts were compared
 
 
 # ------------------------------------------------------------------------------------------- task data download
@@ -389,6 +545,61 @@ def test_standard_files_are_counted_from_the_mirror_or_the_manifest(tmp_path):
     assert eval_tasks.suite_items(cfg, "mpt-tiny") == [("copa", 7, 2)]
     tokens, unknown = eval_tokens({"batch_size": 4, "val_batches": 2}, 128, [("copa", 7, 2), ("x", None, 1)])
     assert tokens == (2 * 4 + 7 * 2) * 128 and unknown == ["x"]
+
+
+def write_tokenizer_folder(folder):
+    """A prepared tokenizer folder as the tokenizer step leaves it for the dry run: the word-level tokenizer's
+    ``tokenizer.json`` and a manifest whose probes let :func:`llmpipe.data.tokenizer.load_backend` use it."""
+    core = word_tokenizer()
+    folder.mkdir(parents=True)
+    core.save(str(folder / "tokenizer.json"))
+    text = words(5)
+    (folder / "manifest.json").write_text(json.dumps({"eos_token_id": 0, "probes": [
+        {"text": text, "ids": core.encode(text).ids}]}))
+    return folder
+
+
+def long_answer_task(d, seq=128):
+    """A 3-item multiple-choice file whose second item has a choice of ``seq + 2`` words (tokens)."""
+    items = [{"query": words(3, i), "choices": [WORDS[i], words(seq + 2 if i == 1 else 2)], "gold": 0}
+             for i in range(3)]
+    return {"label": "long", "dataset_uri": write_jsonl(d / "long.jsonl", items), "icl_task_type": "multiple_choice",
+            "num_fewshot": [0]}
+
+
+def test_dry_run_check_of_answers_longer_than_the_context(tmp_path):
+    """With the task file and the run's tokenizer on disk, a task whose answer leaves no context token in the
+    run's context (mpt-tiny: 128 tokens) is refused, naming the task, the counts and the fix; without the
+    tokenizer (before its step ran) the check is left to the evaluation job."""
+    task = long_answer_task(tmp_path)
+    cfg = config_with([task])
+    cfg["results_dir"] = str(tmp_path / "results")
+    eval_tasks.check_suite(cfg, "mpt-tiny")  # no tokenizer yet: nothing to count with
+    write_tokenizer_folder(tmp_path / "results/tokenizers/bpe-builtin-docs")
+    with pytest.raises(ConfigError) as err:
+        eval_tasks.check_suite(cfg, "mpt-tiny")
+    assert str(err.value).startswith(
+        "eval.icl_tasks[0]: ICL task long: 1 of 3 items have an answer of 128 tokens or more (e.g. item 2; the "
+        "longest 130 tokens), which leaves no context token in the evaluation's 128-token context "
+        "(data.concat_tokens of mpt-tiny)")
+    assert "Fix: drop long from the run's suite, or evaluate it with a model whose context is longer than 130 " \
+        "tokens." in str(err.value)
+    eval_tasks.check_suite(config_with([dict(task, subset_items=1)]) | {"results_dir": cfg["results_dir"]},
+                           "mpt-tiny")  # the first item alone fits
+    short = long_answer_task(tmp_path, seq=125)  # 127 tokens: one context token is left
+    eval_tasks.check_suite(config_with([short]) | {"results_dir": cfg["results_dir"]}, "mpt-tiny")
+
+
+def test_dry_run_refuses_an_answer_longer_than_the_context(workdir):
+    """The same refusal through Snakemake's dry run, once the tokenizer step's folder exists."""
+    write_tokenizer_folder(workdir / "results/tokenizers/bpe-builtin-docs")
+    task = long_answer_task(workdir)
+    proc = snakemake(workdir, "-n", "--config", f"eval={{'icl_tasks': [{task!r}], 'eval_gauntlet': null}}",
+                     check=False)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0
+    assert "eval.icl_tasks[0]: ICL task long: 1 of 3 items have an answer of 128 tokens or more" in out, out[-3000:]
+    assert "Fix: drop long from the run's suite" in out
 
 
 def test_project_suites():

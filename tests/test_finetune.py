@@ -13,6 +13,7 @@ import time
 import pytest
 
 from tests.conftest import REPO, copy_run, planned_jobs, project_config, snakemake
+from tests.test_export import usual_calls
 
 SFT = "mpt-tiny-sft"
 SFT_TARGETS = [f"results/{SFT}/eval.json", f"results/{SFT}/generate.json"]
@@ -28,6 +29,22 @@ def load(wd, rel):
         return json.load(fh)
 
 
+def check_generation_template(cfg: dict, run: str, gen: dict, pretrained: dict) -> None:
+    """A finetune's generate.json sent each prompt in the instruction format it trained on, byte for byte (the
+    builtin set's template, which its training prompts are built with); the pretraining run's text is the prompt."""
+    from llmpipe.data.instructions import BUILTIN_TEMPLATE, apply_template, instruction_template
+
+    prompts = cfg["generate"]["prompts"]
+    iset = cfg["instruction_sets"][cfg["finetunes"][run]["data"]["instructions"]]
+    template = instruction_template(iset)
+    assert template == BUILTIN_TEMPLATE == "Question: {prompt}\nAnswer:" and gen["settings"]["template"] == template
+    sent = [o["text"].encode() for o in gen["outputs"]]
+    assert sent == [apply_template(template, p).encode() for p in prompts]
+    assert sent == [f"Question: {p}\nAnswer:".encode() for p in prompts]
+    assert [o["text"].encode() for o in pretrained["outputs"]] == [p.encode() for p in prompts]
+    assert pretrained["settings"]["template"] == "{prompt}"
+
+
 # ------------------------------------------------------------------------------------------- the tiny chain
 
 @pytest.fixture(scope="session")
@@ -38,6 +55,11 @@ def sft_run(tiny_run, tmp_path_factory):
     proc = snakemake(wd, "--cores", "2", *SFT_TARGETS)
     (wd / "sft-stdout.txt").write_text(proc.stdout + proc.stderr + f"\nseconds: {time.time() - t0:.1f}\n")
     return wd
+
+
+def leaf_types(record: dict, key: str) -> dict:
+    """The type name of each field of ``record[key]``."""
+    return {k: type(v).__name__ for k, v in record[key].items()}
 
 
 @pytest.mark.slow
@@ -65,7 +87,11 @@ def test_tiny_finetune_chain(sft_run, tiny_run):
     assert hf["n_params"] == load(tiny_run, "mpt-tiny/hf/manifest.json")["n_params"]
 
     ev = load(sft_run, f"{SFT}/eval.json")
-    assert ev["kind"] == "finetune" and ev["val"]["split"] == "test" and ev["val"]["tokens"] == "response"
+    assert ev["kind"] == "finetune" and ev["val"]["split"] == "test" and ev["val"]["token_scope"] == "response"
+    assert type(ev["val"]["tokens"]) is int and ev["val"]["tokens"] > 0  # a count, as in every run
+    pre_ev = load(tiny_run, "mpt-tiny/eval.json")
+    assert leaf_types(pre_ev, "val") == leaf_types(ev, "val")  # every held-out field has one type in every run
+    assert {k: type(v) for k, v in pre_ev.items()} == {k: type(v) for k, v in ev.items()}
     assert 0 < ev["val"]["loss"] < math.log(cfg["tokenizers"]["bpe-builtin-docs"]["vocab_size"])
     assert math.isclose(ev["val"]["perplexity"], math.exp(ev["val"]["loss"]), rel_tol=1e-3)
     assert 0 < ev["val"]["token_accuracy"] < 1
@@ -75,6 +101,9 @@ def test_tiny_finetune_chain(sft_run, tiny_run):
     gen = load(sft_run, f"{SFT}/generate.json")
     assert [o["prompt"] for o in gen["outputs"]] == cfg["generate"]["prompts"]
     assert all(o["new_tokens"] > 0 for o in gen["outputs"])
+    check_generation_template(cfg, SFT, gen, load(tiny_run, "mpt-tiny/generate.json"))
+    # the export's tokenizer with transformers' usual calls (tests/test_export.py)
+    usual_calls(sft_run / "results" / SFT / "hf", sft_run / "results/tokenizers/bpe-builtin-docs")
 
     inst = load(sft_run, "data/instructions/python-docs-qa/manifest.json")
     assert inst["splits"]["train"]["rows"] > 500 and inst["splits"]["test"]["rows"] > 50

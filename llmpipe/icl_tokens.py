@@ -1,0 +1,359 @@
+"""Token counts of ICL task items as llm-foundry 0.22's ICL datasets build them, and how each item fits the context.
+
+llm-foundry turns every item of a task into one sequence (language modelling, generation) or one per choice
+(multiple choice, schema): the preamble (``prompt_string`` and the few-shot examples, tokenized with the
+tokenizer's special tokens), the item's context and its answer
+(``llmfoundry/eval/datasets/in_context_learning_evaluation.py``, ``tokenize_example`` of each dataset class).
+When context and answer do not fit ``max_seq_len`` it cuts the context from the left (``trim_context`` in
+``llmfoundry/eval/datasets/utils.py``), silently; an answer longer than ``max_seq_len`` stops the whole
+evaluation ("Dataset included continuation longer than the max seq len") without naming the task.
+
+:func:`item_tokens` counts those tokens per item, exactly as the dataset will (same texts, same tokenizer calls,
+same few-shot draw); :func:`context_fit` turns the counts into the items cut to fit and the items that cannot be
+scored at all. The dry run checks answers with the run's prepared tokenizer (:meth:`Encoder.from_folder`, the Rust
+``tokenizers`` library, no torch); the evaluation job counts contexts too, with the export's tokenizer. Few-shot
+counts import llm-foundry (and torch) for its sampler, so they run in the job only.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+
+#: Constructor defaults of llm-foundry 0.22's ICL dataset classes that change the texts tokenized
+#: (``InContextLearningDataset`` and its four subclasses); a task's own keys override them. The language-modelling
+#: dataset always reads its answer from ``continuation``, the schema dataset from ``continuation`` and its
+#: contexts from ``choices_key``.
+COMMON_DEFAULTS = {"prompt_string": "", "example_delimiter": "\n", "continuation_delimiter": " ", "prelimiter": "",
+                   "strip_dataset": True, "fewshot_random_seed": 1234}
+TYPE_DEFAULTS = {
+    "language_modeling": {"context_key": "context", "answer_key": "continuation"},
+    "multiple_choice": {"context_key": "query", "choices_key": "choices"},
+    "schema": {"choices_key": "context_options"},
+    "generation_task_with_answers": {"context_key": "context", "answer_key": "answer", "cot_delimiter": ""},
+}
+#: Tokens llm-foundry adds to a generation task's longest answer when ``cot_delimiter`` is set
+#: (``_MAX_ANSWER_BUFFER_LENGTH``).
+COT_ANSWER_BUFFER = 10
+
+
+class Encoder:
+    """A tokenizer as the counts need it: ``encode(texts, special)`` -> the ids of each text (with or without
+    the tokenizer's special tokens) and ``eos_token_id`` (llm-foundry drops a trailing EOS from the preamble)."""
+
+    def __init__(self, encode: Callable[[list[str], bool], list[list[int]]], eos_token_id: int | None):
+        self.encode = encode
+        self.eos_token_id = eos_token_id
+
+    @classmethod
+    def from_transformers(cls, tokenizer) -> Encoder:
+        """A transformers tokenizer, called as llm-foundry calls it (no truncation, no padding)."""
+        def encode(texts: list[str], special: bool) -> list[list[int]]:
+            if not texts:
+                return []
+            return [list(ids) for ids in tokenizer(list(texts), add_special_tokens=special)["input_ids"]]
+        return cls(encode, tokenizer.eos_token_id)
+
+    @classmethod
+    def from_folder(cls, tokenizer_dir: str) -> Encoder:
+        """A prepared tokenizer folder (``results/tokenizers/<name>``): its ``tokenizer.json`` through the Rust
+        library when the folder's probes prove it tokenizes as transformers does
+        (:func:`llmpipe.data.tokenizer.load_backend`), else transformers' ``AutoTokenizer``.
+
+        Raises:
+            llmpipe.data.errors.DataError: the folder holds no loadable tokenizer.
+        """
+        from llmpipe.data.tokenizer import load_backend, load_tokenizer
+
+        backend = load_backend(tokenizer_dir)
+        if backend is None:
+            return cls.from_transformers(load_tokenizer(tokenizer_dir))
+        with open(os.path.join(tokenizer_dir, "manifest.json"), encoding="utf-8") as fh:
+            eos = json.load(fh).get("eos_token_id")
+
+        def encode(texts: list[str], special: bool) -> list[list[int]]:
+            return [list(e.ids) for e in backend.encode_batch(list(texts), add_special_tokens=special)]
+        return cls(encode, eos)
+
+
+@dataclass(frozen=True)
+class ItemTokens:
+    """One item's tokens as llm-foundry builds its sequences, before any cut.
+
+    ``context``: per sequence, the tokens before the answer (preamble + the item's context; None when not
+    counted); ``answer``: per sequence, the answer's tokens (multiple choice: each choice; schema: the
+    continuation after each context option; generation: the longest of the item's answer and aliases, with
+    special tokens, plus :data:`COT_ANSWER_BUFFER` when ``cot_delimiter`` is set: what llm-foundry reserves for
+    generating); ``category``: the item's category for ``has_categories`` tasks (each category is its own
+    dataset), else None.
+    """
+
+    context: tuple[int, ...] | None
+    answer: tuple[int, ...]
+    category: str | None = None
+
+
+def read_items(path: str) -> list[dict]:
+    """The items of a jsonl task file (one JSON object per non-blank line), in file order."""
+    with open(path, encoding="utf-8") as fh:
+        return [json.loads(line) for line in fh if line.strip()]
+
+
+def settings(task: Mapping) -> dict:
+    """The dataset settings of a task that shape its texts: :data:`COMMON_DEFAULTS` and its type's
+    :data:`TYPE_DEFAULTS`, overridden by the task's keys (``question_prelimiter`` is ``prelimiter``, as
+    llm-foundry's ``build_icl_evaluators`` maps it)."""
+    ttype = task["icl_task_type"]
+    s = {**COMMON_DEFAULTS, **TYPE_DEFAULTS[ttype]}
+    fixed = ("answer_key",) if ttype == "language_modeling" else ()  # the LM dataset sets it itself
+    s.update({k: task[k] for k in s if k in task and k not in fixed})
+    if "question_prelimiter" in task:
+        s["prelimiter"] = task["question_prelimiter"]
+    return s
+
+
+def item_tokens(task: Mapping, items: Sequence[Mapping], encoder: Encoder, *, num_fewshot: int = 0,
+                context: bool = True) -> list[ItemTokens]:
+    """Tokens of each item of a task as llm-foundry 0.22's dataset for its ``icl_task_type`` builds them.
+
+    The same texts and tokenizer calls as the dataset's ``_prep_example`` / ``tokenize_example``: fields
+    stripped (``strip_dataset``), the preamble (``prompt_string`` and ``num_fewshot`` examples drawn by
+    llm-foundry's own sampler with the task's ``fewshot_random_seed``, one generator per dataset, items in file
+    order) with special tokens and without a trailing EOS, the context without special tokens (right-stripped,
+    except schema options), the answer with a leading space when the tokenizer needs one
+    (``tokenizer_needs_prefix_space``). ``has_categories`` tasks are split by ``category`` as llm-foundry
+    partitions them (sorted categories, each its own few-shot pool and generator). Used for the items cut to fit
+    and the items that cannot be scored (:func:`context_fit`), and for the tokens an evaluation runs.
+
+    Args:
+        task: the task as handed to llm-foundry (``icl_task_type`` and its keys).
+        items: the task's items in file order (:func:`read_items` of the file llm-foundry reads).
+        encoder: the tokenizer the evaluation uses (:class:`Encoder`).
+        num_fewshot: shot count; above 0 imports llm-foundry (and torch) for its few-shot sampler.
+        context: False counts answers only (``ItemTokens.context`` is None): what the dry run checks.
+
+    Returns:
+        One :class:`ItemTokens` per item, in file order; counts are tokens.
+
+    Raises:
+        ValueError: an unknown task type, a ``has_categories`` item without ``category``, or an item without a
+            field its task type reads (or a ``gold`` index out of its choices), naming the task and the field.
+    """
+    ttype = task["icl_task_type"]
+    if ttype not in TYPE_DEFAULTS:
+        raise ValueError(f"ICL task {task.get('label')}: unknown icl_task_type {ttype!r}")
+    try:
+        return _item_tokens(task, ttype, settings(task), items, encoder, num_fewshot, context)
+    except (KeyError, IndexError) as exc:
+        what = f"has no {exc}" if isinstance(exc, KeyError) else "has a gold index outside its choices"
+        raise ValueError(f"ICL task {task.get('label')}: an item {what} (a {ttype} task reads it; llm-foundry would "
+                         f"fail on it too). Fix: check the task's file and its *_key settings.") from exc
+
+
+def _item_tokens(task: Mapping, ttype: str, s: dict, items: Sequence[Mapping], encoder: Encoder, num_fewshot: int,
+                 context: bool) -> list[ItemTokens]:
+    """:func:`item_tokens` once the settings are known: the file as one dataset, or one per category."""
+    if not task.get("has_categories"):
+        return _dataset_tokens(ttype, s, list(items), encoder, num_fewshot, context, None)
+    groups: dict[str, list[int]] = {}
+    for i, it in enumerate(items):
+        if "category" not in it:
+            raise ValueError(f"ICL task {task.get('label')}: has_categories is set but item {i + 1} has no "
+                             f"'category'")
+        groups.setdefault(it["category"], []).append(i)
+    out: list[ItemTokens | None] = [None] * len(items)
+    for cat in sorted(groups):
+        part = _dataset_tokens(ttype, s, [items[i] for i in groups[cat]], encoder, num_fewshot, context, cat)
+        for i, rec in zip(groups[cat], part):
+            out[i] = rec
+    return out  # type: ignore[return-value]
+
+
+def _encode_unique(encoder: Encoder, texts: list[str], special: bool) -> list[list[int]]:
+    uniq = list(dict.fromkeys(texts))
+    ids = dict(zip(uniq, encoder.encode(uniq, special)))
+    return [ids[t] for t in texts]
+
+
+def _dataset_tokens(ttype: str, s: dict, items: list[Mapping], encoder: Encoder, num_fewshot: int,
+                    context: bool, category: str | None) -> list[ItemTokens]:
+    """:func:`item_tokens` of one llm-foundry dataset (one file, or one category of it)."""
+    prefix_space = len(encoder.encode([" a"], False)[0]) == 1
+    has_cot = False
+    gen_answers: list[int] = []
+    if ttype == "generation_task_with_answers":
+        # read_dataset: the longest answer or alias, tokenized with special tokens, before the fields are stripped
+        has_cot = any("chain_of_thought" in it for it in items)
+        responses, owner = [], []
+        for i, it in enumerate(items):
+            for ans in dict.fromkeys([it[s["answer_key"]]] + list(it.get("aliases") or [])):
+                responses.append(f"{it.get('chain_of_thought') or ''}{s['cot_delimiter']}{ans}" if has_cot else ans)
+                owner.append(i)
+        longest = [0] * len(items)
+        for i, ids in zip(owner, _encode_unique(encoder, responses, True)):
+            longest[i] = max(longest[i], len(ids))
+        buffer = COT_ANSWER_BUFFER if s["cot_delimiter"] else 0
+        gen_answers = [n + buffer for n in longest]
+    if s["strip_dataset"]:
+        items = [{k: v.strip() if isinstance(v, str) else v for k, v in it.items()} for it in items]
+
+    def spaced(text: str) -> str:
+        return f" {text}" if prefix_space and not text.startswith(" ") else text
+
+    # answers: one text list per item (one per sequence)
+    if ttype == "language_modeling":
+        ans_texts = [[spaced(it[s["answer_key"]])] for it in items]
+    elif ttype == "multiple_choice":
+        ans_texts = [[spaced(c) for c in it[s["choices_key"]]] for it in items]
+    elif ttype == "schema":
+        ans_texts = [[spaced(it["continuation"])] * len(it[s["choices_key"]]) for it in items]
+    else:
+        ans_texts = []
+    if ans_texts:
+        flat = _encode_unique(encoder, [t for texts in ans_texts for t in texts], False)
+        answers, k = [], 0
+        for texts in ans_texts:
+            answers.append(tuple(len(ids) for ids in flat[k:k + len(texts)]))
+            k += len(texts)
+    else:
+        answers = [(n,) for n in gen_answers]
+    if not context:
+        return [ItemTokens(None, a, category) for a in answers]
+
+    def in_context_answer(it: Mapping) -> str:
+        if ttype == "multiple_choice":
+            return it[s["choices_key"]][it["gold"]]
+        if ttype == "generation_task_with_answers" and has_cot:
+            return f"{it.get('chain_of_thought') or ''}{s['cot_delimiter']}{it[s['answer_key']]}"
+        return it[s["answer_key"]]
+
+    def construct(it: Mapping, preceding: str, add_answer: bool) -> str:
+        if ttype == "schema":  # InContextLearningSchemaTaskDataset.construct_context (always with the answer)
+            ctx = it[s["choices_key"]][it["gold"]]
+            if preceding:
+                ctx = f"{s['example_delimiter']}{ctx}"
+            return f"{s['prelimiter']}{ctx}{s['continuation_delimiter']}{it['continuation']}"
+        ctx = f"{s['prelimiter']}{it[s['context_key']]}"
+        if preceding:
+            ctx = f"{s['example_delimiter']}{ctx}"
+        ctx = f"{ctx}{s['continuation_delimiter']}"
+        return f"{ctx}{in_context_answer(it)}" if add_answer else ctx
+
+    rng = random.Random(s["fewshot_random_seed"])
+    if num_fewshot > 0:
+        from llmfoundry.eval.datasets.utils import get_fewshot_sample_idxs
+    preambles, ctx_texts = [], []
+    for i, it in enumerate(items):
+        pre = s["prompt_string"]
+        if num_fewshot > 0:
+            for j in get_fewshot_sample_idxs(len(items), num_fewshot, i, rng):
+                pre += construct(items[j], pre, True)
+        preambles.append(pre)
+        if ttype == "schema":  # _construct_multiple_contexts
+            if pre:
+                cont_del = s["continuation_delimiter"].rstrip() if s["strip_dataset"] else s["continuation_delimiter"]
+                ctx_texts.append([f"{s['prelimiter']}{s['example_delimiter']}{c}{cont_del}"
+                                  for c in it[s["choices_key"]]])
+            else:
+                ctx_texts.append([f"{s['prelimiter']}{c}" for c in it[s["choices_key"]]])
+        else:
+            ctx = construct(it, pre, False)
+            ctx_texts.append([ctx.rstrip() if s["strip_dataset"] else ctx])
+    pre_ids = _encode_unique(encoder, preambles, True)
+    flat = _encode_unique(encoder, [t for texts in ctx_texts for t in texts], False)
+    out, k = [], 0
+    eos = encoder.eos_token_id
+    for i, texts in enumerate(ctx_texts):
+        pre = pre_ids[i]
+        if eos is not None and len(pre) > 1 and pre[-1] == eos:  # _fix_eos_on_preamble
+            pre = pre[:-1]
+        ctx = tuple(len(pre) + len(ids) for ids in flat[k:k + len(texts)])
+        k += len(texts)
+        # a multiple-choice item is one context per choice
+        if ttype == "multiple_choice":
+            ctx = ctx * len(answers[i])
+        out.append(ItemTokens(ctx, answers[i], category))
+    return out
+
+
+def context_fit(task_type: str, tokens: Sequence[ItemTokens], max_seq_len: int) -> dict:
+    """How a task's items fit a context of ``max_seq_len`` tokens in llm-foundry 0.22.
+
+    Language modelling, multiple choice, schema: a sequence is context + answer; when longer than
+    ``max_seq_len``, llm-foundry keeps the answer and the last ``max_seq_len - answer`` context tokens
+    (``trim_context``). Generation: every context of a dataset (a file, or one category) is cut to
+    ``max_seq_len - A`` tokens, ``A`` its longest answer (what llm-foundry reserves for generating). An item cannot
+    be scored when an answer of it leaves no context token (answer >= ``max_seq_len``): llm-foundry stops the whole
+    evaluation for an answer longer than ``max_seq_len`` and builds an over-long sequence for one equal to it.
+
+    Args:
+        task_type: the task's ``icl_task_type``.
+        tokens: :func:`item_tokens` of its items (with or without contexts).
+        max_seq_len: the evaluation's context in tokens (the task's ``max_seq_len``, else the run's).
+
+    Returns:
+        ``{"items", "items_cut" (items with a context cut from the left; -1 when contexts were not counted),
+        "items_too_long" (items that cannot be scored), "first_too_long" (1-based item number, 0 for none),
+        "longest_answer_tokens", "max_seq_len"}``, all integers.
+    """
+    seq = int(max_seq_len)
+    too_long = [i for i, t in enumerate(tokens) if max(t.answer, default=0) >= seq]
+    counted = all(t.context is not None for t in tokens)
+    cut = 0
+    if counted and task_type == "generation_task_with_answers":
+        reserved: dict[str | None, int] = {}
+        for t in tokens:
+            reserved[t.category] = max(reserved.get(t.category, 0), t.answer[0])
+        cut = sum(1 for t in tokens if t.context[0] > seq - reserved[t.category])  # type: ignore[index]
+    elif counted:
+        cut = sum(1 for t in tokens if any(c + a > seq for c, a in zip(t.context, t.answer)))  # type: ignore[arg-type]
+    return {"items": len(tokens), "items_cut": cut if counted else -1, "items_too_long": len(too_long),
+            "first_too_long": too_long[0] + 1 if too_long else 0,
+            "longest_answer_tokens": max((max(t.answer, default=0) for t in tokens), default=0), "max_seq_len": seq}
+
+
+def too_long_reason(label: str, fit: Mapping, setting: str) -> str:
+    """The message for a task that cannot be scored (:func:`context_fit` with ``items_too_long`` > 0):
+    the task, the counts, the context's setting (``setting``) and the fix."""
+    return (f"ICL task {label}: {fit['items_too_long']} of {fit['items']} items have an answer of "
+            f"{fit['max_seq_len']} tokens or more (e.g. item {fit['first_too_long']}; the longest "
+            f"{fit['longest_answer_tokens']} tokens), which leaves no context token in the evaluation's "
+            f"{fit['max_seq_len']}-token context ({setting}); llm-foundry cannot score them (it stops with "
+            f"'continuation longer than the max seq len'). Fix: drop {label} from the run's suite, or evaluate it "
+            f"with a model whose context is longer than {fit['longest_answer_tokens']} tokens.")
+
+
+def task_fits(tasks: Sequence[Mapping], encoder: Encoder, max_seq_len: int, setting: str) -> tuple[dict, dict]:
+    """How each task of an llm-foundry task list fits the evaluation's context, before any model is loaded.
+
+    Args:
+        tasks: llm-foundry's ``icl_tasks`` (each with ``label``, ``icl_task_type``, ``dataset_uri`` of the file it
+            reads, ``num_fewshot``).
+        encoder: the evaluation's tokenizer.
+        max_seq_len: the evaluation's context in tokens (a task's own ``max_seq_len`` wins).
+        setting: the setting that gives ``max_seq_len``, for messages (e.g. ``data.concat_tokens of mpt-tiny``).
+
+    Returns:
+        (``{label: {"<k>-shot": context_fit}}`` of the tasks that can be scored, ``{label: {"reason", "items",
+        "items_too_long", "longest_answer_tokens", "max_seq_len", "icl_task_type"}}`` of those that cannot: an
+        item's answer leaves no context token, see :func:`context_fit`).
+    """
+    fits, refused = {}, {}
+    for task in tasks:
+        label, ttype = task["label"], task["icl_task_type"]
+        seq = int(task.get("max_seq_len") or max_seq_len)
+        items = read_items(task["dataset_uri"])
+        answers = context_fit(ttype, item_tokens(task, items, encoder, context=False), seq)
+        if answers["items_too_long"]:
+            where = "the task's max_seq_len" if task.get("max_seq_len") else setting
+            refused[label] = {"reason": too_long_reason(label, answers, where), "icl_task_type": ttype,
+                              **{k: answers[k] for k in ("items", "items_too_long", "longest_answer_tokens",
+                                                         "max_seq_len")}}
+            continue
+        fits[label] = {f"{int(k)}-shot": context_fit(ttype, item_tokens(task, items, encoder, num_fewshot=int(k)),
+                                                     seq)
+                       for k in task.get("num_fewshot", [0])}
+    return fits, refused
