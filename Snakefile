@@ -43,4 +43,4 @@ _STARTED = time.time()
 onsuccess:
     from llmpipe.chain_summary import print_summary
 
-    print_summary(RESULTS, since=_STARTED)   # each changed run's loss, held-out loss, gauntlet average, folder
+    print_summary(RESULTS, since=_STARTED)  # each changed run's loss, held-out loss, gauntlet average, folder

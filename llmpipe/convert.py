@@ -16,7 +16,7 @@ import os
 import shutil
 import time
 
-from llmpipe.atomic import atomic_write_json, umask_mode
+from llmpipe.atomic import atomic_write_json, read_json, umask_mode
 from llmpipe.throughput import peak_host_rss_gib
 
 #: attention implementations that the exported code knows; anything else is mapped to ``torch``.
@@ -220,7 +220,6 @@ def save_export_tokenizer(tokenizer_dir: str, out_dir: str) -> dict:
         raise ValueError(f"the tokenizer {tokenizer_dir} grew from {size} to {len(tok)} tokens when given its pad "
                          f"token {kwargs.get('pad_token')!r}; the exported model has no embedding for the new one")
     tok.save_pretrained(out_dir)
-    from llmpipe.atomic import read_json
     saved = read_json(os.path.join(out_dir, "tokenizer_config.json"), {}) or {}
     return {"class": saved.get("tokenizer_class") or type(tok).__name__, "pad_token": tok.pad_token,
             "pad_token_id": tok.pad_token_id, "padding_side": tok.padding_side,

@@ -418,7 +418,7 @@ def run_step(fn: Callable, *args: Any, step: str, resources: dict, config: dict,
             that ends ``TIMEOUT`` (Slurm's time-limit signal came before the training could handle it, e.g. during
             the batch script's set-up) is submitted again when that batch is later than when the job was submitted
             or re-attached; at most ``slurm.max_requeue_timeouts`` such ends without progress
-            (:func:`resubmit_after_timeout`). Not passed to ``fn``.
+            (:func:`llmpipe.requeue.resubmit_after_timeout`). Not passed to ``fn``.
         on_job: called with ``(executor kind, job id)`` for each job this step waits for, once submitted or
             re-attached to (e.g. to name it as the holder of a lease, :mod:`llmpipe.lease`). Not passed to ``fn``.
 
@@ -439,43 +439,18 @@ def run_step(fn: Callable, *args: Any, step: str, resources: dict, config: dict,
         try:
             results = _wait_and_forget(job, config, rec_path, log_dir, step, log_file, progress)
         except StepFailed as exc:
-            if resume_batch is None or not resubmit_after_timeout(exc, start, resume_batch(), timeouts, step,
-                                                                  config, resources, log_file):
+            if resume_batch is None or executor_kind(config) != "slurm":
+                raise
+            from llmpipe.requeue import resubmit_after_timeout
+            from llmpipe.slurm import site_config
+
+            cap = int(site_config(config, resources)["max_requeue_timeouts"])
+            if not resubmit_after_timeout(exc.state, exc.job_id, start, resume_batch(), timeouts, step, cap,
+                                          lambda line: say(line, log_file)):
                 raise
             continue
         say(f"{step}: job {job.job_id} finished (COMPLETED)", log_file)   # every rule log ends with the final state
         return results[0]
-
-
-def resubmit_after_timeout(exc: StepFailed, start: int, now: int, counts: dict, step: str, config: dict,
-                           resources: dict, log_file: str | None) -> bool:
-    """Whether a job that failed with ``exc`` is submitted again: it ended ``TIMEOUT`` on Slurm and its newest
-    complete checkpoint (batch ``now``) is later than when it was submitted (``start``), or fewer than
-    ``slurm.max_requeue_timeouts`` of its resubmissions ended without progress. Counts in ``counts``
-    (``resubmitted``, ``no_progress``) and logs the decision with the batch the next allocation resumes from.
-
-    Slurm sends ``--signal`` up to 60 s before the time it was asked for and only to job steps: a signal that comes
-    while the batch script still runs its set-up is lost, and the training runs into the limit. Its checkpoints are
-    complete, so a new job resumes from the newest one, as a requeue would have.
-    """
-    if exc.state != "TIMEOUT" or executor_kind(config) != "slurm":
-        return False
-    from llmpipe.slurm import site_config
-
-    cap = int(site_config(config, resources)["max_requeue_timeouts"])
-    progressed = now > start
-    counts["no_progress"] += 0 if progressed else 1
-    if counts["no_progress"] > cap:
-        say(f"{step}: the job ended TIMEOUT {counts['no_progress']} time(s) without a newer checkpoint than batch "
-            f"{now}, more than slurm.max_requeue_timeouts={cap} allows: not submitted again. Fix: give each "
-            f"allocation time to start and checkpoint (raise time_min, lower slurm.signal_delay_s, save checkpoints "
-            f"more often).", log_file)
-        return False
-    counts["resubmitted"] += 1
-    say(f"{step}: job {exc.job_id} ended TIMEOUT: the time-limit signal did not reach the training in time (Slurm sends it up to 60 s early, to job steps only). Its newest checkpoint is at batch "
-        f"{now} ({'progress' if progressed else 'no progress'} since batch {start}): submitting it again "
-        f"(resubmission {counts['resubmitted']}; it resumes from batch {now})", log_file)
-    return True
 
 
 def _reattach_recorded(config: dict, rec_path: str, step: str, log_file: str | None):

@@ -108,7 +108,8 @@ def evaluate(rc: dict, model_dir: str, data_dir: str | None, icl_files: dict[str
                         "persistent_workers": False},
         # -1 here: Trainer.eval would cap the ICL tasks too; the held-out loader is capped by this callback
         "eval_subset_num_batches": -1,
-        "callbacks": {eval_tasks.register_heldout_cap(): {"batches": int(ecfg.get("val_batches", -1))}},
+        "callbacks": {eval_tasks.register_heldout_cap(): {"batches": int(ecfg.get("val_batches", -1))},
+                      register_eval_progress(): {}},   # after the cap: it reads the capped length
     }
     # more than one process: FSDP across them (llmpipe.inference_placement); metrics are summed over the ranks
     parallel = foundry_parallel_settings(world, on_gpu, cfg["eval_subset_num_batches"], cfg["icl_subset_num_batches"])
@@ -174,3 +175,55 @@ def evaluate(rc: dict, model_dir: str, data_dir: str | None, icl_files: dict[str
         "fsdp": bool(trainers[0].state.fsdp_enabled),
         "seconds": round(time.time() - t0, 2),
     }
+
+
+#: The registry name of :func:`register_eval_progress`'s callback.
+EVAL_PROGRESS = "llmpipe_eval_progress"
+
+
+def register_eval_progress() -> str:
+    """Register (once) a composer callback that writes the evaluation's progress record on rank 0
+    (:func:`llmpipe.progress.update`): per evaluator (an ICL task and shot count, or the held-out loader) the items
+    done of this rank's share (the dataloader's sampler length; batches for a loader without one, e.g. the held-out
+    stream), with ``task i/n``. Return its registry name."""
+    from composer.core import Callback
+    from composer.utils import dist
+    from llmfoundry.registry import callbacks
+
+    from llmpipe import progress
+
+    class EvalProgress(Callback):
+        """The progress record of an evaluation: items (or batches) of the current evaluator, and which one."""
+
+        def __init__(self) -> None:
+            self.index, self.items = 0, None
+
+        def eval_start(self, state, logger) -> None:  # noqa: ARG002 - composer's callback signature
+            self.index += 1
+            sampler = getattr(state.dataloader, "sampler", None)
+            try:
+                self.items = len(sampler) if sampler is not None else None
+            except TypeError:   # an iterable dataset's sampler has no length
+                self.items = None
+            self._write(state, force=True)
+
+        def eval_batch_end(self, state, logger) -> None:  # noqa: ARG002
+            self._write(state, force=False)
+
+        def eval_end(self, state, logger) -> None:  # noqa: ARG002
+            self._write(state, force=True)
+
+        def _write(self, state, force: bool) -> None:
+            if dist.get_global_rank() != 0:
+                return
+            figures = {"task": f"{self.index}/{len(state.evaluators) or '?'}"}
+            if self.items:
+                done, total, unit = int(state.eval_timestamp.sample), self.items, "item"
+            else:
+                done, total, unit = int(state.eval_timestamp.batch), state.dataloader_len, "batch"
+            progress.update(done, None if total is None else int(total), unit, task=state.dataloader_label,
+                            figures=figures, force=force)
+
+    if EVAL_PROGRESS not in callbacks.get_all():
+        callbacks.register(EVAL_PROGRESS, func=EvalProgress)
+    return EVAL_PROGRESS

@@ -103,6 +103,35 @@ def resubmission(task: Any, batch: int) -> DelayedSubmission:
     return out
 
 
+def resubmit_after_timeout(state: str, job_id: str, start: int, now: int, counts: dict, step: str, cap: int,
+                           say: Callable[[str], None]) -> bool:
+    """Whether a Slurm training job that ended in ``state`` is submitted again by its step: it ended ``TIMEOUT``, and
+    its newest complete checkpoint (batch ``now``) is later than when it was submitted (``start``) or at most ``cap``
+    (``slurm.max_requeue_timeouts``) of its ends made no progress. Counts in ``counts`` (``resubmitted``,
+    ``no_progress``) and says the decision with the batch the next job resumes from.
+
+    Slurm sends ``--signal`` up to 60 s before the time asked for and only to job steps: a signal that comes while the
+    batch script still runs its set-up is lost, and the training runs into the limit. Its checkpoints are complete,
+    so a new job resumes from the newest one, as a requeue would have.
+    """
+    if state != "TIMEOUT":
+        return False
+    progressed = now > start
+    counts["no_progress"] += 0 if progressed else 1
+    if counts["no_progress"] > cap:
+        say(f"{step}: the job ended TIMEOUT {counts['no_progress']} time(s) without a newer checkpoint than batch "
+            f"{now}, more than slurm.max_requeue_timeouts={cap} allows: not submitted again. Fix: give each "
+            f"allocation time to start and checkpoint (raise time_min, lower slurm.signal_delay_s, save checkpoints "
+            f"more often).")
+        return False
+    counts["resubmitted"] += 1
+    say(f"{step}: job {job_id} ended TIMEOUT: the time-limit signal did not reach the training in time (Slurm "
+        f"sends it up to 60 s early, to job steps only). Its newest checkpoint is at batch {now} "
+        f"({'progress' if progressed else 'no progress'} since batch {start}): submitting it again (resubmission "
+        f"{counts['resubmitted']}; it resumes from batch {now})")
+    return True
+
+
 def wait_to_be_requeued(timeout_s: float = 90.0, rank: int | None = None) -> None:
     """What a rank that did not handle the signal does at the checkpoint barrier: wait for Slurm to requeue the job
     (which ends every task), but not forever.

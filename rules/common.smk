@@ -23,8 +23,8 @@ from llmpipe.tracking import settings as tracking_settings
 # wrong value stops here naming its path and the fix (ConfigError); validate() fills the settings' defaults.
 try:
     schema.prepare(config)
-except cfg.ConfigError as exc:   # name the user's file (or --config) the wrong value is written in
-    given = [str(f) for f in workflow.config_settings.configfiles]   # --configfile: over the Snakefile's own
+except cfg.ConfigError as exc:  # name the user's file (or --config) the wrong value is written in
+    given = [str(f) for f in workflow.config_settings.configfiles]  # --configfile: over the Snakefile's own
     files = [str(f) for f in workflow.configfiles if str(f) not in given] + given
     raise schema.with_origin(exc, files, workflow.config_settings.config) from None
 validate(config, str(schema.SCHEMA_PATH))
@@ -236,7 +236,7 @@ def inference_time(step, rc, placed, gpu_type, overheads):
         if proj and unknown:
             proj["basis"] += f"; without {len(unknown)} of {len(tasks)} tasks, not fetched yet"
         return proj
-    g = config["generate"]
+    g = generate_steps.generate_settings(config, rc["name"])  # the run's own prompts, when it has them
     new = len(g["prompts"]) * int(g["max_new_tokens"])
     return ip.inference_time(
         rc,

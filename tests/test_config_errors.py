@@ -278,6 +278,20 @@ SCHEMA_ERRORS = [
     ({"generate": {"temperature": 0}}, r"^generate\.temperature is 0; it must be > 0"),
     ({"generate": {"top_p": 1.5}}, r"^generate\.top_p is 1\.5; it must be <= 1"),
     ({"generate": {"long_prompts": "cut"}}, r"^generate\.long_prompts is 'cut'; it must be one of truncate, fail"),
+    # prompts and templates (issue 32): an empty prompt gave the model nothing to continue and failed every prompt
+    ({"generate": {"prompts": ["Once upon a time", ""]}},
+     r"^generate\.prompts\[1\] is ''; it must be text with a character other than spaces.*Fix: write the prompt's "
+     r"text there, or remove the empty entry from the list"),
+    ({"generate": {"prompts": [3]}}, r"^generate\.prompts\[0\] is 3; it must be text .*quote a prompt"),
+    ({"generate": {"prompts": [{"Question": "what?"}]}},
+     r"^generate\.prompts\[0\] is \{'Question': 'what\?'\}; it must be text .*holding ': '"),
+    ({"finetunes": {"mpt-tiny-sft": {"generate": {"prompts": [" "]}}}},
+     r"^finetunes\.mpt-tiny-sft\.generate\.prompts\[0\] is ' '; it must be text with a character other than"),
+    ({"generate": {"template": "Q: {question}\nA:"}},
+     r"^generate\.template is 'Q: \{question\}\\nA:'; it must be text holding \{prompt\} where the prompt goes"),
+    ({"models": {"mpt-tiny": {"generate": {"max_new_tokens": 8}}}},
+     r"^models\.mpt-tiny\.generate\.max_new_tokens is not a generation setting of a run; Known ones: prompts, "
+     r"template\. \(Sampling and lengths are"),
     ({"corpora": {"c4": {"val_files": 9}}}, r"^corpora\.c4\.val_files is 9; it must be <= 8"),
     ({"models": {"mpt-125m": {"arch": {"attn_config": {"sliding_window_size": 0}}}}},
      r"^models\.mpt-125m\.arch\.attn_config\.sliding_window_size is 0; it must be -1 \(no sliding window\)"),
@@ -358,6 +372,16 @@ def test_run_checks_name_the_setting_and_the_fix(run, override, expected):
     with pytest.raises(ConfigError, match=expected) as err:
         validate_run(cfg_with(override), run)
     assert "Fix:" in str(err.value)
+
+
+def test_an_empty_prompt_fails_the_dry_run(workdir):
+    """An empty prompt passed the dry run and failed inside the generation job with MPT's IndexError, losing every
+    prompt's completion; a finetune's own prompts are checked where they are written."""
+    out = dry_fail(workdir, "results/mpt-tiny-sft/generate.json", "--config",
+                   "finetunes={'mpt-tiny-sft': {'generate': {'prompts': ['What does json.dumps do?', '']}}}")
+    assert ("finetunes.mpt-tiny-sft.generate.prompts[1] is ''; it must be text with a character other than spaces"
+            in out), out[-3000:]
+    assert "Fix: write the prompt's text there, or remove the empty entry from the list" in out
 
 
 def test_local_corpus_missing_files_fail_the_dry_run(workdir, tmp_path):

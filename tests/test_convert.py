@@ -11,6 +11,7 @@ import torch
 
 from llmpipe.config import run_config
 from tests.conftest import project_config
+from tests.test_export import usual_calls
 
 pytestmark = pytest.mark.slow
 
@@ -60,10 +61,12 @@ def test_export_matches_composer_logits(tiny_run, tmp_path, dtype, tol):
     ckpt = str(tiny_run / train["final_checkpoint"])
     out = tmp_path / "hf"
     out.mkdir()
-    manifest = convert_checkpoint(run_config(config, "mpt-tiny"), ckpt,
-                                  str(tiny_run / "results/tokenizers/bpe-builtin-docs"), str(out), dtype)
+    tokenizer_dir = tiny_run / "results/tokenizers/bpe-builtin-docs"
+    manifest = convert_checkpoint(run_config(config, "mpt-tiny"), ckpt, str(tokenizer_dir), str(out), dtype)
     assert manifest["dtype"] == dtype and (out / "model.safetensors").exists() and (out / "tokenizer.json").exists()
     assert json.loads((out / "config.json").read_text())["attn_config"]["attn_impl"] == "torch"
+    if dtype == "float32":  # the trained model's export with transformers' usual calls (tests/test_export.py)
+        usual_calls(out, tokenizer_dir)
 
     ids = torch.randint(0, 4096, (2, 64), generator=torch.Generator().manual_seed(1))
     torch.save(ids, tmp_path / "ids.pt")

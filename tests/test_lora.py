@@ -15,6 +15,8 @@ from llmpipe import config as cfg
 from llmpipe import plan
 from llmpipe.lora import adapter_param_count, lora_settings, merge_adapters, mpt_linear_modules, target_matches
 from tests.conftest import copy_run, project_config, snakemake
+from tests.test_export import usual_calls
+from tests.test_finetune import check_generation_template
 
 LORA = "mpt-tiny-sft-lora"
 GIB = 2**30
@@ -95,8 +97,14 @@ def test_tiny_lora_finetune_chain(lora_run, tiny_run):
     assert merge_err < 0.1, merge_err  # the bf16 rounding of the merged weights, as the export's own verification
     assert float((got - before).abs().max()) > 5 * merge_err  # the merged model is not the base
 
+    # generation in the instruction format it trained on; the export's tokenizer with the usual calls
+    check_generation_template(config, LORA, json.loads((res / LORA / "generate.json").read_text()),
+                              json.loads((res / "mpt-tiny/generate.json").read_text()))
+    usual_calls(res / LORA / "hf", res / "tokenizers/bpe-builtin-docs")
+
     ev = json.loads((res / LORA / "eval.json").read_text())
-    assert ev["kind"] == "finetune" and ev["val"]["split"] == "test" and ev["val"]["tokens"] == "response"
+    assert ev["kind"] == "finetune" and ev["val"]["split"] == "test" and ev["val"]["token_scope"] == "response"
+    assert type(ev["val"]["tokens"]) is int and ev["val"]["tokens"] > 0  # a count, as in every run
     assert 0 < ev["val"]["loss"] < math.log(rc["arch"]["vocab_size"])
     assert math.isclose(ev["val"]["perplexity"], math.exp(ev["val"]["loss"]), rel_tol=1e-3)
     assert set(ev["icl"]) == {t["label"] for t in config["eval"]["icl_tasks"]}

@@ -16,7 +16,7 @@ from pathlib import Path
 import cloudpickle
 import pytest
 
-from llmpipe import dispatch, live_jobs
+from llmpipe import dispatch, live_jobs, requeue
 from llmpipe.dispatch import StepFailed, job_key, run_step
 from tests.slurm_cluster import jobs
 
@@ -287,29 +287,22 @@ def test_job_that_ends_timeout_after_progress_is_submitted_again(slurm_cluster, 
     assert time.time() - t0 < 400
 
 
-def test_resubmission_after_timeout_is_capped_by_allocations_without_progress(tmp_path):
+def test_resubmission_after_timeout_is_capped_by_allocations_without_progress():
     """resubmit_after_timeout: progress is free, ends without progress count against slurm.max_requeue_timeouts,
-    and only TIMEOUT on Slurm is resubmitted."""
-    cfg = config(tmp_path, max_requeue_timeouts=1)
-    log = tmp_path / "rule.log"
+    and only TIMEOUT is resubmitted."""
+    lines: list[str] = []
     counts = {"resubmitted": 0, "no_progress": 0}
 
-    def again(state: str, start: int, now: int, conf: dict = cfg) -> bool:
-        return dispatch.resubmit_after_timeout(StepFailed("x", state=state, job_id="7"), start, now, counts,
-                                               "train t", conf, resources(), str(log))
+    def again(state: str, start: int, now: int) -> bool:
+        return requeue.resubmit_after_timeout(state, "7", start, now, counts, "train t", 1, lines.append)
 
     assert again("TIMEOUT", 0, 40) and again("TIMEOUT", 40, 80)             # progress: never counted
     assert again("TIMEOUT", 80, 80) and counts == {"resubmitted": 3, "no_progress": 1}
     assert not again("TIMEOUT", 80, 80) and counts["no_progress"] == 2     # the second end without progress
     assert "ended TIMEOUT 2 time(s) without a newer checkpoint than batch 80, more than " \
-           "slurm.max_requeue_timeouts=1 allows: not submitted again" in log.read_text()
-    fresh = {"resubmitted": 0, "no_progress": 0}
-    assert not dispatch.resubmit_after_timeout(StepFailed("x", state="FAILED"), 0, 40, fresh, "t", cfg, resources(),
-                                               None)
-    local = {"dispatch": {"executor": "local"}}
-    assert not dispatch.resubmit_after_timeout(StepFailed("x", state="TIMEOUT"), 0, 40, fresh, "t", local,
-                                               resources(), None)
-    assert fresh == {"resubmitted": 0, "no_progress": 0}
+           "slurm.max_requeue_timeouts=1 allows: not submitted again" in lines[-1]
+    assert "(resubmission 3; it resumes from batch 80)" in lines[-2]
+    assert not again("FAILED", 0, 40) and counts == {"resubmitted": 3, "no_progress": 2}
 
 
 def test_pending_for_a_reason_that_never_resolves_fails_at_once(slurm_cluster, tmp_path):

@@ -409,9 +409,10 @@ def test_training_over_several_time_limits_with_a_long_setup_finishes_by_itself(
     TIMEOUT), and the rule log shows the batch each later allocation resumed from. No allocation is left FAILED."""
     wd = copy_run(two_node_run.wd, tmp_path / "wd")
     done = read_json(wd, TRAIN_JSON)
-    batches_per_s = done["tokens_per_s"] / (done["global_batch_size"] * done["concat_tokens"])
-    # a single allocation trains at most 180 - 50 (set-up) - 10 (signal delay) s; ask for ~200 s of training
-    steps = max(3 * SAVE_EVERY, int(batches_per_s * 200))
+    tokens_per_s = done.get("steady_tokens_per_s") or done["tokens_per_s"]   # without the warm-up batches
+    batches_per_s = tokens_per_s / (done["global_batch_size"] * done["concat_tokens"])
+    # one allocation trains less than 180 - 50 (set-up) - 10 (signal delay) = 120 s: ask for 150 s of training
+    steps = max(3 * SAVE_EVERY, int(batches_per_s * 150))
     every = max(1, steps // 20)
     fresh_training(wd)
     extra = tmp_path / "time-limits.yaml"
@@ -432,7 +433,7 @@ def test_training_over_several_time_limits_with_a_long_setup_finishes_by_itself(
     resumed = [int(a or b) for a, b in re.findall(r"resumes from the checkpoint at batch (\d+)|it resumes from "
                                                   r"batch (\d+)", log)]
     assert resumed and resumed == sorted(set(resumed)) and resumed[0] > 0, (resumed, log)   # >= 2 allocations
-    assert train["resumed_from"].endswith(f"ep0-ba{resumed[-1]}"), (train, resumed)
+    assert re.search(rf"-ba{resumed[-1]}$", train["resumed_from"]), (train, resumed)
     rows = settled_jobs_since(slurm_cluster, t0, "train_mpt-tiny", expect=len(resumed) + 1, timeout=60)
     states = [r["State"].split()[0] for r in rows]
     assert states[-1] == "COMPLETED" and "FAILED" not in states and len(states) == len(resumed) + 1, (rows, log)
@@ -469,8 +470,8 @@ def test_killed_snakemake_reattaches_to_the_running_job(two_node_run, site, slur
     assert not submitted_ids(log), log
     # the submission line outlives the rule log that Snakemake deleted (its history, which the new log names);
     # one watcher wrote the end, once
-    history = (wd / "results/logs/train/mpt-tiny.log.history").read_text()
-    assert submitted_ids(history) == [job_id] and history.count(f"job {job_id} finished") == 1, history
+    history = (wd / "results/logs/train/mpt-tiny.log.history").read_text()   # the copied run's lines come first
+    assert submitted_ids(history)[-1:] == [job_id] and history.count(f"job {job_id} finished") == 1, history
     assert "earlier runs of this step: " in (wd / "results/logs/train/mpt-tiny.log").read_text().split(THIS_RUN)[0]
     train = read_json(wd, TRAIN_JSON)
     assert train["steps"] == STEPS and train["resumed_from"] is None and train["batches_this_job"] == STEPS, train

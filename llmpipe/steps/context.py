@@ -110,7 +110,7 @@ class StepContext:
                 is ``local``: :func:`llmpipe.dispatch.with_executor`).
             progress: the step's progress as a short text, logged when Slurm requeues the job.
             resume_batch: the batch of the step's newest complete checkpoint: a Slurm job that ends TIMEOUT after
-                checkpointing is submitted again (:func:`llmpipe.dispatch.resubmit_after_timeout`).
+                checkpointing is submitted again (:func:`llmpipe.requeue.resubmit_after_timeout`).
             on_job: called with ``(executor, job id)`` once the step's job is submitted or re-attached to.
 
         Raises:

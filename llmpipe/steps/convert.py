@@ -10,12 +10,23 @@ from llmpipe.steps.context import StepContext, read_json
 #: Bump when a change in our code changes the exported folder (reruns conversion and everything after it).
 VERSION = 3
 
+#: Bump when a change in our code changes the exported *weights*; a finetune of one of our runs names this one in
+#: its identity (:func:`weights_identity`), so a change of the export's other files (its tokenizer settings, version
+#: 3) reconverts the base but does not retrain its finetunes.
+WEIGHTS_VERSION = 2
+
 
 def convert_identity(config: dict, run: str) -> dict:
     """What determines the exported Hugging Face folder besides the trained model (its input): the export dtype
     and the largest safetensors file."""
     return {"step": "convert", "version": VERSION, "dtype": config["convert"]["dtype"],
             "max_shard_size": config["convert"]["max_shard_size"]}
+
+
+def weights_identity(config: dict, run: str) -> dict:
+    """What determines the exported weights of ``run`` (a finetune's base): :func:`convert_identity` with
+    :data:`WEIGHTS_VERSION` in place of :data:`VERSION`."""
+    return {**convert_identity(config, run), "version": WEIGHTS_VERSION}
 
 
 def convert_resources(config: dict, wildcards) -> dict:

@@ -22,8 +22,6 @@ VERSION = 3
 
 #: The ``generate:`` settings that determine the answers (``template``: the resolved text).
 IDENTITY_KEYS = ("prompts", "template", "max_new_tokens", "do_sample", "temperature", "top_p", "seed", "long_prompts")
-#: The ``generate:`` settings a run's own ``generate:`` section sets for that run.
-RUN_KEYS = ("prompts", "template")
 
 
 def generate_settings(config: dict, run: str) -> dict:
@@ -42,7 +40,8 @@ def generate_settings(config: dict, run: str) -> dict:
         ConfigError: an unknown run (:func:`llmpipe.config.run_config`).
     """
     out = dict(config["generate"])
-    own = run_config(config, run).get("generate") or {}
+    rc = run_config(config, run)
+    own = rc.get("generate") or {}
     out["prompts_at"] = "generate.prompts"
     if own.get("prompts") is not None:
         out["prompts"], out["prompts_at"] = own["prompts"], written_at(config, run, "generate.prompts")
@@ -51,7 +50,7 @@ def generate_settings(config: dict, run: str) -> dict:
     elif out.get("template") is not None:
         out["template_at"] = "generate.template"
     elif is_finetune(config, run):
-        name = run_config(config, run)["data"].get("instructions")
+        name = rc["data"].get("instructions")
         out["template"] = instruction_template((config.get("instruction_sets") or {}).get(name) or {})
         out["template_at"] = f"instruction_sets.{name}"
     else:

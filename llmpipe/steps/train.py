@@ -16,7 +16,7 @@ from llmpipe.config import (SPEED_ONLY_FINETUNE_DATA_KEYS, SPEED_ONLY_TRAIN_KEYS
 from llmpipe.fp8 import fp8_settings
 from llmpipe.lora import lora_settings
 from llmpipe.steps.context import StepContext, read_json
-from llmpipe.steps.convert import convert_identity
+from llmpipe.steps.convert import weights_identity
 from llmpipe.steps.data import instructions_identity, mds_identity, tokenizer_identity
 from llmpipe import checkpoints as ckpt, dispatch, lease
 from llmpipe import plan
@@ -56,7 +56,7 @@ def finetune_identity(config: dict, run: str) -> dict:
     base = rc["base"]
     if base.get("run"):
         base_id = {"run": base["run"], "train": train_identity(config, base["run"]),
-                   "convert": convert_identity(config, base["run"])}
+                   "convert": weights_identity(config, base["run"])}   # the weights, not the export's other files
     else:
         base_id = {"hub": base["hub"], "revision": base.get("revision")}
     d = rc["data"]
