@@ -16,6 +16,7 @@ import os
 import shutil
 import time
 
+from llmpipe import progress
 from llmpipe.atomic import atomic_write_json, read_json, umask_mode
 from llmpipe.throughput import peak_host_rss_gib
 
@@ -138,6 +139,7 @@ def convert_checkpoint(rc: dict, ckpt_path: str, tokenizer_dir: str, out_dir: st
     t0 = time.time()
     run = rc["name"]
     lora_report: dict = {}
+    progress.update(0, 3, "part", task="load the checkpoint's weights", force=True)   # the step's console line
     model = build_hf_model(rc, ckpt_path, dtypes[dtype], merge_report=lora_report if rc.get("lora") else None)
     from llmpipe.attention import stock_attn_config
     model.config.attn_config = stock_attn_config(model.config.attn_config)  # sdpa_* class -> stock class
@@ -152,6 +154,7 @@ def convert_checkpoint(rc: dict, ckpt_path: str, tokenizer_dir: str, out_dir: st
     MPTForCausalLM.register_for_auto_class("AutoModelForCausalLM")
     export = model.to(dtypes[dtype])
     export.config.torch_dtype = dtypes[dtype]
+    progress.update(1, 3, "part", task="write safetensors", force=True)
     tokenizer = save_export_tokenizer(tokenizer_dir, tmp)
     # transformers' pipeline() loads a remote-code model's tokenizer only when its config names the class
     export.config.tokenizer_class = tokenizer["class"]
@@ -186,10 +189,12 @@ def convert_checkpoint(rc: dict, ckpt_path: str, tokenizer_dir: str, out_dir: st
         manifest["lora"] = lora_report
     del model, export
     if verify:
+        progress.update(2, 3, "part", task="verify: reload and compare logits", force=True)
         manifest["verify_max_abs_logit_diff"] = verify_export(out_dir, build_hf_model(rc, ckpt_path), dtype)
         manifest["peak_rss_gib_with_verify"] = round(peak_host_rss_gib(), 3)
     manifest["seconds"] = round(time.time() - t0, 2)
     atomic_write_json(os.path.join(out_dir, "manifest.json"), manifest)  # last: the folder is complete now
+    progress.update(3, 3, "part", task="done", force=True)
     return manifest
 
 

@@ -79,6 +79,8 @@ def test_console_shows_each_steps_progress_and_a_summary_at_the_end(tiny_run):
     rec = json.loads((tiny_run / "results/logs/eval/mpt-tiny.submitit/progress.json").read_text())
     assert rec["done"] == rec["total"] > 0 and rec["unit"] in ("item", "batch") and rec["task"], rec
     assert rec["figures"]["task"] == "3/3", rec      # two ICL tasks and the held-out text
+    rec = json.loads((tiny_run / "results/logs/convert/mpt-tiny.submitit/progress.json").read_text())
+    assert (rec["done"], rec["total"], rec["unit"], rec["task"]) == (3, 3, "part", "done"), rec
     train, ev = load(tiny_run, "mpt-tiny/train.json"), load(tiny_run, "mpt-tiny/eval.json")
     summary = out[out.index("llmpipe: summary of the runs this chain changed:"):]
     assert (f"  mpt-tiny: train loss {train['final_train_loss']:.4f} after 120 batches, held-out loss "
