@@ -101,7 +101,7 @@ def _download(url: str, out: str, *, retries: int, wait_s: float, timeout_s: flo
             time.sleep(min(60.0, wait_s * 2 ** (attempt - 1)))
     raise TaskDataError(f"could not download {url} after {retries} attempt(s): {type(last).__name__}: {last}. Fix: "
                         f"check the network of the machine running Snakemake, raise eval.task_data.retries, or mirror "
-                        f"the files and set eval.task_data: {{source: local, local_dir: <folder>}} (README).")
+                        f"the files and set eval.task_data: {{source: local, local_dir: <folder>}} (docs/evaluation.md, Evaluation: standard benchmarks).")
 
 
 def fetch_task_files(files: list[str], dest: str, settings: dict, *, wait_s: float = 2.0,
@@ -139,7 +139,7 @@ def fetch_task_files(files: list[str], dest: str, settings: dict, *, wait_s: flo
             if not os.path.isfile(src):
                 raise TaskDataError(f"{src} does not exist: eval.task_data.local_dir must hold llm-foundry's layout "
                                     f"({FOUNDRY_PREFIX}<category>/<file>.jsonl, i.e. its scripts/ folder). Fix: "
-                                    f"mirror the files as the README shows, or set eval.task_data.source: github.")
+                                    f"mirror the files as docs/evaluation.md shows, or set eval.task_data.source: github.")
             tmp = out + ".copy"
             shutil.copyfile(src, tmp)
             os.replace(tmp, out)

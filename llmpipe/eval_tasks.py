@@ -350,11 +350,11 @@ def check_task_data(config: Mapping, files: list[str]) -> None:
     if not root or not os.path.isdir(root):
         raise ConfigError(f"eval.task_data.local_dir is {root!r}, not a folder; with source: local it must hold "
                           f"llm-foundry's scripts/ layout ({FOUNDRY_PREFIX}<category>/<file>.jsonl). Fix: set it "
-                          f"(README: Evaluation, standard benchmarks) or use source: github.")
+                          f"(docs/evaluation.md, Evaluation: standard benchmarks) or use source: github.")
     missing = [f for f in files if not os.path.isfile(os.path.join(root, f))]
     if missing:
         raise ConfigError(f"eval.task_data.local_dir {root!r} lacks {len(missing)} of the suite's files, e.g. "
-                          f"{missing[0]}. Fix: mirror llm-foundry's scripts/eval/local_data there (README).")
+                          f"{missing[0]}. Fix: mirror llm-foundry's scripts/eval/local_data there (docs/evaluation.md).")
 
 
 def check_task(t: Mapping, at: str, foundry_items: int | None = None) -> None:

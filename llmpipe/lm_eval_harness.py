@@ -104,7 +104,7 @@ def check_task_yaml(task: str, path: str, data_dir: str) -> None:
     if str(source) not in LOCAL_BUILDERS:
         raise ConfigError(f"lm_eval.tasks: {task!r} ({path}) has dataset_path {source!r}, which lm_eval would fetch "
                           f"from the hub (evaluation runs offline). Fix: dataset_path: json with dataset_kwargs: "
-                          f"{{data_files: ...}} pointing at local files (README, 'Second harness').")
+                          f"{{data_files: ...}} pointing at local files (docs/evaluation.md, 'Second harness').")
     files = (doc.get("dataset_kwargs") or {}).get("data_files") or []
     if isinstance(files, dict):
         files = [f for v in files.values() for f in ([v] if isinstance(v, str) else v or [])]
@@ -114,7 +114,7 @@ def check_task_yaml(task: str, path: str, data_dir: str) -> None:
     if missing:
         raise ConfigError(f"lm_eval.tasks: {task!r} ({path}) reads {missing[0]!r}, which matches no file under "
                           f"{data_dir} (data_files are relative to lm_eval.data_dir). Fix: put the file there "
-                          f"(README, 'Second harness') or correct data_files.")
+                          f"(docs/evaluation.md, 'Second harness') or correct data_files.")
 
 
 def check_inputs(tasks: list[str], data_dir: str, *, version: str | None) -> list[str]:
@@ -139,7 +139,7 @@ def check_inputs(tasks: list[str], data_dir: str, *, version: str | None) -> lis
     if not os.path.isdir(data_dir):
         raise ConfigError(f"lm_eval.data_dir: {data_dir!r} is not a folder (relative paths are read from the working "
                           f"folder {os.getcwd()}). Fix: create it with the task YAMLs and their data files "
-                          f"(README, 'Second harness'), or set lm_eval.data_dir to the mirror's path.")
+                          f"(docs/evaluation.md, 'Second harness'), or set lm_eval.data_dir to the mirror's path.")
     known = task_yamls(data_dir)
     missing = [t for t in tasks if t not in known]
     if missing:

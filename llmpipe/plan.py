@@ -28,7 +28,7 @@ Memory per GPU, in GiB (2**30 bytes), for training (``train_memory``) and infere
 The GPU's memory is the datasheet figure of ``gpu_type`` (80 for an 80 GB part), read as GiB: what torch reports as
 ``total_memory`` is within about 1.5% of it (H100 80 GB: 79.6 GiB; H200 141 GB: about 139-140 GiB). A step is refused
 when its estimate exceeds the GPU's memory by more than :data:`MARGIN`: the estimates run 0-6% above the peaks
-measured on one H200 (README, "Large models"), so only a step that clearly cannot fit is stopped.
+measured on one H200 (docs/large-models.md), so only a step that clearly cannot fit is stopped.
 
 Time (``train_time``): the committed benchmark's measured bf16 MFU (``benchmarks/train-throughput.csv``) times the
 planned GPU's dense peak, divided by the run's model FLOPs per token (:func:`llmpipe.mfu.flops_per_token`), gives

@@ -737,7 +737,7 @@ def test_only_what_yaml_reads_as_null_becomes_null(text, null):
 def test_local_run_refuses_multi_node_training_before_anything_runs(workdir):
     """The local executor runs on this one machine: a real run whose training (or finetune) asks for 2 nodes stops
     before any job runs (nothing converted or trained; the message names the setting and the fix); a dry run still
-    shows the 2-node plan (README: dry runs of cluster configs on a laptop)."""
+    shows the 2-node plan (docs/slurm.md: the Slurm plan away from the cluster)."""
     for target, over, where in (
             ("results/mpt-tiny/train.json", "models={'mpt-tiny': {'resources': {'nodes': 2}}}",
              "models.mpt-tiny.resources (rule train)"),

@@ -229,7 +229,7 @@ def test_lm_eval_scores_the_tiny_export_offline_as_computed_by_hand(tiny_run, tm
         correct_norm.append(float(label == max(range(len(norm)), key=norm.__getitem__)))
     data = wd / "lm_eval_data"
     write_jsonl(data / "choice" / "test.jsonl", rows)
-    # the README's example (lm_eval's arc_easy on local files) on stand-in rows of ARC's layout: labels A-D, the
+    # the example of docs/evaluation.md (lm_eval's arc_easy on local files) on stand-in rows of ARC's layout: labels A-D, the
     # model's favourite right for the first 2 of 3 questions
     arc_rows, arc_correct = [], 0
     for i, (q, choices) in enumerate(QUESTIONS[:3]):

@@ -124,7 +124,7 @@ def test_failed_step_leaves_nothing_complete_and_rerun_fixes_only_it(tiny_run, t
     assert "generate.prompts is empty" in bad.stdout + bad.stderr
     assert not (wd / "results/mpt-tiny/generate.json").exists()
     # the evaluation depends on the generation through ancient(), which spares only an existing file: with
-    # generate.json gone, Snakemake reruns the evaluation after it (README, Evaluation)
+    # generate.json gone, Snakemake reruns the evaluation after it (docs/evaluation.md)
     assert planned_jobs(snakemake(wd, "-n")) == {"generate": 1, "eval": 1, "all": 1}
     assert (wd / "results/mpt-tiny/eval.json").exists()  # the finished evaluation stays until its rerun replaces it
 

@@ -57,7 +57,7 @@ def test_estimates_match_measured_h200_peaks():
         est = plan.train_memory(_rc(config, model, microbatch_size=mb), nodes=1, gpus_per_node=1,
                                 activation_checkpointing=ac)
         # never below the measurement by more than 3%, never above it by more than the refusal margin; with
-        # activation checkpointing (MPT-3B under FSDP) the estimate is known to be 10% high (README, Large models)
+        # activation checkpointing (MPT-3B under FSDP) the estimate is known to be 10% high (docs/large-models.md)
         high = 1 + plan.MARGIN + (0.05 if est["activation_checkpointing"] else 0.0)
         assert measured * 0.97 <= est["total_gb"] <= measured * high, (model, mb, est["total_gb"], measured)
     # the checkpoint run of "Checkpoints at every scale": MPT-1B, FSDP at world size 1, no compile
