@@ -109,7 +109,9 @@ def evaluate(rc: dict, model_dir: str, data_dir: str | None, icl_files: dict[str
         # -1 here: Trainer.eval would cap the ICL tasks too; the held-out loader is capped by this callback
         "eval_subset_num_batches": -1,
         "callbacks": {eval_tasks.register_heldout_cap(): {"batches": int(ecfg.get("val_batches", -1))},
-                      register_eval_progress(): {}},   # after the cap: it reads the capped length
+                      # after the cap: it reads the capped length; the held-out loader and each task's shot counts
+                      register_eval_progress(): {"evaluators": 1 + sum(len(t.get("num_fewshot") or [0])
+                                                                       for t in tasks)}},
     }
     # more than one process: FSDP across them (llmpipe.inference_placement); metrics are summed over the ranks
     parallel = foundry_parallel_settings(world, on_gpu, cfg["eval_subset_num_batches"], cfg["icl_subset_num_batches"])
@@ -185,7 +187,8 @@ def register_eval_progress() -> str:
     """Register (once) a composer callback that writes the evaluation's progress record on rank 0
     (:func:`llmpipe.progress.update`): per evaluator (an ICL task and shot count, or the held-out loader) the items
     done of this rank's share (the dataloader's sampler length; batches for a loader without one, e.g. the held-out
-    stream), with ``task i/n``. Return its registry name."""
+    stream), with ``task i/n`` (``n``: the callback's ``evaluators`` setting; composer evaluates one at a time).
+    Return its registry name."""
     from composer.core import Callback
     from composer.utils import dist
     from llmfoundry.registry import callbacks
@@ -195,8 +198,8 @@ def register_eval_progress() -> str:
     class EvalProgress(Callback):
         """The progress record of an evaluation: items (or batches) of the current evaluator, and which one."""
 
-        def __init__(self) -> None:
-            self.index, self.items = 0, None
+        def __init__(self, evaluators: int | None = None) -> None:
+            self.index, self.items, self.evaluators = 0, None, evaluators
 
         def eval_start(self, state, logger) -> None:  # noqa: ARG002 - composer's callback signature
             self.index += 1
@@ -216,7 +219,7 @@ def register_eval_progress() -> str:
         def _write(self, state, force: bool) -> None:
             if dist.get_global_rank() != 0:
                 return
-            figures = {"task": f"{self.index}/{len(state.evaluators) or '?'}"}
+            figures = {"task": f"{self.index}/{self.evaluators or '?'}"}
             if self.items:
                 done, total, unit = int(state.eval_timestamp.sample), self.items, "item"
             else:

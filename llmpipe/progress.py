@@ -90,7 +90,7 @@ def line(rec: dict, first: dict | None = None) -> str:
     else:
         parts.append(f"{rec.get('unit', '')} {done:,}")
     figures = [f"{k} {v}" for k, v in (rec.get("figures") or {}).items()]
-    eta = rec.get("eta_s")
+    eta = 0.0 if total and done >= int(total) else rec.get("eta_s")
     if eta is None and total and first is not None and rec.get("pid") == first.get("pid"):
         span, gained = float(rec["time"]) - float(first["time"]), done - int(first["done"])
         if span > 0 and gained > 0:

@@ -48,6 +48,9 @@ def test_an_eta_the_record_lacks_comes_from_the_rate_since_the_first_record(tmp_
     path.write_text(json.dumps({"done": 300, "total": 1000, "unit": "item", "task": "arc_easy", "time": 30.0,
                                 "pid": 3}))
     assert echo.poll(now=2.0).endswith("item 300/1,000 (30%), ETA 1m10s")   # 200 items in 20 s, 700 to go
+    path.write_text(json.dumps({"done": 1000, "total": 1000, "unit": "item", "task": "arc_easy", "time": 40.0,
+                                "pid": 3}))
+    assert echo.poll(now=3.0).endswith("item 1,000/1,000 (100%), ETA 0s")
 
 
 def test_no_record_path_echoes_nothing():
