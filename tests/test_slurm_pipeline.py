@@ -519,8 +519,12 @@ def test_step_failing_at_run_time_reports_job_state_and_log(two_node_run, site, 
     finally:
         cancel_jobs_of(slurm_cluster, wd)
     assert read_json(wd, "results/mpt-tiny/generate.json")["settings"]["do_sample"] is False
-    for name, n in (("generate_mpt-tiny", 1), ("train_mpt-tiny", 0), ("convert_mpt-tiny", 0), ("eval_mpt-tiny", 1)):
-        assert len(slurm_jobs_since(slurm_cluster, t1, name)) == n, name
+    # back at the site's settings, generation and evaluation have kept results of this identity and these inputs:
+    # restored, no job (llmpipe.kept_results)
+    for step in ("generate", "eval"):
+        assert "restored from results/mpt-tiny/kept/" in rule_log(wd, step), rule_log(wd, step)
+    for name in ("generate_mpt-tiny", "train_mpt-tiny", "convert_mpt-tiny", "eval_mpt-tiny"):
+        assert len(slurm_jobs_since(slurm_cluster, t1, name)) == 0, name
 
 
 # ------------------------------------------------------------------------------------------------ 5. preflight
