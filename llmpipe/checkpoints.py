@@ -126,9 +126,28 @@ def prepare_identity_folder(checkpoints_dir: str, identity: str) -> str:
 
 
 def touch_last_used(folder: str) -> None:
-    """Record now as the time ``folder``'s identity was last used (the order :func:`prune_earlier_identities`
-    keeps)."""
-    atomic_write_bytes(os.path.join(folder, "last_used"), f"{time.time():.3f}\n".encode())
+    """Record now (Unix seconds) as the time ``folder`` (an identity folder, or a kept result of
+    :mod:`llmpipe.kept_results`) was last used: the order retention keeps (:func:`last_used`)."""
+    atomic_write_bytes(os.path.join(folder, "last_used"), f"{time.time():.6f}\n".encode())
+
+
+def last_used(folder: str) -> float:
+    """When ``folder`` was last used (:func:`touch_last_used`; its modification time when it has no record)."""
+    try:
+        with open(os.path.join(folder, "last_used")) as fh:
+            return float(fh.read().strip())
+    except (OSError, ValueError):
+        return os.path.getmtime(folder)
+
+
+def holds_identity(folder: str, identity: str) -> bool:
+    """Whether ``folder``'s ``identity.json`` is ``identity`` (:func:`llmpipe.identity.same_identity`); False when it
+    has none."""
+    try:
+        with open(os.path.join(folder, "identity.json")) as fh:
+            return same_identity(fh.read(), identity)
+    except OSError:
+        return False
 
 
 # ------------------------------------------------------------------------------------------- listing
@@ -283,7 +302,7 @@ def prune_earlier_identities(checkpoints_dir: str, current: str, keep: int) -> l
     for path in glob.glob(os.path.join(checkpoints_dir, "*", "identity.json")):
         folder = os.path.dirname(path)
         if os.path.abspath(folder) != os.path.abspath(current):
-            others.append((_last_used(folder), folder))
+            others.append((last_used(folder), folder))
     others.sort(reverse=True)
     removed = [folder for _, folder in others[max(keep, 0):]]
     for folder in removed:
@@ -291,14 +310,6 @@ def prune_earlier_identities(checkpoints_dir: str, current: str, keep: int) -> l
         print(f"llmpipe: removing {folder} (train.earlier_identities_to_keep is {keep})", flush=True)
         shutil.rmtree(folder, ignore_errors=True)
     return removed
-
-
-def _last_used(folder: str) -> float:
-    try:
-        with open(os.path.join(folder, "last_used")) as fh:
-            return float(fh.read().strip())
-    except (OSError, ValueError):
-        return os.path.getmtime(folder)
 
 
 # ------------------------------------------------------------------------------------------- results and loss log
@@ -348,11 +359,7 @@ def recorded_result(checkpoints_dir: str, identity: str, max_batches: int) -> di
     if os.path.isdir(checkpoints_dir):
         adopt_flat_layout(checkpoints_dir)
     folder = identity_folder(checkpoints_dir, identity)
-    try:
-        with open(os.path.join(folder, "identity.json")) as fh:
-            if not same_identity(fh.read(), identity):
-                return None
-    except OSError:
+    if not holds_identity(folder, identity):
         return None
     return finished_result(folder, newest_checkpoint(folder), max_batches)
 

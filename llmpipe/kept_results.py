@@ -39,8 +39,8 @@ import shutil
 import tempfile
 import time
 
-from llmpipe.atomic import atomic_write_bytes, atomic_write_json, read_json, sha256_file
-from llmpipe.checkpoints import MARKER, identity_folder
+from llmpipe.atomic import atomic_write_json, read_json, sha256_file
+from llmpipe.checkpoints import MARKER, holds_identity, identity_folder, last_used, touch_last_used
 from llmpipe.identity import identity_text, parse_identity, same_identity
 
 KEPT = "kept"
@@ -193,7 +193,7 @@ def prune(store: str, current: str, earlier: int) -> list[str]:
         if name.startswith(".") or os.path.abspath(folder) == os.path.abspath(current):
             continue
         if os.path.isfile(os.path.join(folder, KEY_FILE)):
-            others.append((_last_used(folder), folder))
+            others.append((last_used(folder), folder))
     others.sort(reverse=True)
     removed = [folder for _, folder in others[max(earlier, 0):]]
     for folder in removed:
@@ -215,11 +215,6 @@ def remove_stale(folder: str, older_than_s: float = STALE_TMP_S) -> None:
                 pass
 
 
-def touch_last_used(folder: str) -> None:
-    """Record now as the time the kept result ``folder`` was last used (the order :func:`prune` keeps)."""
-    atomic_write_bytes(os.path.join(folder, "last_used"), f"{time.time():.6f}\n".encode())
-
-
 def train_json_lost(results_dir: str, run: str) -> bool:
     """Whether ``results/<run>/train.json`` is missing while the run's export (``hf/manifest.json``) is there: the
     cheap test before :func:`lost_train_note`."""
@@ -239,11 +234,7 @@ def lost_train_note(results_dir: str, run: str, identity: str) -> str | None:
     restore their kept results. Reads a few small files only (no torch).
     """
     folder = identity_folder(os.path.join(results_dir, run, "checkpoints"), identity)
-    try:
-        with open(os.path.join(folder, "identity.json")) as fh:
-            if not same_identity(fh.read(), identity):
-                return None
-    except OSError:
+    if not holds_identity(folder, identity):
         return None
     final = (read_json(os.path.join(folder, "result.json")) or {}).get("final_checkpoint")
     if not final or not os.path.exists(final) or not os.path.exists(final + MARKER):
@@ -254,12 +245,6 @@ def lost_train_note(results_dir: str, run: str, identity: str) -> str | None:
             f"snakemake {target}")
 
 
-def _last_used(folder: str) -> float:
-    try:
-        with open(os.path.join(folder, "last_used")) as fh:
-            return float(fh.read().strip())
-    except (OSError, ValueError):
-        return os.path.getmtime(folder)
 
 
 def _files_under(path: str) -> list[str]:
@@ -277,4 +262,4 @@ def _link_or_copy(src: str, dest: str) -> None:
 
 
 __all__ = ["store_dir", "result_key", "key_name", "same_key", "find", "keep", "restore", "prune", "remove_stale",
-           "touch_last_used", "train_json_lost", "lost_train_note", "KEPT"]
+           "train_json_lost", "lost_train_note", "KEPT"]

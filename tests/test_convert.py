@@ -11,19 +11,11 @@ import torch
 
 from llmpipe.config import run_config
 from tests.conftest import project_config
-from tests.test_export import usual_calls
+from tests.test_export import WITHOUT_FOUNDRY, usual_calls
 
 pytestmark = pytest.mark.slow
 
-LOAD_WITHOUT_FOUNDRY = r"""
-import json, sys
-import builtins
-real_import = builtins.__import__
-def guard(name, globals=None, locals=None, fromlist=(), level=0):
-    if level == 0 and name.split('.')[0] in ('llmfoundry', 'composer', 'llmpipe'):
-        raise ImportError(f'{name} must not be needed to load the export')
-    return real_import(name, globals, locals, fromlist, level)
-builtins.__import__ = guard
+LOAD_WITHOUT_FOUNDRY = WITHOUT_FOUNDRY + r"""
 import torch
 from transformers import AutoModelForCausalLM
 folder, ids_path, out_path = sys.argv[1:]

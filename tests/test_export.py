@@ -290,8 +290,8 @@ def test_each_run_generates_with_its_own_prompts_and_template():
 
 # ------------------------------------------------------------------------------------------- the usual calls
 
-#: transformers' usual calls on an export, with llm-foundry, composer and llmpipe unimportable; prints a JSON summary.
-USUAL_CALLS = r"""
+#: The start of a script that uses an export with transformers alone: llm-foundry, composer and llmpipe unimportable.
+WITHOUT_FOUNDRY = r"""
 import builtins, json, sys
 real_import = builtins.__import__
 def guard(name, globals=None, locals=None, fromlist=(), level=0):
@@ -299,6 +299,10 @@ def guard(name, globals=None, locals=None, fromlist=(), level=0):
         raise ImportError(f'{name} must not be needed to use the export')
     return real_import(name, globals, locals, fromlist, level)
 builtins.__import__ = guard
+"""
+
+#: transformers' usual calls on an export (:data:`WITHOUT_FOUNDRY`); prints a JSON summary.
+USUAL_CALLS = WITHOUT_FOUNDRY + r"""
 import torch
 import transformers
 from transformers import AutoModelForCausalLM, AutoTokenizer

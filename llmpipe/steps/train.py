@@ -174,8 +174,8 @@ def check_resumable(task, label: str) -> None:
 def checkpoint_progress(folder: str) -> str:
     """The training's progress for the rule log when Slurm requeues it: its newest complete checkpoint's batch
     (where the next allocation resumes), or that it has none yet. ``folder``: the identity's checkpoint folder."""
-    ckpts = ckpt.complete_checkpoints(folder)
-    return f"resumes from the checkpoint at batch {ckpts[-1][0]}" if ckpts else "no checkpoint yet: starts over"
+    batch = newest_batch(folder)
+    return f"resumes from the checkpoint at batch {batch}" if batch else "no checkpoint yet: starts over"
 
 
 def newest_batch(folder: str) -> int:
