@@ -30,8 +30,8 @@ The GPU's memory is the datasheet figure of ``gpu_type`` (80 for an 80 GB part),
 when its estimate exceeds the GPU's memory by more than :data:`MARGIN`: the estimates run 0-6% above the peaks
 measured on one H200 (docs/large-models.md), so only a step that clearly cannot fit is stopped.
 
-Time (``train_time``): the committed benchmark's measured bf16 MFU (``benchmarks/train-throughput.csv``) times the
-planned GPU's dense peak, divided by the run's model FLOPs per token (:func:`llmpipe.mfu.flops_per_token`), gives
+Time (``train_time``): the committed benchmark's measured bf16 MFU (the rows of ``benchmarks/train-throughput.csv``
+that ``benchmarks/plan-basis.json`` names) times the planned GPU's dense peak, divided by the run's model FLOPs per token (:func:`llmpipe.mfu.flops_per_token`), gives
 tokens/s per GPU; with activation checkpointing the forward is computed twice (x 3/4). A LoRA finetune computes no
 weight gradients of its frozen base: ``4 P + 12 n_layers d_model L`` instead of ``6 P + ...`` FLOPs per token (the
 input gradients and attention are still computed; the adapters' own FLOPs are negligible). It is a projection: it
@@ -53,6 +53,7 @@ from __future__ import annotations
 
 import csv
 import functools
+import json
 import math
 import os
 import types
@@ -65,6 +66,7 @@ from llmpipe.settings import ConfigError
 __all__ = [
     'AUTO_AC_SHARE',
     'BENCHMARK_CSV',
+    'PLAN_BASIS_JSON',
     'GPU_MEMORY_GB',
     'benchmark_basis',
     'check_fits',
@@ -85,9 +87,11 @@ __all__ = [
 ]
 
 GB = 2**30  # GiB: the plans' unit
-#: The committed training-throughput benchmark the time plans (and the report's projection) start from.
+#: The committed training-throughput benchmark (``tools/bench_train_throughput.py`` appends to it).
 BENCHMARK_CSV = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), 'benchmarks',
                              'train-throughput.csv')
+#: Which of its rows the time plans (and the report's projection) start from, and why (:func:`benchmark_basis`).
+PLAN_BASIS_JSON = os.path.join(os.path.dirname(BENCHMARK_CSV), 'plan-basis.json')
 #: Bytes per layer x token x d_model of the activations a transformer block stores for its backward (see module doc).
 ACT_BYTES = 32
 #: A step is refused when its estimate exceeds the GPU's memory by more than this share (see module doc).
@@ -270,26 +274,36 @@ def inference_memory(rc: Mapping, *, step: str, batch_size: int = 1, context: in
             'kv_cache_gb': kv / GB, 'activations_gb': acts / GB, 'logits_gb': logits / GB, 'total_gb': total / GB}
 
 
-def benchmark_basis(csv_path: str = BENCHMARK_CSV, model: str = 'mpt-1b', variant: str = 'default') -> dict | None:
-    """The time plan's basis: the ``ok`` rows of ``model``/``variant`` in the throughput benchmark CSV
-    (``tools/bench_train_throughput.py``) from the device call of the newest such row, their median by MFU (one row,
-    or the middle of the repeats of ``--repeats``), as ``{'model', 'variant', 'gpu', 'device_call', 'timestamp',
-    'tokens_per_s', 'mfu', 'flops_per_token', 'peak_flops', 'repeats'}``; None when the file or such a row is
-    missing."""
+def benchmark_basis(csv_path: str | None = None, model: str | None = None, variant: str | None = None,
+                    run_id: str | None = None, basis_path: str = PLAN_BASIS_JSON) -> dict | None:
+    """The time plan's basis: the median by MFU of the ``ok`` rows of one model, variant and run id of the training
+    throughput CSV (written by ``tools/bench_train_throughput.py``; one row, or the middle of the repeats of
+    ``--repeats``).
+
+    Which rows is a committed choice, not the newest row: ``basis_path`` (``benchmarks/plan-basis.json``) names the CSV
+    (relative to its folder), ``model``, ``variant`` and ``run_id``; the arguments, when given, override it (tests).
+    Returns ``{'model', 'variant', 'gpu', 'run_id', 'timestamp', 'tokens_per_s', 'mfu', 'flops_per_token',
+    'peak_flops', 'repeats'}``; None when a file or such a row is missing.
+    """
+    try:
+        with open(basis_path) as f:
+            chosen = json.load(f)
+    except FileNotFoundError:
+        return None
+    csv_path = csv_path or os.path.join(os.path.dirname(basis_path), chosen['csv'])
+    model, variant = model or chosen['model'], variant or chosen['variant']
+    run_id = run_id or chosen['run_id']
     try:
         with open(csv_path, newline='') as f:
-            rows = [r for r in csv.DictReader(f) if r.get('model') == model and r.get('variant') == variant
-                    and r.get('status') == 'ok' and r.get('mfu')]
+            rows = sorted((r for r in csv.DictReader(f) if r.get('model') == model and r.get('variant') == variant
+                           and r.get('run_id') == run_id and r.get('status') == 'ok' and r.get('mfu')),
+                          key=lambda r: float(r['mfu']))
     except FileNotFoundError:
         return None
     if not rows:
         return None
-    newest = max(rows, key=lambda r: r['timestamp'])
-    same_call = sorted((r for r in rows if r.get('device_call') == newest.get('device_call')),
-                       key=lambda r: float(r['mfu']))
-    r = same_call[(len(same_call) - 1) // 2]
-    return {'model': model, 'variant': variant, 'gpu': r['gpu'], 'device_call': r['device_call'],
-            'repeats': len(same_call),
+    r = rows[(len(rows) - 1) // 2]
+    return {'model': model, 'variant': variant, 'gpu': r['gpu'], 'run_id': run_id, 'repeats': len(rows),
             'timestamp': r['timestamp'], 'tokens_per_s': float(r['tokens_per_s']), 'mfu': float(r['mfu']),
             'flops_per_token': float(r['flops_per_token']), 'peak_flops': float(r['peak_flops'])}
 
@@ -411,7 +425,8 @@ def train_time(rc: Mapping, *, nodes: int, gpus_per_node: int, gpu_type: str, ba
     seconds = tokens / (tps_gpu * gpus)
     med = f"median of {basis['repeats']} runs, " if int(basis.get('repeats') or 1) > 1 else ""
     text = (f"projection: MFU {float(basis['mfu']):.3f} of {basis['model']} ({basis['variant']}, {med}"
-            f"{basis['gpu']}, benchmarks/train-throughput.csv {basis['timestamp'][:10]}) x {gpu_type} bf16 peak"
+            f"{basis['gpu']}, run {basis['run_id']} of benchmarks/train-throughput.csv, named by "
+            f"benchmarks/plan-basis.json) x {gpu_type} bf16 peak"
             + (", x 3/4 for activation recompute" if activation_checkpointing else "")
             + (f", LoRA: x {lora:.2f} the FLOPs (no weight gradients of the frozen base)" if rc.get('lora') else "")
             + "; no communication or restart costs")

@@ -399,7 +399,8 @@ PROJECTION_NOTE = (
     "the devices of N nodes (devices per node as in the reference run). Assumes the reference's device type, the "
     "same MFU at every model size, linear scaling with nodes, and no time for evaluation, checkpoints or "
     "restarts; real multi-node runs are slower. Without a measured GPU run, the committed GPU benchmark's MFU "
-    "(benchmarks/train-throughput.csv) times the bf16 peak of gpu_type is the basis, as in the dry run's plans.")
+    "(the rows of benchmarks/train-throughput.csv that benchmarks/plan-basis.json names) times the bf16 peak of "
+    "gpu_type is the basis, as in the dry run's plans.")
 
 
 # ------------------------------------------------------------------------------------------- plots

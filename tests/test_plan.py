@@ -160,25 +160,38 @@ def test_70b_time_projection_against_the_seed():
     assert "projection" in t8["basis"] and "benchmarks/train-throughput.csv" in t8["basis"]
 
 
-def test_basis_is_the_median_of_the_newest_calls_repeats(tmp_path):
-    """Three repeats of one device call give their median; an older call's faster row is not used."""
+def test_basis_is_the_median_of_the_named_runs_repeats(tmp_path):
+    """The rows plan-basis.json names give their median; a newer run's rows (appended benchmark rows) change nothing."""
     import csv as _csv
-    cols = ["device_call", "timestamp", "model", "variant", "status", "gpu", "tokens_per_s", "mfu",
+    cols = ["run_id", "timestamp", "model", "variant", "status", "gpu", "tokens_per_s", "mfu",
             "flops_per_token", "peak_flops"]
-    rows = [("old", "2026-11-01T00:00:00", 0.60), ("new", "2026-12-01T00:00:01", 0.52),
-            ("new", "2026-12-01T00:00:02", 0.55), ("new", "2026-12-01T00:00:03", 0.50)]
-    path = tmp_path / "t.csv"
-    with open(path, "w", newline="") as f:
+    rows = [("old", "2026-11-01T00:00:00", 0.60), ("named", "2026-12-01T00:00:01", 0.52),
+            ("named", "2026-12-01T00:00:02", 0.55), ("named", "2026-12-01T00:00:03", 0.50),
+            ("newer", "2026-12-09T00:00:00", 0.70)]
+    with open(tmp_path / "t.csv", "w", newline="") as f:
         w = _csv.writer(f)
         w.writerow(cols)
-        for call, ts, m in rows:
-            w.writerow([call, ts, "mpt-1b", "default", "ok", "NVIDIA H200", m * 1e5, m, 9e9, 989.5e12])
-        w.writerow(["new", "2026-12-01T00:00:04", "mpt-1b", "default", "error", "", "", "", "", ""])
-    basis = plan.benchmark_basis(str(path))
-    assert basis["device_call"] == "new" and basis["repeats"] == 3 and basis["mfu"] == pytest.approx(0.52)
+        for run_id, ts, m in rows:
+            w.writerow([run_id, ts, "mpt-1b", "default", "ok", "NVIDIA H200", m * 1e5, m, 9e9, 989.5e12])
+        w.writerow(["named", "2026-12-01T00:00:04", "mpt-1b", "default", "error", "", "", "", "", ""])
+    chosen = {"csv": "t.csv", "model": "mpt-1b", "variant": "default", "run_id": "named"}
+    (tmp_path / "basis.json").write_text(json.dumps(chosen))
+    basis = plan.benchmark_basis(basis_path=str(tmp_path / "basis.json"))
+    assert basis["run_id"] == "named" and basis["repeats"] == 3 and basis["mfu"] == pytest.approx(0.52)
     config = project_config()
     t = plan.train_time(run_config(config, "mpt-70b"), nodes=8, gpus_per_node=8, gpu_type="h100", basis=basis)
-    assert "median of 3 runs" in t["basis"]
+    assert "median of 3 runs" in t["basis"] and "run named of" in t["basis"]
+    (tmp_path / "basis.json").write_text(json.dumps({**chosen, "run_id": "newer"}))
+    assert plan.benchmark_basis(basis_path=str(tmp_path / "basis.json"))["mfu"] == pytest.approx(0.70)
+    assert plan.benchmark_basis(basis_path=str(tmp_path / "missing.json")) is None
+
+
+def test_the_committed_basis_names_rows_that_exist():
+    """benchmarks/plan-basis.json names a model, variant and run id with ok rows in the committed CSV."""
+    chosen = json.loads((REPO / "benchmarks/plan-basis.json").read_text())
+    basis = plan.benchmark_basis()
+    assert basis is not None and basis["run_id"] == chosen["run_id"] and basis["model"] == chosen["model"]
+    assert basis["repeats"] >= 1 and 0.3 < basis["mfu"] < 0.8
 
 
 # ------------------------------------------------------------------------------------------- dry runs

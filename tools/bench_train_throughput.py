@@ -169,7 +169,7 @@ VARIANTS: dict[str, dict[str, Any]] = {
 }
 
 CSV_FIELDS = [
-    'device_call', 'machine', 'timestamp', 'model', 'variant', 'repeat', 'status', 'config_source', 'shims', 'attn_impl', 'attn_type', 'sdpa_backend',
+    'run_id', 'machine', 'timestamp', 'model', 'variant', 'repeat', 'status', 'config_source', 'shims', 'attn_impl', 'attn_type', 'sdpa_backend',
     'drop_mask', 'optimizer', 'compile', 'train_metrics', 'fused_loss', 'fp8', 'fsdp', 'activation_checkpointing', 'num_workers', 'cpu_threads', 'microbatch', 'seq_len', 'steps', 'timed_steps',
     'tokens_per_s',
     'step_ms', 'mfu', 'steady_tokens_per_s', 'steady_mfu', 'steady_first_batch', 'steady_last_batch', 'steady_batches',
@@ -613,7 +613,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument('--profile', default='', help='folder: also profile 3 steps with torch.profiler (kernel '
                     'time by category); those rows are marked profiled and their timing is perturbed')
     ap.add_argument('--machine', default='', help="written to the rows' machine column (e.g. nvidia-h200)")
-    ap.add_argument('--device-call', default='', help="written to the rows' device_call column")
+    ap.add_argument('--run-id', default='', help="a name for this invocation, written to the rows' run_id column (rows of one invocation share it; benchmarks/plan-basis.json names the rows the time plans use by it)")
     ap.add_argument('--trace', action='store_true', help='with --profile: record Python stacks, write the Chrome '
                     'trace (.json.gz) and a report of what the host did while the GPU was idle (-gaps.txt)')
     ap.add_argument('--repeats', type=int, default=1, help='measure each (model, variant) this many times in this '
@@ -670,7 +670,7 @@ def main(argv: list[str] | None = None) -> int:
                 if args.profile:
                     row['variant'] = f'{v}+profiled'
                 row.update(versions)
-                row.update(command=command, machine=args.machine, device_call=args.device_call, repeat=rep)
+                row.update(command=command, machine=args.machine, run_id=args.run_id, repeat=rep)
                 w.writerow(row)
                 f.flush()
                 rows.append(row)
