@@ -76,7 +76,7 @@ test: install lm-eval slurm-packages
 	@if [ "$$(id -u)" = 0 ]; then export LLMPIPE_REQUIRE_SLURM=1; fi; \
 	export LLMPIPE_REQUIRE_LM_EVAL=1; \
 	trap 'bash .ci/slurm.sh cleanup >/dev/null 2>&1 || true' EXIT; \
-	$(PY) -m pytest -q -p no:cacheprovider --timeout 1800 tests; rc=$$?; \
+	$(PY) -m pytest -q -p no:cacheprovider --timeout 1800 --durations=40 tests; rc=$$?; \
 	env -u LLMPIPE_REQUIRE_SLURM -u LLMPIPE_REQUIRE_LM_EVAL make --no-print-directory test-torch211 || rc=1; exit $$rc
 
 test-fast: install lm-eval
