@@ -30,11 +30,13 @@ defaults produce it. ``--microbatch mpt-125m=32,...`` overrides a model's microb
 from __future__ import annotations
 
 import argparse
+import atexit
 import csv
 import datetime as _dt
 import gc
 import json
 import os
+import shutil
 import socket
 import sys
 import tempfile
@@ -230,6 +232,7 @@ def _dummy_tokenizer_dir(vocab: int) -> str:
     from transformers import PreTrainedTokenizerFast
 
     d = tempfile.mkdtemp(prefix='bench-tok-')
+    atexit.register(shutil.rmtree, d, True)  # the benchmark's process owns it; nothing reads it after exit
     tok = Tokenizer(WordLevel({'<|endoftext|>': 0, '<unk>': 1}, unk_token='<unk>'))
     PreTrainedTokenizerFast(tokenizer_object=tok, eos_token='<|endoftext|>', unk_token='<unk>',
                             pad_token='<|endoftext|>').save_pretrained(d)
