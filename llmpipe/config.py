@@ -25,9 +25,9 @@ import functools
 import os
 from collections.abc import Iterable
 
-from llmpipe.fp8 import check_fp8
+from llmpipe.fp8 import check_fp8, fp8_settings
 from llmpipe.lora import check_lora
-from llmpipe.schema import check_named_arguments, closest, deep_merge, speed_only_keys
+from llmpipe.schema import check_named_arguments, closest, deep_merge, node_at, speed_only_keys
 # ConfigError lives in llmpipe.settings (imported by this module and by llmpipe.schema, never the reverse);
 # llmpipe.config.ConfigError is the same class.
 from llmpipe.settings import ConfigError, Resources, RunSettings, written_at  # noqa: F401 - ConfigError re-exported
@@ -127,14 +127,22 @@ def _validated(config: dict, run: str, node_counts: Iterable[int], counts_where:
         raise ConfigError(f"{where}.data.tokenizer is {tok!r}, which is not defined under `tokenizers:` "
                           f"(known: {', '.join(sorted(tokenizers))}). Fix: add it or pick a known one.")
     tcfg = validate_tokenizer(config, tok)
-    rs = RunSettings.from_run_config(rc, tokenizer=tcfg, written_at=functools.partial(written_at, config, run)
-                                     ).check(node_counts, counts_where)
+    rs = RunSettings.from_run_config(rc, tokenizer=tcfg, written_at=functools.partial(written_at, config, run),
+                                     parsed=_parsed_train(train, f"{where}.train")).check(node_counts, counts_where)
     validate_data_prep(config, rs.data.concat_tokens, f"{where}.data.concat_tokens")
     check_named_arguments(train, functools.partial(written_at, config, run))
-    fused_loss_settings(train, f"{where}.train")
-    compile_settings(train, f"{where}.train")
     check_fp8(train, f"{where}.train", rs.resources.gpus_per_node, rs.resources.at("gpus_per_node"))
     return rc, rs
+
+
+def _parsed_train(train: dict, where: str) -> dict:
+    """The ``train`` values :class:`llmpipe.settings.TrainSettings` takes parsed (``compile``, ``fused_loss``,
+    ``fp8``: each one's settings function, which raises its ConfigError) or filled (``loss_fn``: the schema's
+    ``x-default`` when not written)."""
+    loss_fn = train["loss_fn"] if "loss_fn" in train else node_at("#/$defs/train")["properties"]["loss_fn"][
+        "x-default"]
+    return {"compile": compile_settings(train, where), "fused_loss": fused_loss_settings(train, where),
+            "fp8": fp8_settings(train, where), "loss_fn": loss_fn}
 
 
 def compile_settings(train: dict, where: str = "train") -> dict | None:
@@ -155,7 +163,7 @@ def compile_settings(train: dict, where: str = "train") -> dict | None:
     Raises:
         ConfigError: any other value, naming ``{where}.compile`` (or the offending key under it).
     """
-    value = train.get("compile", False)
+    value = train.get("compile")  # not written: eager
     if value is None or value is False:
         return None
     if value is True:
@@ -219,7 +227,7 @@ def fused_loss_settings(train: dict, where: str = "train") -> dict | None:
         ConfigError: any other value, naming ``{where}.fused_loss``; the keys ``compile`` and ``softmax_grad`` of
             earlier versions name the ``kernel`` value that replaced them.
     """
-    value = train.get("fused_loss", False)
+    value = train.get("fused_loss")  # not written: off
     if value is None or value is False:
         return None
     if value is True:
@@ -619,10 +627,9 @@ def _validated_finetune(config: dict, run: str, node_counts: Iterable[int], coun
         raise ConfigError(f"{where}.data.icl_corpus is {corpus!r}, which is not defined under `corpora:`. "
                           f"Fix: name the corpus the ICL tasks are built from.")
     validate_corpus(config, corpus)
-    rs = RunSettings.from_run_config(rc, tokenizer=tcfg, written_at=functools.partial(written_at, config, run)
-                                     ).check(node_counts, counts_where)
+    rs = RunSettings.from_run_config(rc, tokenizer=tcfg, written_at=functools.partial(written_at, config, run),
+                                     parsed=_parsed_train(train, f"{where}.train")).check(node_counts, counts_where)
     check_named_arguments(train, functools.partial(written_at, config, run))
-    compile_settings(train, f"{where}.train")
     check_fp8(train, f"{where}.train", rs.resources.gpus_per_node, rs.resources.at("gpus_per_node"))
     check_lora(rc.get("lora"), rc["arch"], written_at(config, run, "lora"))  # target modules exist in the model
     return rc, rs

@@ -18,6 +18,7 @@ import time
 
 from llmpipe import progress
 from llmpipe.atomic import atomic_write_json, read_json, umask_mode
+from llmpipe.settings import RunSettings
 from llmpipe.throughput import peak_host_rss_gib
 
 #: attention implementations that the exported code knows; anything else is mapped to ``torch``.
@@ -28,14 +29,14 @@ MODEL_INPUT_NAMES = ("input_ids", "attention_mask")
 PADDING_SIDE = "left"
 
 
-def mpt_config_dict(rc: dict) -> dict:
+def mpt_config_dict(settings: RunSettings) -> dict:
     """The ``MPTConfig`` keyword arguments of a run (same model as :func:`llmpipe.train.foundry_train_config`).
 
     Args:
-        rc: the run's merged settings (:func:`llmpipe.config.run_config`).
+        settings: the run's typed settings (:func:`llmpipe.config.run_settings`).
     """
     from llmpipe.train import FUSED_LOSS_MODEL_KEYS, foundry_train_config
-    model = dict(foundry_train_config(rc, data_dir=None, save_folder=None, world_size=1, fsdp=False)["model"])
+    model = dict(foundry_train_config(settings, data_dir=None, save_folder=None, world_size=1, fsdp=False)["model"])
     model.pop("name")  # mpt_causal_lm or mpt_causal_lm_fused_loss: the same MPTForCausalLM weights
     for key in FUSED_LOSS_MODEL_KEYS:  # training-speed settings of the composer class, not of MPTConfig
         model.pop(key, None)
@@ -57,7 +58,7 @@ def load_composer_weights(ckpt_path: str, dtype=None) -> dict:
     return load_model_weights(ckpt_path, dtype or torch.float32)
 
 
-def build_hf_model(rc: dict, ckpt_path: str, dtype=None, merge_report: dict | None = None):
+def build_hf_model(settings: RunSettings, ckpt_path: str, dtype=None, merge_report: dict | None = None):
     """Instantiate llm-foundry's ``MPTForCausalLM`` for a run and load the checkpoint's weights in ``dtype``
     (None: float32). The model is built on the meta device and takes the loaded tensors as its parameters, so the
     host holds one copy of the weights.
@@ -67,13 +68,13 @@ def build_hf_model(rc: dict, ckpt_path: str, dtype=None, merge_report: dict | No
     receives the merge check of :func:`llmpipe.lora.merge_adapters`).
 
     Args:
-        rc: the run's merged settings (:func:`llmpipe.config.run_config`; ``kind: finetune`` for a finetune).
+        settings: the run's typed settings (:func:`llmpipe.config.run_settings`).
 
     Raises:
         KeyError: the checkpoint's weights do not match ``models.<run>.arch``.
     """
-    run = rc["name"]
-    if rc.get("kind") == "finetune":
+    run = settings.name
+    if settings.kind == "finetune":
         from llmpipe.finetune import build_finetuned_mpt
         return build_finetuned_mpt(ckpt_path, merge_report)  # a finetune's checkpoint is full or sharded; fp32
     from llmfoundry.models.mpt import MPTConfig, MPTForCausalLM
@@ -82,7 +83,7 @@ def build_hf_model(rc: dict, ckpt_path: str, dtype=None, merge_report: dict | No
     register_extensions()  # the training config may name our SDPA attention class
 
     import torch
-    kwargs = mpt_config_dict(rc)
+    kwargs = mpt_config_dict(settings)
     kwargs["init_device"] = "meta"
     mpt_cfg = MPTConfig(**kwargs)
     model = MPTForCausalLM(mpt_cfg)
@@ -100,7 +101,7 @@ def build_hf_model(rc: dict, ckpt_path: str, dtype=None, merge_report: dict | No
     return model.to(dtype or torch.float32).eval()
 
 
-def convert_checkpoint(rc: dict, ckpt_path: str, tokenizer_dir: str, out_dir: str, dtype: str = "bfloat16",
+def convert_checkpoint(settings: RunSettings, ckpt_path: str, tokenizer_dir: str, out_dir: str, dtype: str = "bfloat16",
                        verify: bool = True, max_shard_size: str = "5GB") -> dict:
     """Write the Hugging Face folder ``out_dir`` for a run's composer checkpoint; return its manifest.
 
@@ -108,7 +109,7 @@ def convert_checkpoint(rc: dict, ckpt_path: str, tokenizer_dir: str, out_dir: st
     last, after verification, so an interrupted export never looks complete.
 
     Args:
-        rc: the run's merged settings (:func:`llmpipe.config.run_config`).
+        settings: the run's typed settings (:func:`llmpipe.config.run_settings`).
         ckpt_path: the final composer checkpoint.
         tokenizer_dir: the saved Hugging Face tokenizer folder (copied into the export).
         out_dir: the export folder (replaced when it exists).
@@ -137,10 +138,11 @@ def convert_checkpoint(rc: dict, ckpt_path: str, tokenizer_dir: str, out_dir: st
     if dtype not in dtypes:
         raise ValueError(f"convert.dtype is {dtype!r}; it must be one of {', '.join(dtypes)}.")
     t0 = time.time()
-    run = rc["name"]
+    run = settings.name
     lora_report: dict = {}
     progress.update(0, 3, "part", task="load the checkpoint's weights", force=True)   # the step's console line
-    model = build_hf_model(rc, ckpt_path, dtypes[dtype], merge_report=lora_report if rc.get("lora") else None)
+    model = build_hf_model(settings, ckpt_path, dtypes[dtype],
+                           merge_report=lora_report if settings.lora is not None else None)
     from llmpipe.attention import stock_attn_config
     model.config.attn_config = stock_attn_config(model.config.attn_config)  # sdpa_* class -> stock class
     if model.config.attn_config.get("attn_impl") not in STOCK_ATTN_IMPLS:
@@ -190,7 +192,7 @@ def convert_checkpoint(rc: dict, ckpt_path: str, tokenizer_dir: str, out_dir: st
     del model, export
     if verify:
         progress.update(2, 3, "part", task="verify: reload and compare logits", force=True)
-        manifest["verify_max_abs_logit_diff"] = verify_export(out_dir, build_hf_model(rc, ckpt_path), dtype)
+        manifest["verify_max_abs_logit_diff"] = verify_export(out_dir, build_hf_model(settings, ckpt_path), dtype)
         manifest["peak_rss_gib_with_verify"] = round(peak_host_rss_gib(), 3)
     manifest["seconds"] = round(time.time() - t0, 2)
     atomic_write_json(os.path.join(out_dir, "manifest.json"), manifest)  # last: the folder is complete now

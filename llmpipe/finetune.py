@@ -25,6 +25,7 @@ from typing import Any
 from llmpipe.config import ConfigError
 from llmpipe.data.instructions import SPLIT_FILES
 from llmpipe.lora import lora_settings, merge_adapters, peft_config
+from llmpipe.settings import RunSettings
 from llmpipe.train import TrainTask, foundry_train_config
 
 #: Attention implementations a Hugging Face MPT (hub code or our export) knows; ours (sdpa) map to ``torch``.
@@ -33,17 +34,17 @@ HF_ATTN_IMPLS = ("torch", "flash", "triton")
 
 # ------------------------------------------------------------------------------------------- checks
 
-def require_peft(rc: dict) -> None:
+def require_peft(settings: RunSettings) -> None:
     """Raise a clear error when the finetune uses LoRA and the ``peft`` package is not installed.
 
     Args:
-        rc: the finetune's merged settings (:func:`llmpipe.config.run_config`: ``name``, ``lora``).
+        settings: the finetune's typed settings (:func:`llmpipe.config.run_settings`).
 
     Raises:
         ConfigError: ``finetunes.<run>.lora`` is set but ``import peft`` would fail (names ``pip install peft``).
     """
-    run = rc["name"]
-    if rc.get("lora") and importlib.util.find_spec("peft") is None:
+    run = settings.name
+    if settings.lora is not None and importlib.util.find_spec("peft") is None:
         raise ConfigError(
             f"finetunes.{run}.lora is set, but the `peft` package is not installed in this environment "
             f"(llm-foundry's LoRA support needs it). Fix: `pip install peft` (the version envs/requirements.lock pins; "
@@ -51,23 +52,23 @@ def require_peft(rc: dict) -> None:
             f"full finetuning.")
 
 
-def base_model_path(rc: dict, *, results_dir: str) -> str:
+def base_model_path(settings: RunSettings, *, results_dir: str) -> str:
     """Where the finetune's starting weights are: ``{results_dir}/<base run>/hf`` (absolute) or the hub repo id.
 
     Args:
-        rc: the finetune's merged settings (:func:`llmpipe.config.run_config`: ``base``).
+        settings: the finetune's typed settings (:func:`llmpipe.config.run_settings`; ``base`` is set).
         results_dir: the workflow's results folder (config ``results_dir``).
     """
-    base = rc["base"]
-    if base.get("run"):
-        return os.path.abspath(os.path.join(results_dir, base["run"], "hf"))
-    return base["hub"]
+    base = settings.base
+    if base.run:
+        return os.path.abspath(os.path.join(results_dir, base.run, "hf"))
+    return base.hub
 
 
 # ------------------------------------------------------------------------------------------- config
 
-def foundry_finetune_config(rc: dict, *, instructions_dir: str | None, base_path: str, save_folder: str | None,
-                            world_size: int, tokenizer_dir: str | None = None,
+def foundry_finetune_config(settings: RunSettings, *, instructions_dir: str | None, base_path: str,
+                            save_folder: str | None, world_size: int, tokenizer_dir: str | None = None,
                             tokenizer_name: str | None = None, fsdp: bool | None = None) -> dict:
     """Build the llm-foundry train config (``llmfoundry.command_utils.train``'s dict) for one finetune.
 
@@ -76,7 +77,7 @@ def foundry_finetune_config(rc: dict, *, instructions_dir: str | None, base_path
     the loaders are llm-foundry's ``finetuning`` loaders over the prepared instruction set.
 
     Args:
-        rc: the finetune's merged settings (:func:`llmpipe.config.run_config`).
+        settings: the finetune's typed settings (:func:`llmpipe.config.run_settings`).
         instructions_dir: the prepared instruction set (``results/data/instructions/<name>``; its ``data/``
             holds ``train.jsonl`` and ``test.jsonl``), or None to leave the loaders out.
         base_path: a local Hugging Face folder or a hub repo id.
@@ -90,13 +91,12 @@ def foundry_finetune_config(rc: dict, *, instructions_dir: str | None, base_path
     Returns:
         A plain dict; keys follow llm-foundry's ``TrainConfig``.
     """
-    data, train = rc["data"], rc["train"]
-    seq = int(data["concat_tokens"])
-    cfg = foundry_train_config(rc, data_dir=None, save_folder=save_folder, world_size=world_size,
+    seq = settings.data.concat_tokens
+    cfg = foundry_train_config(settings, data_dir=None, save_folder=save_folder, world_size=world_size,
                                tokenizer_dir=tokenizer_dir, tokenizer_name=tokenizer_name, fsdp=fsdp)
-    packing = data.get("packing_ratio")
+    packing = settings.data.packing_ratio
     fsdp_on = "fsdp_config" in cfg  # more than one device (one device: FSDP through llmpipe.fsdp's callback)
-    attn_impl = train.get("attn_impl", "torch")
+    attn_impl = settings.train.attn_impl
     overrides: dict[str, Any] = {
         "attn_config": {"attn_impl": attn_impl if attn_impl in HF_ATTN_IMPLS else "torch",
                         "attn_uses_sequence_id": packing is not None},
@@ -110,11 +110,11 @@ def foundry_finetune_config(rc: dict, *, instructions_dir: str | None, base_path
         "use_auth_token": False,
         # multi-GPU: rank 0 loads the weights, the others start empty and FSDP broadcasts (sync_module_states)
         "init_device": "mixed" if fsdp_on else "cpu",
-        "use_train_metrics": bool(train.get("train_metrics", False)),
+        "use_train_metrics": settings.train.train_metrics,
         "config_overrides": overrides,
     }
-    if rc.get("lora"):
-        model["peft_config"] = peft_config(rc["lora"])  # llm-foundry builds the adapters with peft.get_peft_model
+    if settings.lora is not None:
+        model["peft_config"] = peft_config(settings.lora)  # llm-foundry builds the adapters with peft.get_peft_model
         model["should_save_peft_only"] = False  # full weights in the checkpoint: conversion merges the adapters
     cfg["model"] = model
     cfg["max_seq_len"] = seq
@@ -125,12 +125,12 @@ def foundry_finetune_config(rc: dict, *, instructions_dir: str | None, base_path
     if "fsdp_config" in cfg:
         cfg["fsdp_config"]["sync_module_states"] = True
     if instructions_dir is not None:
-        cfg["train_loader"] = finetuning_loader(rc, instructions_dir, "train")
-        cfg["eval_loader"] = finetuning_loader(rc, instructions_dir, "test")
+        cfg["train_loader"] = finetuning_loader(settings, instructions_dir, "train")
+        cfg["eval_loader"] = finetuning_loader(settings, instructions_dir, "test")
     return cfg
 
 
-def finetuning_loader(rc: dict, instructions_dir: str, split: str) -> dict:
+def finetuning_loader(settings: RunSettings, instructions_dir: str, split: str) -> dict:
     """llm-foundry ``finetuning`` loader config over a prepared instruction set's ``train`` or ``test`` split.
 
     Prompt/response rows (``decoder_only_format``: the loss covers the response tokens only), ``max_seq_len``,
@@ -138,23 +138,22 @@ def finetuning_loader(rc: dict, instructions_dir: str, split: str) -> dict:
     drops its last partial batch; the held-out split keeps every row in order.
 
     Args:
-        rc: the finetune's merged settings (:func:`llmpipe.config.run_config`: ``data``, ``train.num_workers``).
+        settings: the finetune's typed settings (:func:`llmpipe.config.run_settings`).
         instructions_dir: the prepared instruction set (its ``data/`` holds ``train.jsonl`` and ``test.jsonl``).
         split: ``train`` or ``test``.
     """
-    data, train = rc["data"], rc["train"]
+    data, workers = settings.data, settings.train.num_workers
     train_split = split == "train"
     ds: dict[str, Any] = {
         "hf_name": os.path.join(os.path.abspath(instructions_dir), "data"),
         "split": split,
-        "max_seq_len": int(data["concat_tokens"]),
+        "max_seq_len": data.concat_tokens,
         "decoder_only_format": True,
-        "allow_pad_trimming": bool(data.get("allow_pad_trimming", False)),
+        "allow_pad_trimming": bool(data.allow_pad_trimming),
         "shuffle": train_split,
     }
-    if data.get("packing_ratio") is not None:
-        ds["packing_ratio"] = data["packing_ratio"]
-    workers = int(train.get("num_workers", 0))
+    if data.packing_ratio is not None:
+        ds["packing_ratio"] = data.packing_ratio
     out = {"name": "finetuning", "dataset": ds, "drop_last": train_split, "num_workers": workers,
            "pin_memory": False, "timeout": 0}
     if workers == 0:  # torch refuses prefetching without worker processes
@@ -164,7 +163,7 @@ def finetuning_loader(rc: dict, instructions_dir: str, split: str) -> dict:
     return out
 
 
-def build_dataloader(rc: dict, instructions_dir: str, split: str, tokenizer_dir: str,
+def build_dataloader(settings: RunSettings, instructions_dir: str, split: str, tokenizer_dir: str,
                      device_batch_size: int | None = None):
     """Build llm-foundry's finetuning dataloader for a finetune's split, in this process (one rank).
 
@@ -174,16 +173,16 @@ def build_dataloader(rc: dict, instructions_dir: str, split: str, tokenizer_dir:
     ``train.microbatch_size``) of ``data.concat_tokens`` tokens.
 
     Args:
-        rc: the finetune's merged settings (:func:`llmpipe.config.run_config`).
+        settings: the finetune's typed settings (:func:`llmpipe.config.run_settings`).
     """
     from llmfoundry.data.finetuning import build_finetuning_dataloader
     from llmfoundry.utils.builders import build_tokenizer
 
-    seq = int(rc["data"]["concat_tokens"])
+    seq = settings.data.concat_tokens
     tok = build_tokenizer(tokenizer_dir, {"model_max_length": seq})
-    loader = copy.deepcopy(finetuning_loader(rc, instructions_dir, split))
+    loader = copy.deepcopy(finetuning_loader(settings, instructions_dir, split))
     loader.pop("name")
-    bs = device_batch_size or int(rc["train"]["microbatch_size"])
+    bs = device_batch_size or settings.train.microbatch_size
     return build_finetuning_dataloader(tokenizer=tok, device_batch_size=bs, **loader)
 
 
@@ -197,18 +196,18 @@ class FinetuneTask(TrainTask):
     prepared instruction set for the data and ``base_path`` (:func:`base_model_path`) for the starting weights.
     """
 
-    def __init__(self, rc: dict, instructions_dir: str, tokenizer_dir: str, run_dir: str, identity: str,
-                 base_path: str, *, resources: dict, peak_flops_table: dict | None = None):
-        super().__init__(rc, instructions_dir, tokenizer_dir, run_dir, identity, resources=resources,
+    def __init__(self, settings: RunSettings, instructions_dir: str, tokenizer_dir: str, run_dir: str,
+                 identity: str, base_path: str, *, resources: dict, peak_flops_table: dict | None = None):
+        super().__init__(settings, instructions_dir, tokenizer_dir, run_dir, identity, resources=resources,
                          peak_flops_table=peak_flops_table)
         self.base_path = os.path.abspath(base_path) if os.path.isdir(base_path) else base_path
 
     def before_start(self) -> None:
-        require_peft(self.rc)
+        require_peft(self.settings)
         os.environ.setdefault("MAX_NUM_PROC", "1")  # llm-foundry tokenizes with cpu_count - 8 processes
 
     def build_config(self, save_folder: str, world_size: int, fsdp: bool) -> dict:
-        return foundry_finetune_config(self.rc, instructions_dir=self.data_dir,
+        return foundry_finetune_config(self.settings, instructions_dir=self.data_dir,
                                        base_path=self.base_path, save_folder=save_folder, world_size=world_size,
                                        tokenizer_dir=self.tokenizer_dir, fsdp=fsdp)
 
@@ -219,7 +218,7 @@ class FinetuneTask(TrainTask):
         result["kind"] = "finetune"
         result["base"] = self.base_path if not os.path.isabs(self.base_path) else os.path.relpath(
             self.base_path, self.submit_dir)
-        result["lora"] = lora_settings(self.rc.get("lora"))
+        result["lora"] = lora_settings(self.settings.lora)
         return result
 
 

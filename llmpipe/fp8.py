@@ -61,7 +61,7 @@ def fp8_settings(train: Mapping, where: str = "train") -> dict | None:
     Raises:
         ConfigError: any other value, naming ``{where}.fp8`` (or the key under it) and the fix.
     """
-    value = train.get("fp8", False)
+    value = train.get("fp8")  # not written: off
     if value is None or value is False:
         return None
     if value is True:
@@ -226,12 +226,13 @@ def convert_model(model: Any, recipe: str = DEFAULT_RECIPE, min_features: int = 
     return done
 
 
-def apply_fp8(cfg: dict, train: Mapping, where: str) -> None:
-    """Put the train setting ``fp8`` into llm-foundry config ``cfg``: the ``llmpipe_fp8`` callback first among
-    ``cfg["callbacks"]`` (so the layers are swapped before any other INIT callback, e.g. block compilation, sees
-    them), or none when off (a config built for another run does not leak into this one)."""
+def apply_fp8(cfg: dict, settings: Mapping[str, Any] | None, where: str) -> None:
+    """Put a run's FP8 settings (:attr:`llmpipe.settings.TrainSettings.fp8`, parsed by :func:`fp8_settings`; None:
+    off) into llm-foundry config ``cfg``: the ``llmpipe_fp8`` callback first among ``cfg["callbacks"]`` (so the
+    layers are swapped before any other INIT callback, e.g. block compilation, sees them), or none when off (a
+    config built for another run does not leak into this one). ``where``: the run's ``train`` section, for the
+    callback's messages (``models.mpt-1b.train``)."""
     callbacks = {k: v for k, v in cfg["callbacks"].items() if k != CALLBACK_NAME}
-    settings = fp8_settings(train, f"{where}")
     cfg["callbacks"] = ({CALLBACK_NAME: {**settings, "where": f"{where}.fp8"}} if settings else {}) | callbacks
 
 

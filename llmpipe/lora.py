@@ -22,7 +22,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from llmpipe.settings import ConfigError
+from llmpipe.settings import ConfigError, LoraSettings
 
 __all__ = ["MERGE_TOLERANCE", "adapter_param_count", "check_lora", "lora_settings", "merge_adapters",
            "mpt_linear_modules", "peft_config", "target_matches"]
@@ -100,10 +100,13 @@ def check_lora(lora: Mapping | None, arch: Mapping, where: str) -> None:
                           f"linear layers' names: {', '.join(leaves)} (or with their parent: {', '.join(names)}).")
 
 
-def lora_settings(lora: Mapping | None) -> dict | None:
+def lora_settings(lora: Mapping | LoraSettings | None) -> dict | None:
     """The LoRA settings a finetune trains with, defaults filled in: ``{'r', 'alpha' (default 2 x r), 'dropout'
     (default 0), 'target_modules' (sorted, unique)}``; None without LoRA. These are the finetune's identity (the
-    order of ``target_modules`` and a default written out change nothing) and llm-foundry's ``peft_config``."""
+    order of ``target_modules`` and a default written out change nothing) and llm-foundry's ``peft_config``.
+    ``lora``: the ``lora:`` mapping as written (identity) or the typed :class:`llmpipe.settings.LoraSettings`."""
+    if isinstance(lora, LoraSettings):
+        lora = {"r": lora.r, "alpha": lora.alpha, "dropout": lora.dropout, "target_modules": lora.target_modules}
     if not lora:
         return None
     r = int(lora["r"])
@@ -112,7 +115,7 @@ def lora_settings(lora: Mapping | None) -> dict | None:
             "target_modules": sorted(set(lora["target_modules"]))}
 
 
-def peft_config(lora: Mapping) -> dict:
+def peft_config(lora: Mapping | LoraSettings) -> dict:
     """llm-foundry's ``model.peft_config`` (keyword arguments of ``peft.LoraConfig``) for a finetune's ``lora``."""
     s = lora_settings(lora)
     return {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": s["r"], "lora_alpha": s["alpha"],

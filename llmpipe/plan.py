@@ -52,6 +52,7 @@ This module imports without torch (the Snakefile imports it) and takes explicit 
 from __future__ import annotations
 
 import csv
+import dataclasses
 import functools
 import json
 import math
@@ -61,7 +62,7 @@ from collections.abc import Mapping
 
 from llmpipe.lora import adapter_param_count
 from llmpipe.mfu import flops_per_token, mpt_param_count, peak_flops_for_name
-from llmpipe.settings import ConfigError
+from llmpipe.settings import ConfigError, RunSettings
 
 __all__ = [
     'AUTO_AC_SHARE',
@@ -238,6 +239,16 @@ def resolve_activation_checkpointing(rc: Mapping, *, nodes: int, gpus_per_node: 
         on = bool(train_memory(rc, nodes=nodes, gpus_per_node=gpus_per_node,
                                capacity_gb=capacity_gb)['activation_checkpointing'])
     return {**rc, 'train': {**rc['train'], 'fsdp': {**fsdp, 'activation_checkpointing': on}}}
+
+
+def resolve_settings(settings: RunSettings, rc: Mapping, *, nodes: int, gpus_per_node: int,
+                     capacity_gb: float | None) -> RunSettings:
+    """The typed settings ``settings`` of the run whose merged settings are ``rc`` (the memory plan's input) with
+    ``train.fsdp`` as :func:`resolve_activation_checkpointing` resolves it for ``nodes x gpus_per_node`` GPUs of
+    ``capacity_gb`` GiB; what a training job trains with."""
+    resolved = resolve_activation_checkpointing(rc, nodes=nodes, gpus_per_node=gpus_per_node,
+                                                capacity_gb=capacity_gb)
+    return dataclasses.replace(settings, train=dataclasses.replace(settings.train, fsdp=resolved['train']['fsdp']))
 
 
 def inference_memory(rc: Mapping, *, step: str, batch_size: int = 1, context: int | None = None,

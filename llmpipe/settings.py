@@ -212,6 +212,8 @@ class DataSettings:
     instructions: str | None = None
     #: llm-foundry's on-the-fly packing (finetunes only): None (off), ``'auto'`` or a number >= 1.
     packing_ratio: float | str | None = None
+    #: Padding trimmed per batch (a finetune's ``data.allow_pad_trimming``; None for pretraining, which has none).
+    allow_pad_trimming: bool | None = None
 
     def __post_init__(self) -> None:
         if self.concat_tokens < 2:
@@ -249,6 +251,14 @@ class ArchSettings:
     max_seq_len: int
     #: Key/value heads of grouped-query attention (``n_kv_heads``, else ``attn_config.kv_n_heads``); None: n_heads.
     n_kv_heads: int | None = None
+    #: MLP width / d_model (``arch.expansion_ratio``).
+    expansion_ratio: float
+    #: No bias terms in linear layers and norms (``arch.no_bias``).
+    no_bias: bool
+    #: MPT's norm (``arch.norm_type``).
+    norm_type: str
+    #: llm-foundry's MPT ``attn_config`` as written (``arch.attn_config``; empty when not written).
+    attn_config: Mapping[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         for key in ARCH_REQUIRED:
@@ -268,6 +278,52 @@ class ArchSettings:
         """The config path where the value of ``key`` (a field name) is written."""
         return _at(self, key)
 
+    def as_dict(self) -> dict[str, Any]:
+        """The shape as an ``arch:`` mapping (:mod:`llmpipe.mfu`'s and :mod:`llmpipe.plan`'s input): every field,
+        ``n_kv_heads`` only when set, ``attn_config`` a copy."""
+        out = {k: getattr(self, k) for k in (*ARCH_REQUIRED, "expansion_ratio", "no_bias", "norm_type")}
+        out["attn_config"] = dict(self.attn_config)
+        if self.n_kv_heads is not None:
+            out["n_kv_heads"] = self.n_kv_heads
+        return out
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class OptimizerSettings:
+    """llm-foundry's optimizer (``train.optimizer``): its registry name and its class's keyword arguments."""
+
+    name: str
+    #: Keyword arguments of the optimizer class (``lr``, ``betas``, ...), checked against its signature at plan time.
+    kwargs: Mapping[str, Any]
+
+    def foundry_config(self) -> dict[str, Any]:
+        """``{name, **kwargs}``: llm-foundry's ``optimizer`` config."""
+        return {"name": self.name, **self.kwargs}
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class SchedulerSettings:
+    """llm-foundry's learning-rate scheduler (``train.scheduler``)."""
+
+    name: str
+    #: Warmup length in batches (``scheduler.t_warmup_batches``).
+    t_warmup_batches: int
+    #: Other keyword arguments of the scheduler (``alpha_f``, ``t_max``, ...).
+    kwargs: Mapping[str, Any]
+
+    def foundry_config(self) -> dict[str, Any]:
+        """llm-foundry's ``scheduler`` config: ``{name, t_warmup: '<N>ba', **kwargs}``."""
+        return {"name": self.name, "t_warmup": f"{self.t_warmup_batches}ba", **self.kwargs}
+
+
+#: ``train:`` keys copied as written into :class:`TrainSettings` fields of the same name (every one is in
+#: ``model_defaults.train`` of config/config.yaml, which every run inherits); the schema's ``train`` says what each
+#: means.
+TRAIN_FIELDS = ("seed", "precision", "grad_clip_norm", "eval_microbatch_size", "attn_impl", "fsdp", "num_workers",
+                "save_interval_batches", "checkpoints_to_keep", "earlier_identities_to_keep", "fsdp_min_params",
+                "log_interval_batches", "eval_interval_batches", "eval_subset_batches", "fused_optimizer",
+                "train_metrics")
+
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class TrainSettings:
@@ -284,6 +340,34 @@ class TrainSettings:
     max_duration_batches: int
     #: The schedule's length (``scheduler.t_max``, composer's time string); None: the training's (``1dur``).
     t_max: str | None = None
+    # The rest of ``train:``, as the schema's ``train`` describes each key.
+    seed: int
+    precision: str
+    optimizer: OptimizerSettings
+    scheduler: SchedulerSettings
+    grad_clip_norm: float
+    #: llm-foundry's loss (``train.loss_fn``; the schema's ``x-default`` when not written).
+    loss_fn: str
+    eval_microbatch_size: int
+    attn_impl: str
+    #: composer's FSDP settings (None: composer's defaults).
+    fsdp: Mapping[str, Any] | None
+    #: :func:`llmpipe.config.compile_settings` of ``train.compile`` (None: eager).
+    compile: Mapping[str, Any] | None
+    #: :func:`llmpipe.config.fused_loss_settings` of ``train.fused_loss`` (None: off).
+    fused_loss: Mapping[str, Any] | None
+    #: :func:`llmpipe.fp8.fp8_settings` of ``train.fp8`` (None: off).
+    fp8: Mapping[str, Any] | None
+    num_workers: int
+    save_interval_batches: int
+    checkpoints_to_keep: int
+    earlier_identities_to_keep: int
+    fsdp_min_params: float | None
+    log_interval_batches: int
+    eval_interval_batches: int
+    eval_subset_batches: int
+    fused_optimizer: bool
+    train_metrics: bool
 
     def __post_init__(self) -> None:
         for key in ("max_duration_batches", "microbatch_size", "global_batch_size"):
@@ -403,7 +487,8 @@ class RunSettings:
 
     @classmethod
     def from_run_config(cls, rc: Mapping, tokenizer: Mapping | None = None,
-                        written_at: Callable[[str], str] | None = None) -> RunSettings:
+                        written_at: Callable[[str], str] | None = None, *, parsed: Mapping[str, Any]
+                        ) -> RunSettings:
         """Build from a run's merged settings (:func:`llmpipe.config.run_config`'s dict: ``name``, ``data``,
         ``arch``, ``train``, ``resources``; a finetune's also ``kind``, ``base``, ``lora``, ``node_counts``).
 
@@ -411,8 +496,11 @@ class RunSettings:
         :attr:`tokenizer_vocab_size`. ``written_at`` maps a dotted key of ``rc`` (``train.global_batch_size``) to
         the config path where its value is written (:func:`llmpipe.config.written_at`: the run's own section,
         ``finetune_defaults`` or ``model_defaults``); messages name that path. Without it every value is named in
-        the run's own section (a finetune's ``arch`` in its base run's). Only each part's own checks run here;
-        call :meth:`check` for the rest.
+        the run's own section (a finetune's ``arch`` in its base run's). ``parsed`` holds the ``train`` values
+        :mod:`llmpipe.config` parses or fills (``compile``, ``fused_loss``, ``fp8``, ``loss_fn``: the
+        :class:`TrainSettings` fields of those names). Every other key is read as written: the validated config has
+        each one (schema defaults filled, ``model_defaults`` / ``finetune_defaults`` inherited). Only each part's
+        own checks run here; call :meth:`check` for the rest.
 
         Raises:
             ConfigError: a missing or wrong value, naming its config path.
@@ -456,17 +544,27 @@ class RunSettings:
         arch_at = {**origins("arch", ARCH_REQUIRED), "n_kv_heads": at("arch", kv_key)}
         train_keys = ("global_batch_size", "microbatch_size", "max_duration_batches")
         train_at = {**origins("train", train_keys), "t_max": at("train", "scheduler.t_max")}
+        sched = dict(train["scheduler"])
+        optimizer = OptimizerSettings(name=train["optimizer"]["name"],
+                                      kwargs={k: v for k, v in train["optimizer"].items() if k != "name"})
+        scheduler = SchedulerSettings(name=sched.pop("name"), t_warmup_batches=int(sched.pop("t_warmup_batches")),
+                                      kwargs=sched)
         return cls(
             name=name, kind=kind, base=base, tokenizer_vocab_size=vocab,
             data=DataSettings(where=sections["data"], origins=data_at, corpus=data.get("corpus"),
                               tokenizer=data.get("tokenizer"),
                               concat_tokens=whole(data.get("concat_tokens"), data_at["concat_tokens"]),
                               concat_key=concat_key, instructions=data.get("instructions"),
-                              packing_ratio=data.get("packing_ratio")),
+                              packing_ratio=data.get("packing_ratio"),
+                              allow_pad_trimming=data.get("allow_pad_trimming")),
             arch=ArchSettings(where=arch_where, origins=arch_at, n_kv_heads=None if kv is None else whole(
-                kv, arch_at["n_kv_heads"]), **{k: whole(arch[k], arch_at[k]) for k in ARCH_REQUIRED}),
-            train=TrainSettings(where=sections["train"], origins=train_at,
-                                t_max=(train.get("scheduler") or {}).get("t_max"),
+                kv, arch_at["n_kv_heads"]), expansion_ratio=arch["expansion_ratio"], no_bias=bool(arch["no_bias"]),
+                norm_type=arch["norm_type"], attn_config=dict(arch.get("attn_config") or {}),
+                **{k: whole(arch[k], arch_at[k]) for k in ARCH_REQUIRED}),
+            train=TrainSettings(where=sections["train"], origins=train_at, t_max=scheduler.kwargs.get("t_max"),
+                                optimizer=optimizer, scheduler=scheduler,
+                                **{k: parsed[k] for k in ("compile", "fused_loss", "fp8", "loss_fn")},
+                                **{k: train[k] for k in TRAIN_FIELDS},
                                 **{k: whole(train.get(k), train_at[k]) for k in train_keys}),
             resources=Resources.from_dict(rc.get("resources") or {}, sections["resources"],
                                           origins("resources", ("nodes", "gpus_per_node", "tasks_per_node"))),

@@ -23,6 +23,7 @@ from __future__ import annotations
 import time
 
 from llmpipe import progress
+from llmpipe.settings import RunSettings
 
 WARMUP_FRACTION = 0.1
 WARMUP_MIN, WARMUP_MAX = 2, 50
@@ -198,13 +199,14 @@ def total_batches(state) -> int | None:
     return int(md.value)
 
 
-def monitor_args(rc: dict, world_size: int, peak_flops_table: dict | None) -> dict:
-    """The ``llmpipe_run_monitor`` callback's throughput arguments for a run's settings ``rc``: FLOPs per token
-    (:func:`llmpipe.mfu.flops_per_token`), the device's peak FLOP/s (:func:`llmpipe.mfu.detect_peak_flops`, None on
-    CPU) and the world size; the same inputs as ``train.json``'s whole-run MFU."""
+def monitor_args(settings: RunSettings, world_size: int, peak_flops_table: dict | None) -> dict:
+    """The ``llmpipe_run_monitor`` callback's throughput arguments for a run's typed settings
+    (:func:`llmpipe.config.run_settings`): FLOPs per token (:func:`llmpipe.mfu.flops_per_token`), the device's peak
+    FLOP/s (:func:`llmpipe.mfu.detect_peak_flops`, None on CPU) and the world size; the same inputs as
+    ``train.json``'s whole-run MFU."""
     from llmpipe import mfu
-    return {"flops_per_token": mfu.flops_per_token(rc["arch"], int(rc["data"]["concat_tokens"])),
-            "peak_flops": mfu.detect_peak_flops(rc["train"]["precision"], peak_flops_table),
+    return {"flops_per_token": mfu.flops_per_token(settings.arch.as_dict(), settings.data.concat_tokens),
+            "peak_flops": mfu.detect_peak_flops(settings.train.precision, peak_flops_table),
             "world_size": int(world_size)}
 
 

@@ -23,13 +23,15 @@ import shutil
 import signal
 import tempfile
 import time
+from collections.abc import Mapping
 from typing import Any
 
 from llmpipe import checkpoints as ckpt, throughput, tracking
 from llmpipe.atomic import read_json
-from llmpipe.config import compile_settings, fused_loss_settings, world_size
+from llmpipe.config import world_size
 from llmpipe.fp8 import apply_fp8
 from llmpipe.fsdp import CALLBACK_NAME, FREE_GRADS_CALLBACK
+from llmpipe.settings import RunSettings
 
 log = logging.getLogger("llmpipe.train")
 
@@ -41,30 +43,27 @@ FUSED_LOSS_MODEL_KEYS = ("fused_loss_chunk_size", "fused_loss_kernel")
 
 # ------------------------------------------------------------------------------------------- config
 
-def uses_fsdp(rc: dict, world_size: int, sharded_resume: bool = False) -> bool:
+def uses_fsdp(settings: RunSettings, world_size: int, sharded_resume: bool = False) -> bool:
     """Whether a training runs under FSDP (and so saves sharded checkpoints): on more than one device always; on
     one device when the model has at least ``train.fsdp_min_params`` parameters (:func:`llmpipe.mfu.mpt_param_count`
-    of ``arch``; a run without ``arch.d_model``, a finetune of a hub base, only on more than one device) or when it
-    resumes from a sharded checkpoint."""
+    of the run's ``arch``; None: never) or when it resumes from a sharded checkpoint."""
     if world_size > 1 or sharded_resume:
         return True
-    threshold = rc["train"].get("fsdp_min_params")
+    threshold = settings.train.fsdp_min_params
     if threshold is None:
         return False
-    if "d_model" not in (rc.get("arch") or {}):
-        return False
     from llmpipe.mfu import mpt_param_count
-    return mpt_param_count(rc["arch"])["total"] >= float(threshold)
+    return mpt_param_count(settings.arch.as_dict())["total"] >= float(threshold)
 
 
-def foundry_train_config(rc: dict, *, data_dir: str | None, save_folder: str | None, world_size: int,
+def foundry_train_config(settings: RunSettings, *, data_dir: str | None, save_folder: str | None, world_size: int,
                          tokenizer_dir: str | None = None, tokenizer_name: str | None = None,
                          fsdp: bool | None = None) -> dict:
     """Build the llm-foundry train config (the dict ``llmfoundry.command_utils.train`` takes) for one run.
 
     Args:
-        rc: the run's merged settings (:func:`llmpipe.config.run_config`: ``name``, ``data``, ``arch``,
-            ``train``; ``kind: finetune`` for a finetune, whose errors then name ``finetunes.<run>``).
+        settings: the run's typed settings (:func:`llmpipe.config.run_settings`); a finetune's errors name
+            ``finetunes.<run>``.
         data_dir: the MDS dataset folder with ``train/`` and ``val/`` (None: caller sets the loaders).
         save_folder: checkpoint folder (None: no checkpoints).
         world_size: number of ranks; used to split the global batch.
@@ -77,84 +76,80 @@ def foundry_train_config(rc: dict, *, data_dir: str | None, save_folder: str | N
         A plain dict; keys follow llm-foundry's ``TrainConfig``. Checkpoint retention is ours
         (:func:`llmpipe.checkpoints.prune_checkpoints` counts every job's saves), so composer keeps all.
     """
-    run = rc["name"]
+    run = settings.name
     if fsdp is None:
-        fsdp = uses_fsdp(rc, world_size)
-    arch, train, data = rc["arch"], rc["train"], rc["data"]
-    seq = int(data["concat_tokens"])
-    opt = dict(train["optimizer"])
-    sched = dict(train["scheduler"])
-    sched_cfg = {"name": sched.pop("name"), "t_warmup": f"{int(sched.pop('t_warmup_batches'))}ba", **sched}
+        fsdp = uses_fsdp(settings, world_size)
+    arch, train = settings.arch, settings.train
+    seq = settings.data.concat_tokens
+    opt = train.optimizer.foundry_config()
     model = {
         "name": "mpt_causal_lm",
         "init_device": "meta" if fsdp and world_size > 1 else "cpu",
-        "d_model": int(arch["d_model"]),
-        "n_heads": int(arch["n_heads"]),
-        "n_layers": int(arch["n_layers"]),
-        "expansion_ratio": arch.get("expansion_ratio", 4),
-        "max_seq_len": int(arch["max_seq_len"]),
-        "vocab_size": int(arch["vocab_size"]),
-        "no_bias": bool(arch.get("no_bias", True)),
-        "norm_type": arch.get("norm_type", "low_precision_layernorm"),
-        "attn_config": dict(arch.get("attn_config") or {}),
-        "loss_fn": train.get("loss_fn", "torch_crossentropy"),
-        "use_train_metrics": bool(train.get("train_metrics", True)),
+        "d_model": arch.d_model,
+        "n_heads": arch.n_heads,
+        "n_layers": arch.n_layers,
+        "expansion_ratio": arch.expansion_ratio,
+        "max_seq_len": arch.max_seq_len,
+        "vocab_size": arch.vocab_size,
+        "no_bias": arch.no_bias,
+        "norm_type": arch.norm_type,
+        "attn_config": dict(arch.attn_config),
+        "loss_fn": train.loss_fn,
+        "use_train_metrics": train.train_metrics,
     }
-    if "n_kv_heads" in arch:
-        model["attn_config"]["attn_type"] = "grouped_query_attention"
-        model["attn_config"]["kv_n_heads"] = int(arch["n_kv_heads"])
+    if arch.n_kv_heads is not None and arch.attn_config.get("kv_n_heads") != arch.n_kv_heads:
+        model["attn_config"]["attn_type"] = "grouped_query_attention"  # written as arch.n_kv_heads
+        model["attn_config"]["kv_n_heads"] = arch.n_kv_heads
     # our SDPA attention is an llm-foundry attention class selected through attn_type (see llmpipe.attention)
-    model["attn_config"] = _attn_config(model["attn_config"], train.get("attn_impl", "torch"))
-    fused = fused_loss_settings(train, f"models.{run}.train")
-    if fused is not None and not model["use_train_metrics"]:
+    model["attn_config"] = _attn_config(model["attn_config"], train.attn_impl)
+    if train.fused_loss is not None and not train.train_metrics:
         # chunked linear + cross-entropy without the full logits (llmpipe.fused_loss); the train metrics need the
         # logits, so with train_metrics on the stock model trains as before
         model["name"] = _fused_loss_model_name()
-        model["fused_loss_chunk_size"] = fused["chunk_size"]
-        model["fused_loss_kernel"] = fused["kernel"]
+        model["fused_loss_chunk_size"] = train.fused_loss["chunk_size"]
+        model["fused_loss_kernel"] = train.fused_loss["kernel"]
     tok_name = tokenizer_dir or tokenizer_name
 
     def loader(split: str, shuffle: bool, drop_last: bool) -> dict:
-        workers = int(train.get("num_workers", 0))
         out = {"name": "text",
                "dataset": {"local": data_dir, "split": split, "shuffle": shuffle, "max_seq_len": seq,
-                           "shuffle_seed": int(train["seed"])},
-               "drop_last": drop_last, "num_workers": workers}
-        if workers == 0:  # torch refuses prefetching without worker processes
+                           "shuffle_seed": train.seed},
+               "drop_last": drop_last, "num_workers": train.num_workers}
+        if train.num_workers == 0:  # torch refuses prefetching without worker processes
             out.update(prefetch_factor=None, persistent_workers=False)
         return out
 
-    if train.get("fused_optimizer") and opt.get("name") == "decoupled_adamw":
+    if train.fused_optimizer and opt["name"] == "decoupled_adamw":
         opt["name"] = "fused_adamw"  # same update, torch's fused kernel (llmpipe.speedups)
-    gbs = int(train["global_batch_size"])
+    gbs = train.global_batch_size
     per_device = gbs // world_size
     cfg: dict[str, Any] = {
         "run_name": run,
-        "seed": int(train["seed"]),
+        "seed": train.seed,
         "max_seq_len": seq,
         "model": model,
         "tokenizer": {"name": tok_name, "kwargs": {"model_max_length": seq}},
         "optimizer": opt,
-        "scheduler": sched_cfg,
+        "scheduler": train.scheduler.foundry_config(),
         "algorithms": {"gradient_clipping": {"clipping_type": "norm",
-                                             "clipping_threshold": float(train["grad_clip_norm"])}},
-        "max_duration": f"{int(train['max_duration_batches'])}ba",
-        "eval_interval": f"{int(train['eval_interval_batches'])}ba",
+                                             "clipping_threshold": float(train.grad_clip_norm)}},
+        "max_duration": f"{train.max_duration_batches}ba",
+        "eval_interval": f"{train.eval_interval_batches}ba",
         "eval_first": False,
-        "eval_subset_num_batches": int(train.get("eval_subset_batches", -1)),
+        "eval_subset_num_batches": train.eval_subset_batches,
         "global_train_batch_size": gbs,
-        "device_train_microbatch_size": min(int(train["microbatch_size"]), per_device),
-        "device_eval_batch_size": int(train.get("eval_microbatch_size", train["microbatch_size"])),
-        "precision": train["precision"],
+        "device_train_microbatch_size": min(train.microbatch_size, per_device),
+        "device_eval_batch_size": train.eval_microbatch_size,
+        "precision": train.precision,
         "progress_bar": False,
         "log_to_console": True,
-        "console_log_interval": f"{int(train.get('log_interval_batches', 10))}ba",
+        "console_log_interval": f"{train.log_interval_batches}ba",
         "python_log_level": "info",
         "dist_timeout": 600,
         "callbacks": {"llmpipe_run_monitor": {
-            "log_interval": int(train.get("log_interval_batches", 10)),
-            "checkpoints_to_keep": int(train.get("checkpoints_to_keep", 2)),
-            "earlier_identities_to_keep": int(train.get("earlier_identities_to_keep", 1))},
+            "log_interval": train.log_interval_batches,
+            "checkpoints_to_keep": train.checkpoints_to_keep,
+            "earlier_identities_to_keep": train.earlier_identities_to_keep},
                       "drop_full_attention_mask": {}},
         "loggers": {},
         "autoresume": False,
@@ -167,7 +162,7 @@ def foundry_train_config(rc: dict, *, data_dir: str | None, save_folder: str | N
         fsdp_cfg = {"sharding_strategy": "FULL_SHARD", "mixed_precision": "PURE",
                     "activation_checkpointing": False, "activation_checkpointing_reentrant": False,
                     "activation_cpu_offload": False, "limit_all_gathers": True,
-                    "state_dict_type": "sharded", **(train.get("fsdp") or {})}
+                    "state_dict_type": "sharded", **(train.fsdp or {})}
         # auto is the memory plan's to decide for the job's GPUs (llmpipe.plan.resolve_activation_checkpointing,
         # the training step does); left unresolved it recomputes, the side that fits
         fsdp_cfg["activation_checkpointing"] = fsdp_cfg["activation_checkpointing"] in (True, "auto")
@@ -176,12 +171,11 @@ def foundry_train_config(rc: dict, *, data_dir: str | None, save_folder: str | N
             cfg["fsdp_config"] = fsdp_cfg
         else:  # llm-foundry drops fsdp_config at world size 1; llmpipe.fsdp's callback hands it to composer
             cfg["callbacks"][CALLBACK_NAME] = {"fsdp_config": fsdp_cfg}
-    where = f"{'finetunes' if rc.get('kind') == 'finetune' else 'models'}.{run}.train"
-    apply_compile(cfg, train, where)
-    apply_fp8(cfg, train, where)  # llmpipe.fp8: the llmpipe_fp8 callback, first of all
+    apply_compile(cfg, train.compile)
+    apply_fp8(cfg, train.fp8, train.where)  # llmpipe.fp8: the llmpipe_fp8 callback, first of all
     if save_folder is not None:
         cfg["save_folder"] = save_folder
-        cfg["save_interval"] = f"{int(train['save_interval_batches'])}ba"
+        cfg["save_interval"] = f"{train.save_interval_batches}ba"
         cfg["save_num_checkpoints_to_keep"] = -1
     return cfg
 
@@ -198,19 +192,19 @@ def batch_layout(global_batch: int, world_size: int, microbatch_asked: int, micr
     return line
 
 
-def apply_compile(cfg: dict, train: dict, where: str) -> None:
-    """Put the train setting ``compile`` (:func:`llmpipe.config.compile_settings`) into llm-foundry config ``cfg``:
-    composer's ``compile_config`` for the whole model, or the ``llmpipe_compile_blocks`` callback for
-    ``compile: blocks``; removes both first, so a config built for another run does not leak into this one."""
+def apply_compile(cfg: dict, compile_settings: Mapping[str, Any] | None) -> None:
+    """Put a run's compile settings (:attr:`llmpipe.settings.TrainSettings.compile`, parsed by
+    :func:`llmpipe.config.compile_settings`; None: eager) into llm-foundry config ``cfg``: composer's
+    ``compile_config`` for the whole model, or the ``llmpipe_compile_blocks`` callback for scope ``blocks``; removes
+    both first, so a config built for another run does not leak into this one."""
     cfg.pop("compile_config", None)
     cfg["callbacks"].pop("llmpipe_compile_blocks", None)
-    settings = compile_settings(train, where)
-    if settings is None:
+    if compile_settings is None:
         return
-    if settings["scope"] == "blocks":
-        cfg["callbacks"]["llmpipe_compile_blocks"] = dict(settings["options"])
+    if compile_settings["scope"] == "blocks":
+        cfg["callbacks"]["llmpipe_compile_blocks"] = dict(compile_settings["options"])
     else:
-        cfg["compile_config"] = dict(settings["options"])
+        cfg["compile_config"] = dict(compile_settings["options"])
 
 
 def _attn_config(attn_config: dict, attn_impl: str) -> dict:
@@ -459,7 +453,8 @@ class TrainTask:
     which resumes from the checkpoint :class:`RunMonitor` saved just before.
 
     Holds plain values only (submitit pickles the task). Args:
-        rc: the run's merged settings (:func:`llmpipe.config.run_config`).
+        settings: the run's typed settings (:func:`llmpipe.config.run_settings`; its ``fsdp``
+            ``activation_checkpointing`` resolved by :func:`llmpipe.plan.resolve_activation_checkpointing`).
         data_dir: the MDS dataset folder (a finetune: the prepared instruction set).
         tokenizer_dir: the saved Hugging Face tokenizer folder.
         run_dir: ``results/<run>``; checkpoints go to its ``checkpoints/``.
@@ -471,11 +466,11 @@ class TrainTask:
     """
     tracking = None
 
-    def __init__(self, rc: dict, data_dir: str, tokenizer_dir: str, run_dir: str, identity: str, *,
+    def __init__(self, settings: RunSettings, data_dir: str, tokenizer_dir: str, run_dir: str, identity: str, *,
                  resources: dict, peak_flops_table: dict | None = None):
         # absolute paths: every task runs in a node-private scratch folder (see __call__)
         self.submit_dir = os.getcwd()
-        self.rc, self.run, self.data_dir = rc, rc["name"], os.path.abspath(data_dir)
+        self.settings, self.run, self.data_dir = settings, settings.name, os.path.abspath(data_dir)
         self.tokenizer_dir, self.run_dir = os.path.abspath(tokenizer_dir), os.path.abspath(run_dir)
         self.identity = identity
         self.resources = dict(resources)
@@ -496,7 +491,7 @@ class TrainTask:
 
     def build_config(self, save_folder: str, world_size: int, fsdp: bool) -> dict:
         """The llm-foundry train config of this task (a subclass hook; finetuning builds its own)."""
-        return foundry_train_config(self.rc, data_dir=self.data_dir, save_folder=save_folder,
+        return foundry_train_config(self.settings, data_dir=self.data_dir, save_folder=save_folder,
                                     world_size=world_size, tokenizer_dir=self.tokenizer_dir, fsdp=fsdp)
 
     def describe(self) -> str:
@@ -518,7 +513,7 @@ class TrainTask:
             resume = ckpt.loadable_checkpoint(save_folder)
         except (OSError, RuntimeError) as exc:
             return {"error": str(exc)}
-        max_batches = int(self.rc["train"]["max_duration_batches"])
+        max_batches = self.settings.train.max_duration_batches
         done = ckpt.finished_result(save_folder, resume, max_batches)
         if done is None:
             ckpt.cut_loss_log(os.path.join(save_folder, "train_log.jsonl"),
@@ -529,7 +524,7 @@ class TrainTask:
         self.before_start()
         dist_env = export_dist_env()
         os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-        register_extensions(compile_settings(self.rc["train"]) is not None)
+        register_extensions(self.settings.train.compile is not None)
         from llmfoundry.command_utils import train
         from omegaconf import OmegaConf
 
@@ -560,7 +555,8 @@ class TrainTask:
         if resume and not sharded and fsdp:
             raise RuntimeError(ckpt.resume_mismatch(resume, self.describe()))
         cfg = self.build_config(save_folder, ws, fsdp)
-        cfg["callbacks"]["llmpipe_run_monitor"].update(throughput.monitor_args(self.rc, ws, self.peak_flops_table))
+        monitor_args = throughput.monitor_args(self.settings, ws, self.peak_flops_table)
+        cfg["callbacks"]["llmpipe_run_monitor"].update(monitor_args)
         tracking.apply(cfg, self.tracking, save_folder, rank, self.run, os.path.basename(save_folder))
         if fsdp:
             from llmpipe.fsdp import fsdp_on_cpu
@@ -574,7 +570,7 @@ class TrainTask:
               f"{self.describe()}, expected devices {world_size(res)}", flush=True)
         if rank == 0:
             print("llmpipe: " + batch_layout(int(cfg["global_train_batch_size"]), ws,
-                                             int(self.rc["train"]["microbatch_size"]),
+                                             self.settings.train.microbatch_size,
                                              int(cfg["device_train_microbatch_size"]))
                   + ("; FSDP, sharded checkpoints" if fsdp else "; full checkpoints"), flush=True)
         t0 = time.time()
@@ -589,7 +585,7 @@ class TrainTask:
             trainer = train(OmegaConf.create(cfg))
             wall = time.time() - t0
             monitor = next(cb for cb in trainer.state.callbacks if type(cb).__name__ == "RunMonitor")
-            result = summarize(self.rc, trainer, monitor, wall, ws, save_folder, resume,
+            result = summarize(self.settings, trainer, monitor, wall, ws, save_folder, resume,
                                nodes=int(res["nodes"]), peak_flops_table=self.peak_flops_table)
             fcfg = trainer.state.fsdp_config  # what composer ran with (recompute only exists under FSDP)
             result["fsdp"], result["activation_checkpointing"] = fsdp, bool(fcfg and fcfg.activation_checkpointing)
@@ -611,7 +607,7 @@ class TrainTask:
 
     def uses_fsdp(self, world_size: int, sharded_resume: bool) -> bool:
         """Whether this task trains under FSDP (a subclass hook; :func:`uses_fsdp`)."""
-        return uses_fsdp(self.rc, world_size, sharded_resume)
+        return uses_fsdp(self.settings, world_size, sharded_resume)
 
 
 def _wait_for_plan(path: str, token: str, timeout_s: float = 900) -> dict:
@@ -624,12 +620,13 @@ def _wait_for_plan(path: str, token: str, timeout_s: float = 900) -> dict:
     raise TimeoutError(f"{path} did not appear within {timeout_s} s (rank 0 could not prepare checkpoints)")
 
 
-def summarize(rc: dict, trainer, monitor, wall_s: float, ws: int, save_folder: str, resumed_from: str | None, *,
+def summarize(settings: RunSettings, trainer, monitor, wall_s: float, ws: int, save_folder: str,
+              resumed_from: str | None, *,
               nodes: int, peak_flops_table: dict | None = None) -> dict:
     """Build the train.json record from a finished trainer.
 
     Args:
-        rc: the run's merged settings (:func:`llmpipe.config.run_config`).
+        settings: the run's typed settings (:func:`llmpipe.config.run_settings`).
         trainer, monitor: the finished composer trainer and its :class:`RunMonitor`; ``ws``: ranks (devices).
         wall_s: seconds the training call took (fallback for the fit time); ``nodes``: the job's node count.
         save_folder, resumed_from: the checkpoint folder; the checkpoint this job resumed from, or None.
@@ -642,16 +639,16 @@ def summarize(rc: dict, trainer, monitor, wall_s: float, ws: int, save_folder: s
     import torch
     from llmpipe import mfu as mfu_mod
 
-    run = rc["name"]
+    run = settings.name
     state = trainer.state
     steps = int(state.timestamp.batch)
     tokens = int(state.timestamp.token)
     tokens_this_job = tokens - monitor.start_tokens
     fit_s = time.time() - monitor.t_fit_start if monitor.t_fit_start else wall_s
     tps = tokens_this_job / fit_s if fit_s > 0 else None
-    precision = rc["train"]["precision"]
+    precision = settings.train.precision
     peak = mfu_mod.detect_peak_flops(precision, peak_flops_table)
-    fpt = mfu_mod.flops_per_token(rc["arch"], int(rc["data"]["concat_tokens"]))
+    fpt = mfu_mod.flops_per_token(settings.arch.as_dict(), settings.data.concat_tokens)
     mfu = mfu_mod.mfu(tps / ws, fpt, peak) if (tps and peak) else None
     final = ckpt.newest_checkpoint(save_folder)
     if torch.cuda.is_available():
@@ -675,8 +672,8 @@ def summarize(rc: dict, trainer, monitor, wall_s: float, ws: int, save_folder: s
         "device": device, **monitor.timer.steady(),
         "nodes": int(nodes),
         "devices": ws,
-        "global_batch_size": int(rc["train"]["global_batch_size"]),
-        "concat_tokens": int(rc["data"]["concat_tokens"]),
+        "global_batch_size": settings.train.global_batch_size,
+        "concat_tokens": settings.data.concat_tokens,
         "first_train_loss": monitor.first_loss if monitor.start_batch == 0 else _first_logged_loss(save_folder),
         "final_train_loss": monitor.last_loss,
         "resumed_from": resumed_from,

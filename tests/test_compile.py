@@ -13,7 +13,7 @@ import pytest
 torch = pytest.importorskip('torch')
 pytest.importorskip('llmfoundry')
 
-from llmpipe.config import ConfigError, compile_settings, deep_merge, run_config, validate_run  # noqa: E402
+from llmpipe.config import ConfigError, compile_settings, deep_merge, run_settings, validate_run  # noqa: E402
 from tests import test_fused_loss as TFL  # noqa: E402
 
 
@@ -63,7 +63,7 @@ def test_bad_compile_setting_is_a_config_error(value, key):
     with pytest.raises(ConfigError, match=r'finetunes\.mpt-tiny-sft\.train\.compile'):
         validate_run(config, 'mpt-tiny-sft')
     with pytest.raises(ConfigError, match=r'finetunes\.mpt-tiny-sft\.train\.compile'):
-        foundry_finetune_config(run_config(config, 'mpt-tiny-sft'), base_path='/nonexistent', save_folder=None,
+        foundry_finetune_config(run_settings(config, 'mpt-tiny-sft'), base_path='/nonexistent', save_folder=None,
                                 world_size=1, instructions_dir=None)
 
 
@@ -73,7 +73,7 @@ def test_train_and_finetune_configs_carry_the_compile_scope():
     config = TFL._project_config()
 
     def built(cfg, run='mpt-125m'):
-        return foundry_train_config(run_config(cfg, run), data_dir=None, save_folder=None, world_size=1)
+        return foundry_train_config(run_settings(cfg, run), data_dir=None, save_folder=None, world_size=1)
 
     cfg = built(config)       # config.yaml: compile true
     assert cfg['compile_config'] == {} and 'llmpipe_compile_blocks' not in cfg['callbacks']
@@ -87,7 +87,7 @@ def test_train_and_finetune_configs_carry_the_compile_scope():
     cfg = built(off)
     assert 'compile_config' not in cfg and 'llmpipe_compile_blocks' not in cfg['callbacks']
     ft = deep_merge(config, {'finetunes': {'mpt-tiny-sft': {'train': {'compile': 'blocks'}}}})
-    cfg = foundry_finetune_config(run_config(ft, 'mpt-tiny-sft'), base_path='/nonexistent', save_folder=None,
+    cfg = foundry_finetune_config(run_settings(ft, 'mpt-tiny-sft'), base_path='/nonexistent', save_folder=None,
                                   world_size=1, instructions_dir=None)
     assert 'compile_config' not in cfg and cfg['callbacks']['llmpipe_compile_blocks'] == {}
 

@@ -55,7 +55,9 @@ def _worker(rank: int, world: int, port: int, out_path: str, free_grads: bool) -
     from llmfoundry.command_utils import train
     from omegaconf import OmegaConf
 
-    from llmpipe.config import deep_merge, run_config
+    import dataclasses
+
+    from llmpipe.config import deep_merge, run_config, run_settings
     from llmpipe.fsdp import FREE_GRADS_CALLBACK, fsdp_on_cpu
     from llmpipe.train import foundry_train_config, register_extensions
 
@@ -80,8 +82,9 @@ def _worker(rank: int, world: int, port: int, out_path: str, free_grads: bool) -
     train_over.update(compile={'backend': 'aot_eager'}, eval_interval_batches=EVAL_EVERY, num_workers=0,
                       max_duration_batches=STEPS, global_batch_size=8, microbatch_size=4, eval_microbatch_size=4)
     config = deep_merge(TFL._project_config(), {'models': {'mpt-tiny': {'train': train_over}}})
-    rc = run_config(config, 'mpt-tiny')
-    rc['train']['fsdp'] = {**rc['train']['fsdp'], 'activation_checkpointing': False}
+    rc = run_settings(config, 'mpt-tiny')
+    rc = dataclasses.replace(rc, train=dataclasses.replace(rc.train, fsdp={**rc.train.fsdp,
+                                                                          'activation_checkpointing': False}))
     cfg = json.loads(json.dumps(foundry_train_config(rc, data_dir=None, save_folder=None, world_size=world)))
     assert cfg['compile_config'] == {'backend': 'aot_eager'} and cfg['precision'] == 'amp_bf16'
     assert cfg['fsdp_config']['mixed_precision'] == 'PURE'

@@ -9,7 +9,7 @@ import sys
 import pytest
 import torch
 
-from llmpipe.config import run_config
+from llmpipe.config import run_settings
 from tests.conftest import project_config
 from tests.test_export import WITHOUT_FOUNDRY, usual_calls
 
@@ -32,7 +32,7 @@ def composer_logits(config: dict, run: str, ckpt: str, ids: torch.Tensor) -> tor
     from llmfoundry.utils.builders import build_composer_model
 
     from llmpipe.train import foundry_train_config
-    cfg = foundry_train_config(run_config(config, run), data_dir=None, save_folder=None, world_size=1)
+    cfg = foundry_train_config(run_settings(config, run), data_dir=None, save_folder=None, world_size=1)
     model_cfg = dict(cfg["model"])
     name = model_cfg.pop("name")
     model = build_composer_model(name=name, cfg=model_cfg, tokenizer=None)
@@ -54,7 +54,7 @@ def test_export_matches_composer_logits(tiny_run, tmp_path, dtype, tol):
     out = tmp_path / "hf"
     out.mkdir()
     tokenizer_dir = tiny_run / "results/tokenizers/bpe-builtin-docs"
-    manifest = convert_checkpoint(run_config(config, "mpt-tiny"), ckpt, str(tokenizer_dir), str(out), dtype)
+    manifest = convert_checkpoint(run_settings(config, "mpt-tiny"), ckpt, str(tokenizer_dir), str(out), dtype)
     assert manifest["dtype"] == dtype and (out / "model.safetensors").exists() and (out / "tokenizer.json").exists()
     assert json.loads((out / "config.json").read_text())["attn_config"]["attn_impl"] == "torch"
     if dtype == "float32":  # the trained model's export with transformers' usual calls (tests/test_export.py)

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from llmpipe.config import run_config
+from llmpipe.config import run_settings
 from tests.conftest import project_config
 
 #: Prompts that fit mpt-tiny's context (128 tokens) with room for the new tokens.
@@ -54,7 +54,7 @@ def export(tmp: Path, umask: int) -> Path:
     """Convert a random mpt-tiny checkpoint under ``umask``; return the export folder."""
     from llmpipe.convert import convert_checkpoint
 
-    rc = run_config(project_config(), "mpt-tiny")
+    rc = run_settings(project_config(), "mpt-tiny")
     out = tmp / "hf"
     old = os.umask(umask)
     try:

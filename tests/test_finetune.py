@@ -273,7 +273,7 @@ def test_hub_finetune_data_and_config_on_standin_rows(tmp_path, run, iset, with_
                                                            "test": _standin_rows(4, with_source)}, fmt=fmt)
     config = cfg.deep_merge(load_config(), {"instruction_sets": {iset: {"source": "local", "local_dir": standin}}})
     config["results_dir"] = str(tmp_path / "results")
-    rc = cfg.validate_run(config, run)
+    rc, rs = cfg.validate_run(config, run), cfg.run_settings(config, run)
     out_dir = tmp_path / "results/data/instructions" / iset
     manifest = prepare_instructions(dict(config["instruction_sets"][iset], key=iset), str(out_dir))
     assert manifest["splits"]["train"]["rows"] == 24 and manifest["splits"]["test"]["rows"] == 4
@@ -282,7 +282,7 @@ def test_hub_finetune_data_and_config_on_standin_rows(tmp_path, run, iset, with_
 
     # the llm-foundry train config at the largest node count of the study, checked by llm-foundry's own dataclass
     ws = 8 * 8
-    fcfg = foundry_finetune_config(rc, instructions_dir=str(out_dir), base_path=rc["base"]["hub"],
+    fcfg = foundry_finetune_config(rs, instructions_dir=str(out_dir), base_path=rc["base"]["hub"],
                                    save_folder=str(tmp_path / "ckpt"), world_size=ws, tokenizer_dir="tok")
     assert fcfg["model"]["name"] == "hf_causal_lm" and fcfg["model"]["pretrained_model_name_or_path"] == rc["base"]["hub"]
     assert fcfg["model"]["init_device"] == "mixed" and fcfg["fsdp_config"]["sync_module_states"] is True
@@ -298,11 +298,11 @@ def test_hub_finetune_data_and_config_on_standin_rows(tmp_path, run, iset, with_
     _, train_cfg = make_dataclass_and_log_config(OmegaConf.create(fcfg), TrainConfig, TRAIN_CONFIG_KEYS,
                                                  transforms="all")
     assert train_cfg.model["pretrained_model_name_or_path"] == rc["base"]["hub"]
-    require_peft(rc)  # no LoRA: nothing to check
+    require_peft(rs)  # no LoRA: nothing to check
 
     # llm-foundry's finetuning dataloader on the stand-in rows: one batch, prompt tokens masked out of the labels
     tok_dir = _tokenizer(tmp_path, [r["prompt"] + r["response"] for r in _standin_rows(12, False)])
-    spec = build_dataloader(rc, str(out_dir), "train", tok_dir, device_batch_size=2)
+    spec = build_dataloader(rs, str(out_dir), "train", tok_dir, device_batch_size=2)
     batch = next(iter(spec.dataloader))
     seq = rc["data"]["max_seq_len"]
     assert batch["input_ids"].shape == (2, seq) and batch["labels"].shape == (2, seq)
@@ -312,7 +312,7 @@ def test_hub_finetune_data_and_config_on_standin_rows(tmp_path, run, iset, with_
     if rc["data"].get("packing_ratio"):
         assert int(batch["sequence_id"].max()) >= 1  # several examples packed into one sequence
     assert torch.all(batch["attention_mask"].sum(1) > 0)
-    held = build_dataloader(rc, str(out_dir), "test", tok_dir, device_batch_size=2)
+    held = build_dataloader(rs, str(out_dir), "test", tok_dir, device_batch_size=2)
     assert next(iter(held.dataloader))["input_ids"].shape[1] == seq
 
 
@@ -322,7 +322,7 @@ def test_lora_config_and_peft_requirement():
 
     config = load_config()
     pytest.importorskip("llmfoundry")
-    rc = cfg.run_config(config, "mpt-7b-dolly-lora")
+    rc = cfg.run_settings(config, "mpt-7b-dolly-lora")
     fcfg = foundry_finetune_config(rc, instructions_dir=None, base_path="mosaicml/mpt-7b", save_folder=None,
                                    world_size=8)
     peft_cfg = fcfg["model"]["peft_config"]

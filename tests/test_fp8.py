@@ -17,7 +17,7 @@ pytest.importorskip('llmfoundry')
 pytest.importorskip('torchao')
 
 import llmpipe.fp8 as F  # noqa: E402
-from llmpipe.config import ConfigError, deep_merge, run_config, validate_run  # noqa: E402
+from llmpipe.config import ConfigError, deep_merge, run_config, run_settings, validate_run  # noqa: E402
 from tests import test_fused_loss as TFL  # noqa: E402
 
 DEFAULT = F.DEFAULT_MIN_FEATURES
@@ -133,7 +133,7 @@ def test_train_and_finetune_configs_carry_the_fp8_callback():
     from llmpipe.train import foundry_train_config
 
     def built(cfg, run='mpt-125m'):
-        return foundry_train_config(run_config(cfg, run), data_dir=None, save_folder=None, world_size=1)
+        return foundry_train_config(run_settings(cfg, run), data_dir=None, save_folder=None, world_size=1)
 
     assert F.CALLBACK_NAME not in built(TFL._project_config())['callbacks']
     cfg = built(_config('mpt-125m', {'fp8': {'recipe': 'rowwise', 'min_features': 2048}, 'compile': 'blocks'}))
@@ -142,7 +142,9 @@ def test_train_and_finetune_configs_carry_the_fp8_callback():
                                                  'where': 'models.mpt-125m.train.fp8'}
     cfg = built(_config('mpt-125m', {'fp8': True}), 'mpt-125m')
     assert cfg['compile_config'] == {}   # composer's torch.compile of the converted model, after FSDP
-    ft = foundry_finetune_config(run_config(_config('mpt-tiny-sft', {'fp8': 'tensorwise'}), 'mpt-tiny-sft'),
+    on_gpu = {'resources': {'gpus_per_node': 1}, 'train': {'fp8': 'tensorwise', 'precision': 'amp_bf16'}}
+    ft_config = deep_merge(TFL._project_config(), {'finetunes': {'mpt-tiny-sft': on_gpu}})
+    ft = foundry_finetune_config(run_settings(ft_config, 'mpt-tiny-sft'),
                                  base_path='/nonexistent', save_folder=None, world_size=1, instructions_dir=None)
     assert list(ft['callbacks'])[0] == F.CALLBACK_NAME
     assert ft['callbacks'][F.CALLBACK_NAME]['where'] == 'finetunes.mpt-tiny-sft.train.fp8'

@@ -543,12 +543,12 @@ def _project_config():
 
 def test_train_config_selects_the_fused_model():
     from llmpipe.config import deep_merge
-    from llmpipe.config import run_config
+    from llmpipe.config import run_settings
     from llmpipe.train import FUSED_LOSS_MODEL_KEYS, foundry_train_config
     config = _project_config()
 
     def model(cfg, run='mpt-125m'):
-        return foundry_train_config(run_config(cfg, run), data_dir=None, save_folder=None, world_size=1)['model']
+        return foundry_train_config(run_settings(cfg, run), data_dir=None, save_folder=None, world_size=1)['model']
 
     m = model(config)
     assert m['name'] == FL.FUSED_LOSS_MODEL_NAME and m['fused_loss_chunk_size'] is None
@@ -609,8 +609,8 @@ def test_fused_loss_is_speed_only():
 
 def test_convert_config_has_no_fused_loss_keys():
     from llmpipe.convert import mpt_config_dict
-    from llmpipe.config import run_config
-    kwargs = mpt_config_dict(run_config(_project_config(), 'mpt-125m'))
+    from llmpipe.config import run_settings
+    kwargs = mpt_config_dict(run_settings(_project_config(), 'mpt-125m'))
     assert not any(k.startswith('fused_loss') for k in kwargs)
     assert MPTConfig(**kwargs).to_dict().get('fused_loss_chunk_size') is None
 
@@ -756,10 +756,10 @@ def test_kernel_report_keeps_lambda_kernels_and_drops_profiler_ranges():
 def test_batch_layout_line_says_when_the_microbatch_is_capped():
     """MPT-125M asks microbatch 64; on 8 GPUs its per-device batch is 32, so the training step runs 32 and its log
     says so (it was capped silently)."""
-    from llmpipe.config import run_config
+    from llmpipe.config import run_settings
     from llmpipe.train import batch_layout, foundry_train_config
     config = _project_config()
-    rc = run_config(config, 'mpt-125m')
+    rc = run_settings(config, 'mpt-125m')
     cfg = foundry_train_config(rc, data_dir=None, save_folder=None, world_size=8)
     asked = config['models']['mpt-125m']['train']['microbatch_size']
     line = batch_layout(cfg['global_train_batch_size'], 8, asked, cfg['device_train_microbatch_size'])

@@ -5,6 +5,7 @@ bad target modules stopping the dry run, and the memory and time plans of the 7B
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import math
 import time
@@ -220,7 +221,7 @@ def test_lora_settings_are_the_finetune_identity():
 def test_foundry_peft_config():
     pytest.importorskip("llmfoundry")
     from llmpipe.finetune import foundry_finetune_config
-    rc = cfg.validate_run(project_config(), LORA)
+    rc = cfg.run_settings(project_config(), LORA)
     model = foundry_finetune_config(rc, instructions_dir=None, base_path="results/mpt-tiny/hf", save_folder=None,
                                     world_size=1)["model"]
     assert model["peft_config"] == {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": 8, "lora_alpha": 16.0,
@@ -252,14 +253,14 @@ def test_missing_peft_is_named(monkeypatch):
     import importlib.util
 
     from llmpipe.finetune import require_peft
-    rc = cfg.run_config(project_config(), LORA)
+    rc = cfg.run_settings(project_config(), LORA)
     require_peft(rc)  # installed here (envs/requirements.lock)
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "peft" else real(name, *a))
     with pytest.raises(cfg.ConfigError, match=rf"finetunes\.{LORA}\.lora is set, but the `peft` package is not "
                                               r"installed.*pip install peft"):
         require_peft(rc)
-    require_peft({**rc, "lora": None})  # full finetuning needs no peft
+    require_peft(dataclasses.replace(rc, lora=None))  # full finetuning needs no peft
 
 
 # ------------------------------------------------------------------------------------------- plans

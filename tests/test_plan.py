@@ -12,7 +12,7 @@ import re
 import pytest
 
 from llmpipe import plan
-from llmpipe.config import run_config, step_resources
+from llmpipe.config import run_config, run_settings, step_resources
 from llmpipe.settings import ConfigError
 from tests.conftest import REPO, project_config, snakemake
 
@@ -123,15 +123,15 @@ def test_the_training_config_gets_the_resolved_choice():
     pytest.importorskip("omegaconf")
     from llmpipe.train import foundry_train_config
 
-    rc = run_config(project_config(), "mpt-3b")
+    rc, rs = run_config(project_config(), "mpt-3b"), run_settings(project_config(), "mpt-3b")
 
-    def ac(rc):
-        cfg = foundry_train_config(rc, data_dir=None, save_folder=None, world_size=1)
+    def ac(settings):
+        cfg = foundry_train_config(settings, data_dir=None, save_folder=None, world_size=1)
         return cfg["callbacks"]["llmpipe_single_device_fsdp"]["fsdp_config"]["activation_checkpointing"]
 
-    assert ac(plan.resolve_activation_checkpointing(rc, nodes=1, gpus_per_node=1, capacity_gb=141)) is False
-    assert ac(plan.resolve_activation_checkpointing(rc, nodes=1, gpus_per_node=1, capacity_gb=80)) is True
-    assert ac(rc) is True  # never resolved: composer gets a boolean, the one that fits
+    assert ac(plan.resolve_settings(rs, rc, nodes=1, gpus_per_node=1, capacity_gb=141)) is False
+    assert ac(plan.resolve_settings(rs, rc, nodes=1, gpus_per_node=1, capacity_gb=80)) is True
+    assert ac(rs) is True  # never resolved: composer gets a boolean, the one that fits
 
 
 def test_gpu_type_table_and_unknown_type():
@@ -375,8 +375,8 @@ def test_the_training_step_trains_with_the_plans_choice(tmp_path):
                           input=SimpleNamespace(tokenizer=str(tok), data=str(tmp_path / "data" / "verified.json")),
                           output=[str(tmp_path / "mpt-3b" / "train.json")], params=SimpleNamespace(identity="x"),
                           log_file=str(tmp_path / "log"), log_dir=None, resources={}, key="k", executor="local")
-        task = training_task(ctx, config, "mpt-3b", run_config(config, "mpt-3b"))
-        return task.rc["train"]["fsdp"]["activation_checkpointing"]
+        task = training_task(ctx, config, "mpt-3b", run_settings(config, "mpt-3b"))
+        return task.settings.train.fsdp["activation_checkpointing"]
 
     assert task_ac(8) is False
     assert task_ac(1) is True

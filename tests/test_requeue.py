@@ -12,11 +12,13 @@ from submitit.helpers import DelayedSubmission
 
 from llmpipe import checkpoints as ckpt
 from llmpipe import requeue
+from llmpipe.config import run_settings
 from llmpipe.train import TrainTask
+from tests.conftest import project_config
 
 
 def task(tmp_path, cap: int) -> TrainTask:
-    t = TrainTask({"name": "tiny"}, str(tmp_path / "mds"), str(tmp_path / "tok"), str(tmp_path / "run"), "{}",
+    t = TrainTask(run_settings(project_config(), "mpt-tiny"), str(tmp_path / "mds"), str(tmp_path / "tok"), str(tmp_path / "run"), "{}",
                   resources={"nodes": 1})
     t.requeue_cap = cap
     ckpt.prepare_identity_folder(str(tmp_path / "run" / "checkpoints"), "{}")

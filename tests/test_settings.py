@@ -10,7 +10,8 @@ import yaml
 
 from llmpipe import config as cfg
 from llmpipe import scaling
-from llmpipe.settings import (ArchSettings, ConfigError, DataSettings, Resources, RunSettings, TrainSettings,
+from llmpipe.settings import (ArchSettings, ConfigError, DataSettings, OptimizerSettings, Resources, RunSettings,
+                              SchedulerSettings, TrainSettings,
                               lcm)
 from tests.conftest import REPO
 
@@ -234,12 +235,21 @@ def test_settings_are_frozen_and_keyword_only():
 
 def test_settings_built_by_hand_check_the_same():
     """The typed settings work without a workflow config (e.g. a test or a tool building one run)."""
+    rest = {"seed": 17, "precision": "fp32", "optimizer": OptimizerSettings(name="adamw", kwargs={"lr": 1e-3}),
+            "scheduler": SchedulerSettings(name="cosine_with_warmup", t_warmup_batches=1, kwargs={}),
+            "grad_clip_norm": 1.0, "loss_fn": "torch_crossentropy", "eval_microbatch_size": 4, "attn_impl": "torch",
+            "fsdp": None, "compile": None, "fused_loss": None, "fp8": None, "num_workers": 0,
+            "save_interval_batches": 5, "checkpoints_to_keep": 2, "earlier_identities_to_keep": 1,
+            "fsdp_min_params": None, "log_interval_batches": 1, "eval_interval_batches": 5, "eval_subset_batches": 1,
+            "fused_optimizer": False, "train_metrics": False}
+
     def run(**train):
         return RunSettings(
             name="m", data=DataSettings(concat_tokens=128),
-            arch=ArchSettings(d_model=64, n_heads=4, n_layers=2, vocab_size=256, max_seq_len=128),
+            arch=ArchSettings(d_model=64, n_heads=4, n_layers=2, vocab_size=256, max_seq_len=128,
+                              expansion_ratio=4, no_bias=True, norm_type="layernorm"),
             train=TrainSettings(where="models.m.train", **{"global_batch_size": 16, "microbatch_size": 4,
-                                                           "max_duration_batches": 5, **train}),
+                                                           "max_duration_batches": 5, **rest, **train}),
             resources=Resources(nodes=1, gpus_per_node=2))
 
     assert run().check(node_counts=[2, 4]) is not None

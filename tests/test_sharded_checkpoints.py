@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from llmpipe import checkpoints as ckpt
-from llmpipe.config import run_config
+from llmpipe.config import run_settings
 from llmpipe.steps import THIS_RUN
 from tests.conftest import copy_run, no_symlink_env, project_config, snakemake
 from tests.test_convert import LOAD_WITHOUT_FOUNDRY
@@ -88,7 +88,7 @@ def test_sharded_checkpoint_converts_with_fp32_logits_of_the_trained_model(fsdp_
 
     from llmpipe.convert import convert_checkpoint, mpt_config_dict
 
-    rc = run_config(project_config(), "mpt-tiny")
+    rc = run_settings(project_config(), "mpt-tiny")
     final = str(fsdp_run / load(fsdp_run, TRAIN)["final_checkpoint"])
     out = tmp_path / "hf"
     manifest = convert_checkpoint(rc, final, str(fsdp_run / "results/tokenizers/bpe-builtin-docs"), str(out),

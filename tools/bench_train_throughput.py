@@ -344,9 +344,11 @@ def build_train_config(config: dict, run: str, variant: dict, *, steps: int, mb_
     ``fused_crossentropy`` needs flash-attn) becomes ``torch_crossentropy``.
     """
     from llmpipe.attention import mpt_attn_config, stock_attn_config
-    from llmpipe.config import deep_merge, run_config
+    import dataclasses
 
-    from llmpipe.plan import resolve_activation_checkpointing
+    from llmpipe.config import deep_merge, run_config, run_settings
+
+    from llmpipe.plan import resolve_settings
     from llmpipe.train import foundry_train_config  # the project's own training step
 
     # train settings the project's own config selection depends on (the fused-loss model needs train metrics off)
@@ -361,8 +363,13 @@ def build_train_config(config: dict, run: str, variant: dict, *, steps: int, mb_
     mb = int(mb_override or rc['train']['microbatch_size']) * int(variant.get('mb_scale', 1))
     rc = {**rc, 'train': {**rc['train'], 'microbatch_size': mb, 'global_batch_size': mb}}
     # activation_checkpointing: auto -> the memory plan's choice for one GPU of this machine, as a training job's
-    rc = resolve_activation_checkpointing(rc, nodes=1, gpus_per_node=1, capacity_gb=device_memory_gb(config))
-    cfg = foundry_train_config(rc, data_dir=None, save_folder=None, world_size=1)  # the tokenizer is set below
+    # (the benchmark trains on one GPU: the run's typed settings are checked at that placement)
+    one_gpu = deep_merge(config, {'models': {run: {'resources': {'nodes': 1, 'gpus_per_node': 1}}}})
+    settings = run_settings(one_gpu, run)
+    settings = dataclasses.replace(settings, train=dataclasses.replace(settings.train, microbatch_size=mb,
+                                                                       global_batch_size=mb))
+    settings = resolve_settings(settings, rc, nodes=1, gpus_per_node=1, capacity_gb=device_memory_gb(config))
+    cfg = foundry_train_config(settings, data_dir=None, save_folder=None, world_size=1)  # the tokenizer is set below
     cfg = json.loads(json.dumps(cfg))  # deep copy, plain types
     source = 'llmpipe.train.foundry_train_config'
     shims = []

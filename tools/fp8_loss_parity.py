@@ -45,13 +45,13 @@ def train_once(config: dict, run: str, fp8, *, data: str, tokenizer: str, concat
     from llmfoundry.command_utils import train
     from omegaconf import OmegaConf
 
-    from llmpipe.config import deep_merge, run_config
+    from llmpipe.config import deep_merge, run_settings
     from llmpipe.train import foundry_train_config
 
     over = {'data': {'concat_tokens': concat},
             'train': {'max_duration_batches': steps, 'global_batch_size': global_batch,
                       'microbatch_size': microbatch, 'fp8': fp8, 'log_interval_batches': 1}}
-    rc = run_config(deep_merge(config, {'models': {run: over}}), run)
+    rc = run_settings(deep_merge(config, {'models': {run: over}}), run)
     cfg = foundry_train_config(rc, data_dir=data, save_folder=None, world_size=1, tokenizer_dir=tokenizer)
     cfg.pop('eval_loader', None)
     cfg['eval_interval'] = 1

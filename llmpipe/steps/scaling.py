@@ -6,7 +6,7 @@ from __future__ import annotations
 import re
 
 from llmpipe import scaling
-from llmpipe.config import step_resources, validate_run, world_size
+from llmpipe.config import run_settings, step_resources, validate_run, world_size
 from llmpipe.steps.context import StepContext, read_json
 from llmpipe.steps.train import check_all_steps, finished_training, train_identity, training_task
 
@@ -31,11 +31,11 @@ def scaling_train(ctx: StepContext) -> dict:
     """
     run, nodes = ctx.wildcards.run, int(ctx.wildcards.nodes)
     config = scaling.study_config(ctx.config, run, nodes)
-    rc = validate_run(config, run)
-    task = training_task(ctx, config, run, rc)  # the same task as rule train / finetune builds
+    rc, settings = validate_run(config, run), run_settings(config, run)
+    task = training_task(ctx, config, run, settings)  # the same task as rule train / finetune builds
     label = f"scaling {run} nodes{nodes}"
-    result = finished_training(ctx, rc, label) or ctx.dispatch(task, step=label, config=config)
-    check_all_steps(result, rc, label)
+    result = finished_training(ctx, settings, label) or ctx.dispatch(task, step=label, config=config)
+    check_all_steps(result, settings, label)
     if int(result.get("devices", 0)) != world_size(ctx.resources):
         raise RuntimeError(f"{label}: trained on {result.get('devices')} devices, expected "
                            f"{world_size(ctx.resources)} ({nodes} nodes)")

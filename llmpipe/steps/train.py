@@ -12,7 +12,7 @@ import functools
 import os
 
 from llmpipe.config import (SPEED_ONLY_FINETUNE_DATA_KEYS, SPEED_ONLY_TRAIN_KEYS, gpu_memory, is_finetune,
-                            run_config, step_resources, world_size)
+                            run_config, run_settings, step_resources, world_size)
 from llmpipe.fp8 import fp8_settings
 from llmpipe.lora import lora_settings
 from llmpipe.steps.context import StepContext, read_json
@@ -20,6 +20,7 @@ from llmpipe.steps.convert import weights_identity
 from llmpipe.steps.data import instructions_identity, mds_identity, tokenizer_identity
 from llmpipe import checkpoints as ckpt, dispatch, lease
 from llmpipe import plan
+from llmpipe.settings import RunSettings
 from llmpipe.slurm import site_config
 from llmpipe.tracking import settings as tracking_settings
 
@@ -87,22 +88,23 @@ def training_resources(config: dict, wildcards) -> dict:
     return step_resources(config, "train", wildcards.run)
 
 
-def check_vocab_fits(tok_manifest: dict, rc: dict, run: str) -> None:
-    """Raise ValueError (naming the setting and the fix) when the tokenizer has more tokens than the model."""
-    if int(tok_manifest["vocab_size"]) > int(rc["arch"]["vocab_size"]):
-        raise ValueError(f"the tokenizer {rc['data']['tokenizer']} has {tok_manifest['vocab_size']} tokens but "
-                         f"models.{run}.arch.vocab_size is {rc['arch']['vocab_size']}. Fix: raise vocab_size.")
+def check_vocab_fits(tok_manifest: dict, settings: RunSettings) -> None:
+    """Raise ValueError (naming the setting and the fix) when the tokenizer (its prepared ``manifest.json``) has
+    more tokens than the model's embedding."""
+    if int(tok_manifest["vocab_size"]) > settings.arch.vocab_size:
+        raise ValueError(f"the tokenizer {settings.data.tokenizer} has {tok_manifest['vocab_size']} tokens but "
+                         f"{settings.arch.at('vocab_size')} is {settings.arch.vocab_size}. Fix: raise vocab_size.")
 
 
-def check_all_steps(result: dict | None, rc: dict, label: str) -> None:
+def check_all_steps(result: dict | None, settings: RunSettings, label: str) -> None:
     """Raise RuntimeError unless a training ``result`` reached ``train.max_duration_batches`` steps."""
-    want = int(rc["train"]["max_duration_batches"])
+    want = settings.train.max_duration_batches
     if result is None or result.get("steps") != want:
         raise RuntimeError(f"{label}: training ended at step {None if result is None else result.get('steps')} "
                            f"instead of {want}")
 
 
-def training_task(ctx: StepContext, config: dict, run: str, rc: dict):
+def training_task(ctx: StepContext, config: dict, run: str, settings: RunSettings):
     """The task a training rule (``train``, ``finetune``, ``scaling_train``) dispatches for ``run``.
 
     A finetune gets :class:`llmpipe.finetune.FinetuneTask` (instruction set ``ctx.input.instructions``, its base
@@ -110,13 +112,14 @@ def training_task(ctx: StepContext, config: dict, run: str, rc: dict):
     dataset beside ``ctx.input.data``; the tokenizer must fit the model's vocabulary). Both write into the folder
     of ``ctx.output[0]`` under the identity ``ctx.params.identity``.
 
-    The task gets the run's merged settings ``rc``, the job's resources and ``gpu_peak_flops`` as plain values;
-    this is the one place that reads them from the workflow config. ``task.tracking`` is the ``tracking`` section
+    The task gets the run's typed settings (``fsdp.activation_checkpointing: auto`` resolved by the memory plan
+    for the job's GPUs), the job's resources and ``gpu_peak_flops`` as plain values; this is the one place that
+    reads them from the workflow config. ``task.tracking`` is the ``tracking`` section
     (:func:`llmpipe.tracking.settings`; its ConfigError for a missing logger package comes before any job).
 
     Args:
         config: the config the training sees (a scaling study's differs from ``ctx.config`` in its nodes).
-        rc: ``run_config(config, run)``.
+        settings: ``run_settings(config, run)`` (:func:`llmpipe.config.run_settings`).
 
     Raises:
         ValueError / ConfigError: the tokenizer does not fit, or LoRA is on without ``peft`` (before any job waits
@@ -126,17 +129,17 @@ def training_task(ctx: StepContext, config: dict, run: str, rc: dict):
     tok_dir = os.path.dirname(ctx.input.tokenizer)
     job = {"resources": step_resources(config, "train", run), "peak_flops_table": config.get("gpu_peak_flops")}
     res = job["resources"]  # activation_checkpointing: auto -> the memory plan's choice for these GPUs
-    rc = plan.resolve_activation_checkpointing(rc, nodes=int(res["nodes"]), gpus_per_node=int(res["gpus_per_node"]),
-                                               capacity_gb=gpu_memory(config))
+    settings = plan.resolve_settings(settings, run_config(config, run), nodes=int(res["nodes"]),
+                                     gpus_per_node=int(res["gpus_per_node"]), capacity_gb=gpu_memory(config))
     if is_finetune(config, run):
         from llmpipe.finetune import FinetuneTask, base_model_path, require_peft
-        require_peft(rc)
-        task = FinetuneTask(rc, os.path.dirname(ctx.input.instructions), tok_dir, run_dir, ctx.params.identity,
-                            base_model_path(rc, results_dir=config["results_dir"]), **job)
+        require_peft(settings)
+        task = FinetuneTask(settings, os.path.dirname(ctx.input.instructions), tok_dir, run_dir,
+                            ctx.params.identity, base_model_path(settings, results_dir=config["results_dir"]), **job)
     else:
         from llmpipe.train import TrainTask
-        check_vocab_fits(read_json(ctx.input.tokenizer), rc, run)
-        task = TrainTask(rc, os.path.join(os.path.dirname(ctx.input.data), "mds"), tok_dir, run_dir,
+        check_vocab_fits(read_json(ctx.input.tokenizer), settings)
+        task = TrainTask(settings, os.path.join(os.path.dirname(ctx.input.data), "mds"), tok_dir, run_dir,
                          ctx.params.identity, **job)
     # allocations without progress a training may have before it fails (llmpipe.requeue)
     task.requeue_cap = int(site_config(config, job["resources"])["max_requeue_timeouts"])
@@ -144,7 +147,7 @@ def training_task(ctx: StepContext, config: dict, run: str, rc: dict):
     return task
 
 
-def finished_training(ctx: StepContext, rc: dict, label: str) -> dict | None:
+def finished_training(ctx: StepContext, settings: RunSettings, label: str) -> dict | None:
     """The recorded result when the training of ``ctx.output[0]``'s folder already finished under this identity
     (:func:`llmpipe.checkpoints.recorded_result`), else None.
 
@@ -153,7 +156,7 @@ def finished_training(ctx: StepContext, rc: dict, label: str) -> dict | None:
     its ``identity.json`` is rewritten in the current form.
     """
     checkpoints_dir = os.path.join(os.path.dirname(ctx.output[0]), "checkpoints")
-    result = ckpt.recorded_result(checkpoints_dir, ctx.params.identity, int(rc["train"]["max_duration_batches"]))
+    result = ckpt.recorded_result(checkpoints_dir, ctx.params.identity, settings.train.max_duration_batches)
     if result is not None:
         ckpt.prepare_identity_folder(checkpoints_dir, ctx.params.identity)
         ctx.log(f"{label}: training already complete at {result.get('final_checkpoint')}; reusing its result, "
@@ -186,21 +189,21 @@ def newest_batch(folder: str) -> int:
 
 def _train_run(ctx: StepContext, label: str) -> dict:
     run = ctx.wildcards.run
-    rc = run_config(ctx.config, run)
-    task = training_task(ctx, ctx.config, run, rc)  # checks peft and the vocabulary before a job waits in a queue
+    settings = run_settings(ctx.config, run)
+    task = training_task(ctx, ctx.config, run, settings)  # checks peft and the vocabulary before a job waits
     folder = task.checkpoint_folder()
     # one live trainer per identity folder (llmpipe.lease): wait for one this step did not submit, never start a second
     with lease.Lease(folder, lambda line: dispatch.say(f"{label} {run}: {line}", ctx.log_file),
                      except_job=dispatch.recorded_job_id(ctx.config, ctx.key)) as held:
-        result = finished_training(ctx, rc, f"{label} {run}")
+        result = finished_training(ctx, settings, f"{label} {run}")
         if result is None:
             check_resumable(task, f"{label} {run}")
             result = ctx.dispatch(task, step=f"{label} {run}", on_job=held.hand_over,
                                   progress=functools.partial(checkpoint_progress, folder),
                                   resume_batch=functools.partial(newest_batch, folder))
-    check_all_steps(result, rc, f"{label} {run}")
+    check_all_steps(result, settings, f"{label} {run}")
     ctx.write_json(result)
-    return {"run": rc, "resources": ctx.resources}
+    return {"run": run_config(ctx.config, run), "resources": ctx.resources}  # the provenance record
 
 
 # ------------------------------------------------------------------------------------------- steps
