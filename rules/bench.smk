@@ -7,7 +7,7 @@
 
 rule allreduce:
     input:
-        allreduce_plan,
+        allreduce_check,
     output:
         csv=f"{RESULTS}/bench/allreduce/nodes{{nodes}}.csv",
         md=f"{RESULTS}/bench/allreduce/nodes{{nodes}}.md",
@@ -15,17 +15,17 @@ rule allreduce:
         f"{LOGS}/allreduce/nodes{{nodes}}.log",
     wildcard_constraints:
         nodes=r"\d+",
-    threads: allreduce_threads
+    threads: threads("allreduce")
     resources:
-        nodes=allreduce_node_count,
-        gpus_per_node=allreduce_res("gpus_per_node"),
-        tasks_per_node=allreduce_res("tasks_per_node"),
-        cpus_per_task=allreduce_res("cpus_per_task"),
-        runtime=allreduce_res("time_min"),
+        nodes=res("allreduce", "nodes"),
+        gpus_per_node=res("allreduce", "gpus_per_node"),
+        tasks_per_node=res("allreduce", "tasks_per_node"),
+        cpus_per_task=res("allreduce", "cpus_per_task"),
+        runtime=res("allreduce", "time_min"),
     params:
-        identity=allreduce_identity,
+        identity=identity(allreduce_steps.allreduce_identity),
     script:
-        "../scripts/allreduce.py"
+        "../scripts/run_rule.py"
 
 
 rule allreduce_plot:
@@ -37,29 +37,29 @@ rule allreduce_plot:
         f"{LOGS}/allreduce/plot.log",
     localrule: True
     script:
-        "../scripts/allreduce.py"
+        "../scripts/run_rule.py"
 
 
 rule allreduce_health:
     input:
-        allreduce_plan,
+        allreduce_check,
     output:
         f"{RESULTS}/bench/allreduce/health/nodes{{nodes}}.json",
     log:
         f"{LOGS}/allreduce/health-nodes{{nodes}}.log",
     wildcard_constraints:
         nodes=r"\d+",
-    threads: allreduce_threads
+    threads: threads("allreduce_health")
     resources:
-        nodes=allreduce_node_count,
-        gpus_per_node=allreduce_res("gpus_per_node"),
-        tasks_per_node=allreduce_res("tasks_per_node"),
-        cpus_per_task=allreduce_res("cpus_per_task"),
-        runtime=allreduce_res("time_min"),
+        nodes=res("allreduce_health", "nodes"),
+        gpus_per_node=res("allreduce_health", "gpus_per_node"),
+        tasks_per_node=res("allreduce_health", "tasks_per_node"),
+        cpus_per_task=res("allreduce_health", "cpus_per_task"),
+        runtime=res("allreduce_health", "time_min"),
     params:
-        identity=allreduce_health_identity,
+        identity=identity(allreduce_steps.health_identity),
     script:
-        "../scripts/allreduce.py"
+        "../scripts/run_rule.py"
 
 
 rule allreduce_gate:
@@ -71,9 +71,9 @@ rule allreduce_gate:
         f"{LOGS}/allreduce/gate-{{run}}.log",
     localrule: True
     params:
-        gate=allreduce_gate_settings,
+        gate=identity(allreduce_steps.gate_identity),
     script:
-        "../scripts/allreduce.py"
+        "../scripts/run_rule.py"
 
 
 rule scaling_allreduce_gate:
@@ -87,9 +87,9 @@ rule scaling_allreduce_gate:
         nodes=r"\d+",
     localrule: True
     params:
-        gate=allreduce_gate_settings,
+        gate=identity(allreduce_steps.gate_identity),
     script:
-        "../scripts/allreduce.py"
+        "../scripts/run_rule.py"
 
 
 rule allreduce_all:

@@ -9,12 +9,12 @@ rule convert:
         f"{RESULTS}/{{run}}/hf/manifest.json",
     log:
         f"{LOGS}/convert/{{run}}.log",
-    threads: step_threads("convert")
+    threads: threads("convert")
     resources:
         nodes=1,
         gpus_per_node=res("convert", "gpus_per_node"),
         runtime=res("convert", "time_min"),
     params:
-        identity=convert_identity,
+        identity=identity(convert_steps.convert_identity),
     script:
-        "../scripts/convert.py"
+        "../scripts/run_rule.py"

@@ -10,11 +10,11 @@ rule corpus:
     threads: 1
     resources:
         nodes=1,
-        runtime=res("data", "time_min"),
+        runtime=res("corpus", "time_min"),
     params:
-        identity=corpus_identity,
+        identity=identity(data_steps.corpus_identity, check=cfg.validate_corpus),
     script:
-        "../scripts/corpus.py"
+        "../scripts/run_rule.py"
 
 
 rule tokenizer:
@@ -27,11 +27,11 @@ rule tokenizer:
     threads: 1
     resources:
         nodes=1,
-        runtime=res("data", "time_min"),
+        runtime=res("tokenizer", "time_min"),
     params:
-        identity=tokenizer_identity,
+        identity=identity(data_steps.tokenizer_identity, check=cfg.validate_tokenizer),
     script:
-        "../scripts/tokenizer.py"
+        "../scripts/run_rule.py"
 
 
 rule mds:
@@ -42,15 +42,15 @@ rule mds:
         f"{RESULTS}/data/{{corpus}}/{{tokenizer}}/concat{{concat}}/mds/manifest.json",
     log:
         f"{LOGS}/mds/{{corpus}}-{{tokenizer}}-concat{{concat}}.log",
-    threads: step_threads("data")
+    threads: threads("mds")
     resources:
-        nodes=res("data", "nodes"),
-        cpus_per_task=res("data", "cpus_per_task"),
-        runtime=res("data", "time_min"),
+        nodes=res("mds", "nodes"),
+        cpus_per_task=res("mds", "cpus_per_task"),
+        runtime=res("mds", "time_min"),
     params:
-        identity=mds_identity,
+        identity=identity(data_steps.mds_identity),
     script:
-        "../scripts/mds.py"
+        "../scripts/run_rule.py"
 
 
 rule verify_mds:
@@ -64,11 +64,11 @@ rule verify_mds:
     threads: 1
     resources:
         nodes=1,
-        runtime=res("data", "time_min"),
+        runtime=res("verify_mds", "time_min"),
     params:
-        identity=verify_identity,
+        identity=identity(data_steps.verify_identity),
     script:
-        "../scripts/verify_mds.py"
+        "../scripts/run_rule.py"
 
 
 rule icl_task:
@@ -80,6 +80,6 @@ rule icl_task:
         f"{LOGS}/icl/{{corpus}}-{{label}}.log",
     threads: 1
     params:
-        identity=icl_task_identity,
+        identity=identity(data_steps.icl_task_identity),
     script:
-        "../scripts/icl_task.py"
+        "../scripts/run_rule.py"

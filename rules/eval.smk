@@ -9,9 +9,9 @@ rule eval_task_data:
         f"{LOGS}/eval-tasks/{{suite}}.log",
     threads: 1
     params:
-        identity=eval_task_data_identity,
+        identity=identity(eval_steps.eval_task_data_identity),
     script:
-        "../scripts/eval_task_data.py"
+        "../scripts/run_rule.py"
 
 
 rule eval:
@@ -25,12 +25,12 @@ rule eval:
         f"{RESULTS}/{{run}}/eval.json",
     log:
         f"{LOGS}/eval/{{run}}.log",
-    threads: step_threads("eval")
+    threads: threads("eval")
     resources:
         nodes=1,
         gpus_per_node=res("eval", "gpus_per_node"),
         runtime=res("eval", "time_min"),
     params:
-        identity=eval_identity,
+        identity=identity(eval_steps.eval_identity),
     script:
-        "../scripts/eval.py"
+        "../scripts/run_rule.py"

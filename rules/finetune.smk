@@ -1,6 +1,6 @@
 # Supervised finetuning (finetunes: in the config): instruction set -> finetune -> the shared convert and generate
 # rules -> evaluation on the held-out split. Logic in llmpipe/finetune.py and llmpipe/data/instructions.py; the
-# inputs, identities and the FINETUNES run-name pattern in rules/common.smk.
+# inputs and the FINETUNE_RUN run-name pattern in rules/common.smk, the steps in llmpipe/steps/train.py and evaluate.py.
 #   snakemake results/mpt-tiny-sft/eval.json           # offline: our tiny model on the builtin Python-docs Q&A
 #   snakemake -n results/mpt-7b-dolly/eval.json        # the plan (and batch divisibility check) of MPT-7B on Dolly
 #
@@ -24,11 +24,11 @@ rule instructions:
     threads: 1
     resources:
         nodes=1,
-        runtime=res("data", "time_min"),
+        runtime=res("instructions", "time_min"),
     params:
-        identity=instructions_identity,
+        identity=identity(data_steps.instructions_identity, check=cfg.validate_instruction_set),
     script:
-        "../scripts/instructions.py"
+        "../scripts/run_rule.py"
 
 
 rule finetune:
@@ -39,25 +39,25 @@ rule finetune:
     log:
         f"{LOGS}/finetune/{{run}}.log",
     wildcard_constraints:
-        run=_FT_RUN,
-    threads: step_threads("train")
+        run=FINETUNE_RUN,
+    threads: threads("finetune")
     resources:
-        nodes=res("train", "nodes"),
-        gpus_per_node=res("train", "gpus_per_node"),
-        tasks_per_node=res("train", "tasks_per_node"),
-        cpus_per_task=res("train", "cpus_per_task"),
-        runtime=res("train", "time_min"),
+        nodes=res("finetune", "nodes"),
+        gpus_per_node=res("finetune", "gpus_per_node"),
+        tasks_per_node=res("finetune", "tasks_per_node"),
+        cpus_per_task=res("finetune", "cpus_per_task"),
+        runtime=res("finetune", "time_min"),
     params:
-        identity=finetune_identity,
+        identity=identity(train_steps.train_identity, check=cfg.validate_run),
     script:
-        "../scripts/finetune.py"
+        "../scripts/run_rule.py"
 
 
 rule finetune_eval:
     input:
         model=f"{RESULTS}/{{run}}/hf/manifest.json",
         instructions=instructions_manifest,
-        icl=finetune_icl_files,
+        icl=icl_task_files,
         task_data=eval_task_data_input,
         generation=generation_of_run,
     output:
@@ -65,13 +65,13 @@ rule finetune_eval:
     log:
         f"{LOGS}/eval/{{run}}.log",
     wildcard_constraints:
-        run=_FT_RUN,
-    threads: step_threads("eval")
+        run=FINETUNE_RUN,
+    threads: threads("finetune_eval")
     resources:
         nodes=1,
-        gpus_per_node=res("eval", "gpus_per_node"),
-        runtime=res("eval", "time_min"),
+        gpus_per_node=res("finetune_eval", "gpus_per_node"),
+        runtime=res("finetune_eval", "time_min"),
     params:
-        identity=finetune_eval_identity,
+        identity=identity(eval_steps.finetune_eval_identity),
     script:
-        "../scripts/finetune_eval.py"
+        "../scripts/run_rule.py"

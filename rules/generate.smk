@@ -8,12 +8,12 @@ rule generate:
         f"{RESULTS}/{{run}}/generate.json",
     log:
         f"{LOGS}/generate/{{run}}.log",
-    threads: step_threads("generate")
+    threads: threads("generate")
     resources:
         nodes=1,
         gpus_per_node=res("generate", "gpus_per_node"),
         runtime=res("generate", "time_min"),
     params:
-        identity=generate_identity,
+        identity=identity(generate_steps.generate_identity),
     script:
-        "../scripts/generate.py"
+        "../scripts/run_rule.py"

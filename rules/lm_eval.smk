@@ -10,12 +10,12 @@ rule lm_eval:
         f"{RESULTS}/{{run}}/eval-lm_eval.json",
     log:
         f"{LOGS}/lm_eval/{{run}}.log",
-    threads: lm_eval_threads
+    threads: threads("lm_eval")
     resources:
         nodes=1,
-        gpus_per_node=lm_eval_res("gpus_per_node"),
-        runtime=lm_eval_res("time_min"),
+        gpus_per_node=res("lm_eval", "gpus_per_node"),
+        runtime=res("lm_eval", "time_min"),
     params:
-        identity=lm_eval_identity,
+        identity=identity(lm_eval_steps.lm_eval_identity),
     script:
-        "../scripts/lm_eval.py"
+        "../scripts/run_rule.py"

@@ -27,7 +27,7 @@ rule report:
         scaling=requested_scaling_studies,
         allreduce=requested_allreduce_nodes,
     script:
-        "../scripts/report.py"
+        "../scripts/run_rule.py"
 
 
 # One training run's loss curve, MFU (or tokens/s) over batches and tracked-run location, for each run in the
@@ -58,4 +58,4 @@ rule report_run:
         f"{LOGS}/report/run-{{run}}.log",
     localrule: True
     script:
-        "../scripts/report.py"
+        "../scripts/run_rule.py"

@@ -12,17 +12,17 @@ rule scaling_train:
         f"{LOGS}/scaling/{{run}}/nodes{{nodes}}.log",
     wildcard_constraints:
         nodes=r"\d+",
-    threads: scaling_threads
+    threads: threads("scaling_train")
     resources:
-        nodes=scaling_res("nodes"),
-        gpus_per_node=scaling_res("gpus_per_node"),
-        tasks_per_node=scaling_res("tasks_per_node"),
-        cpus_per_task=scaling_res("cpus_per_task"),
-        runtime=scaling_res("time_min"),
+        nodes=res("scaling_train", "nodes"),
+        gpus_per_node=res("scaling_train", "gpus_per_node"),
+        tasks_per_node=res("scaling_train", "tasks_per_node"),
+        cpus_per_task=res("scaling_train", "cpus_per_task"),
+        runtime=res("scaling_train", "time_min"),
     params:
-        identity=study_identity,
+        identity=identity(scaling_steps.study_identity),
     script:
-        "../scripts/scaling_train.py"
+        "../scripts/run_rule.py"
 
 
 rule scaling_table:
@@ -46,7 +46,7 @@ rule scaling_table:
         f"{LOGS}/scaling/{{run}}/table.log",
     localrule: True
     script:
-        "../scripts/scaling_table.py"
+        "../scripts/run_rule.py"
 
 
 rule scaling:

@@ -10,7 +10,7 @@ rule train:
         f"{RESULTS}/{{run}}/train.json",
     log:
         f"{LOGS}/train/{{run}}.log",
-    threads: step_threads("train")
+    threads: threads("train")
     resources:
         nodes=res("train", "nodes"),
         gpus_per_node=res("train", "gpus_per_node"),
@@ -18,6 +18,6 @@ rule train:
         cpus_per_task=res("train", "cpus_per_task"),
         runtime=res("train", "time_min"),
     params:
-        identity=train_identity,
+        identity=identity(train_steps.train_identity, check=cfg.validate_run),
     script:
-        "../scripts/train.py"
+        "../scripts/run_rule.py"

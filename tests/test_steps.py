@@ -1,4 +1,4 @@
-"""The steps package: one uniform script per rule, identity as dicts (and the upgrade from the legacy text form
+"""The steps package: one rule table (the registered steps) and one script for every rule, identity as dicts (and the upgrade from the legacy text form
 without retraining), and the provenance record every step writes beside its output."""
 
 from __future__ import annotations
@@ -6,9 +6,13 @@ from __future__ import annotations
 import ast
 import copy
 import dataclasses
+import functools
 import json
 import os
 import re
+import subprocess
+import sys
+import tempfile
 import types
 from pathlib import Path
 
@@ -42,27 +46,56 @@ def load_config() -> dict:
     return project_config()
 
 
-def rule_scripts() -> dict[str, str]:
-    """rule name -> script path (relative to rules/) of every rule in rules/*.smk that has a script."""
-    out = {}
-    for smk in (REPO / "rules").glob("*.smk"):
-        text = smk.read_text()
-        for m in re.finditer(r"^rule (\w+):\n(.*?)(?=^rule |\Z)", text, re.S | re.M):
-            s = re.search(r"script:\s*\n\s*\"([^\"]+)\"", m.group(2))
-            if s:
-                out[m.group(1)] = s.group(1)
-    return out
+#: Prints the workflow's rules as Snakemake reads them: name -> script, log patterns, number of outputs.
+LIST_RULES = """
+import json, sys
+from pathlib import Path
+from snakemake.api import SnakemakeApi
+from snakemake.settings.types import OutputSettings, ResourceSettings
+with SnakemakeApi(OutputSettings()) as api:
+    wf = api.workflow(resource_settings=ResourceSettings(), snakefile=Path(sys.argv[1]), workdir=Path(sys.argv[2]))
+    rules = {r.name: {"script": r.script, "log": [str(f) for f in r.log], "output": len(r.output)}
+             for r in wf._workflow.rules}
+print("RULES=" + json.dumps(rules))
+"""
+
+
+@functools.cache
+def workflow_rules() -> dict[str, dict]:
+    """Every rule of the workflow, read once by Snakemake itself: name -> ``{script, log, output}``."""
+    with tempfile.TemporaryDirectory() as wd:
+        proc = subprocess.run([sys.executable, "-c", LIST_RULES, str(REPO / "Snakefile"), wd], cwd=wd,
+                              capture_output=True, text=True, timeout=300,
+                              env={**os.environ, "PYTHONPATH": str(REPO)})
+    line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("RULES=")), None)
+    assert line, proc.stdout[-2000:] + proc.stderr[-4000:]
+    return json.loads(line[len("RULES="):])
 
 
 # ------------------------------------------------------------------------------------------- one shape
 
-def test_every_rule_script_is_the_same_entry_and_every_rule_has_a_step():
-    scripts = rule_scripts()
-    assert set(scripts) == set(RULES), set(scripts) ^ set(RULES)
-    bodies = {name: (REPO / "rules" / path).resolve().read_text() for name, path in scripts.items()}
-    assert len(set(bodies.values())) == 1, "rule scripts differ"
-    code = [ln for ln in next(iter(bodies.values())).splitlines() if ln.strip() and not ln.startswith("#")]
+def test_every_rule_with_a_script_runs_a_registered_step_through_the_one_script():
+    """The rule table is once: the rules with a script are exactly the registered steps, each rule's script is
+    scripts/run_rule.py, the only rule script there is, and the rules without one are targets only."""
+    rules = workflow_rules()
+    scripted = {name for name, r in rules.items() if r["script"]}
+    assert scripted == set(RULES), f"rules without a registered step or steps without a rule: {scripted ^ set(RULES)}"
+    assert {r["script"] for r in rules.values() if r["script"]} == {"../scripts/run_rule.py"}
+    assert sorted(p.name for p in (REPO / "scripts").iterdir() if p.suffix == ".py") == ["run_rule.py"]
+    code = [ln for ln in (REPO / "scripts/run_rule.py").read_text().splitlines()
+            if ln.strip() and not ln.startswith("#")]
     assert code == ["from llmpipe.steps import run_rule", "run_rule(snakemake)  # noqa: F821 - injected by Snakemake"]
+    assert all(r["output"] == 0 for name, r in rules.items() if name not in scripted)
+    for name in scripted:  # one log under results/logs/: beside it, the submitit folder of a dispatching step
+        assert len(rules[name]["log"]) == 1 and rules[name]["log"][0].startswith("results/logs/"), name
+
+
+def test_rule_files_define_no_function_named_like_a_package_function():
+    """A function of rules/common.smk never shares its name with one in llmpipe/ (same name, other signature)."""
+    smk_functions = set(re.findall(r"^def (\w+)\(", (REPO / "rules/common.smk").read_text(), re.M))
+    package = {node.name for path in (REPO / "llmpipe").rglob("*.py") for node in ast.walk(ast.parse(path.read_text()))
+               if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))}
+    assert not smk_functions & package, sorted(smk_functions & package)
 
 
 def test_rule_files_have_no_lambdas_and_their_functions_are_in_common_smk():
@@ -87,14 +120,17 @@ def test_context_names_log_folder_resources_and_key_once():
     config = load_config()
     smk = types.SimpleNamespace(rule="train", config=config, wildcards=types.SimpleNamespace(run="mpt-tiny"),
                                 input=[], output=["results/mpt-tiny/train.json"], params=["{}"],
-                                log=["results/logs/train/mpt-tiny.log"])
+                                log=[os.path.join(config["results_dir"], "logs/train/mpt-tiny.log")])
     ctx = context(smk, RULES["train"])
     assert ctx.log_dir == os.path.join(config["results_dir"], "logs", "train", "mpt-tiny.submitit")
     assert ctx.resources["nodes"] == 1 and "time_min" in ctx.resources
     assert ctx.executor == config["dispatch"]["executor"] and re.fullmatch(r"[0-9a-f]{16}", ctx.key)
     scaling = types.SimpleNamespace(**{**vars(smk), "rule": "scaling_train",
-                                       "wildcards": types.SimpleNamespace(run="mpt-tiny", nodes="1")})
-    assert context(scaling, RULES["scaling_train"]).log_dir.endswith("logs/scaling/mpt-tiny-nodes1.submitit")
+                                       "wildcards": types.SimpleNamespace(run="mpt-tiny", nodes="1"),
+                                       "log": [os.path.join(config["results_dir"], "logs/scaling/mpt-tiny/nodes1.log")]})
+    assert context(scaling, RULES["scaling_train"]).log_dir.endswith("logs/scaling/mpt-tiny/nodes1.submitit")
+    report = context(types.SimpleNamespace(**{**vars(smk), "rule": "report"}), RULES["report"])
+    assert report.log_dir is None and report.resources == {}  # a step that dispatches nothing
     with pytest.raises(dataclasses.FrozenInstanceError):
         ctx.rule = "other"
 

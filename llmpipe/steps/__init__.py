@@ -2,10 +2,16 @@
 
 The flow, for every rule::
 
-    config/config.yaml -> rules/<stage>.smk (rule: inputs, outputs, params = the step's identity text, resources)
-      -> scripts/<rule>.py (the same two lines for every rule: ``run_rule(snakemake)``)
-      -> run_rule: one StepContext from Snakemake's object -> the step function in llmpipe/steps/<stage>.py
+    config/config.yaml -> rules/<stage>.smk (rule: inputs, outputs, log, params = the step's identity text,
+                          resources and threads from the registered step: rules/common.smk's identity/res/threads)
+      -> scripts/run_rule.py (every rule's script: ``run_rule(snakemake)``)
+      -> run_rule: one StepContext from Snakemake's object -> the step function registered under the rule's name
       -> ctx.dispatch(...) -> llmpipe.dispatch.run_step -> a submitit job (local, Slurm, or in-process for tests)
+
+The rule table is :data:`~llmpipe.steps.registry.RULES`: each step function registers itself under its rule's
+name (:func:`~llmpipe.steps.registry.register`) with its job's resources, the config path of those resources (for
+the Slurm preflight), its memory plan and whether its result is kept; the step's submitit folder is derived from the
+rule's ``log:``. ``tests/test_steps.py`` checks that every rule with a script is registered and vice versa.
 
 =====================  =====================================================================================
 module                 rules
@@ -15,12 +21,11 @@ module                 rules
 :mod:`.convert`        convert
 :mod:`.generate`       generate
 :mod:`.evaluate`       eval, finetune_eval, eval_task_data
+:mod:`.lm_eval_harness` lm_eval (the optional second harness, lm-evaluation-harness)
 :mod:`.scaling`        scaling_train, scaling_table
 :mod:`.allreduce`      allreduce, allreduce_plot, allreduce_health, allreduce_gate, scaling_allreduce_gate
 :mod:`.report`         report, report_run
 =====================  =====================================================================================
-
-The optional second harness (lm-evaluation-harness), rule ``lm_eval``, is in :mod:`.lm_eval_harness`.
 
 Each module also declares its steps' versions and identity functions (dicts; the rule files turn them into
 text once, with :func:`llmpipe.identity.identity_text`). :func:`run_rule` is the one entry: it empties the rule's
@@ -36,91 +41,37 @@ Nothing here imports torch: the rule files import these modules to plan the DAG.
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import re
 import sys
 import traceback
 from typing import Any
-from collections.abc import Callable
 
 from llmpipe import dispatch, kept_results
 from llmpipe.orphans import exit_when_snakemake_dies
 from llmpipe.steps import allreduce, convert, data, evaluate, generate, provenance, report, scaling, train
 from llmpipe.steps import lm_eval_harness
 from llmpipe.steps.context import StepContext, parse_params, wildcard_values
+from llmpipe.steps.registry import (KEPT_EVAL, KEPT_EXPORT, KEPT_GENERATION, RULES, Kept, Rule, register,
+                                    submitit_folder)
 
-Resources = Callable[[dict, Any], dict]
+# The stage modules of training, export, generation and evaluation are registered here, by the same decorator
+# their other stages use in place; each line belongs in its stage module, above the step function.
+register("train", resources=train.training_resources, where="models.{run}.resources", plan="train")(train.train)
+register("finetune", resources=train.training_resources, where="finetunes.{run}.resources",
+         plan="train")(train.finetune)
+register("convert", resources=convert.convert_resources, where="convert.resources", plan="convert",
+         kept=KEPT_EXPORT)(convert.convert)
+register("generate", resources=generate.generate_resources, where="generate.resources", plan="generate",
+         kept=KEPT_GENERATION)(generate.generate)
+register("eval", resources=evaluate.eval_resources, where="eval.resources", plan="eval",
+         kept=KEPT_EVAL)(evaluate.evaluate)
+register("finetune_eval", resources=evaluate.eval_resources, where="eval.resources", plan="eval",
+         kept=KEPT_EVAL)(evaluate.finetune_eval)
+register("eval_task_data")(evaluate.eval_task_data)
 
-
-@dataclasses.dataclass(frozen=True)
-class Kept:
-    """A rule whose finished result is kept per identity and restored instead of recomputed
-    (:mod:`llmpipe.kept_results`).
-
-    Attributes:
-        section: the config section whose ``earlier_identities_to_keep`` says how many results of other identities
-            stay kept (``convert``, ``generate``, ``eval``).
-        whole_folder: keep the folder of the first output (an export: every file of ``hf/``), not the outputs.
-        ignore_inputs: names of inputs that do not decide the result (the evaluation's ``generation``, an
-            ``ancient`` ordering input); the other inputs' contents are part of the result's key.
-    """
-
-    section: str
-    whole_folder: bool = False
-    ignore_inputs: tuple[str, ...] = ()
-
-
-@dataclasses.dataclass(frozen=True)
-class Rule:
-    """How :func:`run_rule` runs one rule.
-
-    Attributes:
-        step: the step function; takes the :class:`StepContext`, returns the resolved settings it used.
-        log_dir: the step's submitit folder under ``results/logs/`` (without ``.submitit``), as a pattern of the
-            rule's wildcards (``train/{run}``); None for steps that dispatch nothing.
-        resources: ``(config, wildcards) -> resources`` of the job the step dispatches; None for none.
-        kept: how the rule's finished result is kept per identity; None: never kept.
-    """
-
-    step: Callable[[StepContext], Any]
-    log_dir: str | None = None
-    resources: Resources | None = None
-    kept: Kept | None = None
-
-
-#: The kept results of the steps after training (rules ``convert``, ``generate``, ``eval``, ``finetune_eval``).
-KEPT_EXPORT = Kept("convert", whole_folder=True)
-KEPT_GENERATION = Kept("generate")
-KEPT_EVAL = Kept("eval", ignore_inputs=("generation",))
-
-
-#: Every rule that has a script: rule name -> how to run it.
-RULES: dict[str, Rule] = {
-    "corpus": Rule(data.corpus, "corpus/{corpus}", data.single_task_resources),
-    "tokenizer": Rule(data.tokenizer, "tokenizer/{tokenizer}", data.single_task_resources),
-    "mds": Rule(data.mds, "mds/{corpus}-{tokenizer}-concat{concat}"),
-    "verify_mds": Rule(data.verify_mds),
-    "icl_task": Rule(data.icl_task),
-    "instructions": Rule(data.instructions, "instructions/{iset}", data.single_task_resources),
-    "train": Rule(train.train, "train/{run}", train.training_resources),
-    "finetune": Rule(train.finetune, "finetune/{run}", train.training_resources),
-    "convert": Rule(convert.convert, "convert/{run}", convert.convert_resources, KEPT_EXPORT),
-    "generate": Rule(generate.generate, "generate/{run}", generate.generate_resources, KEPT_GENERATION),
-    "eval": Rule(evaluate.evaluate, "eval/{run}", evaluate.eval_resources, KEPT_EVAL),
-    "finetune_eval": Rule(evaluate.finetune_eval, "eval/{run}", evaluate.eval_resources, KEPT_EVAL),
-    "lm_eval": Rule(lm_eval_harness.lm_eval, "lm_eval/{run}", lm_eval_harness.lm_eval_resources),
-    "eval_task_data": Rule(evaluate.eval_task_data),
-    "scaling_train": Rule(scaling.scaling_train, "scaling/{run}-nodes{nodes}", scaling.study_resources),
-    "scaling_table": Rule(scaling.scaling_table),
-    "allreduce": Rule(allreduce.allreduce, "allreduce/nodes{nodes}", allreduce.bench_job_resources),
-    "allreduce_plot": Rule(allreduce.allreduce_plot),
-    "allreduce_health": Rule(allreduce.allreduce_health, "allreduce/health-nodes{nodes}", allreduce.bench_job_resources),
-    "allreduce_gate": Rule(allreduce.allreduce_gate),
-    "scaling_allreduce_gate": Rule(allreduce.allreduce_gate),
-    "report": Rule(report.report),
-    "report_run": Rule(report.report_run),
-}
+#: The stage modules; importing them fills :data:`RULES`.
+STAGES = (data, train, convert, generate, evaluate, lm_eval_harness, scaling, allreduce, report)
 
 
 #: The line that ends the repeated history at the top of a rule log; what follows is this run's.
@@ -177,10 +128,13 @@ def console_failure(exc: BaseException, log_file: str) -> str:
 
 
 def context(smk: Any, rule: Rule) -> StepContext:
-    """The :class:`StepContext` of Snakemake's ``smk`` for ``rule``."""
-    log_dir = None if rule.log_dir is None else rule.log_dir.format(**wildcard_values(smk.wildcards))
-    resources = {} if rule.resources is None else rule.resources(smk.config, smk.wildcards)
-    return StepContext.build(smk, log_dir=log_dir, resources=resources)
+    """The :class:`StepContext` of Snakemake's ``smk`` for ``rule``: a rule with resources dispatches a job, whose
+    submitit folder is beside the rule's log (:func:`~llmpipe.steps.registry.submitit_folder`); one without
+    dispatches nothing (no folder, no resources)."""
+    if rule.resources is None:
+        return StepContext.build(smk, log_dir=None, resources={})
+    return StepContext.build(smk, log_dir=submitit_folder(smk.log[0], smk.config["results_dir"]),
+                             resources=rule.resources(smk.config, smk.wildcards))
 
 
 def kept_key(ctx: StepContext, kept: Kept) -> dict | None:
@@ -266,10 +220,11 @@ def run_step(ctx: StepContext, rule: Rule) -> Any:
 
 
 def run_rule(smk: Any) -> None:
-    """What every ``scripts/<rule>.py`` calls with its ``snakemake`` object: run the rule's step (:data:`RULES`).
+    """What ``scripts/run_rule.py``, every rule's script, calls with its ``snakemake`` object: run the step
+    registered under the rule's name (:data:`~llmpipe.steps.registry.RULES`).
 
     Raises:
-        KeyError: the rule has no entry in :data:`RULES`.
+        KeyError: no step is registered under the rule's name.
         SystemExit: (code 1) the step raised; its error is in the rule's log and, shortened, on stderr.
     """
     rule = RULES[smk.rule]
@@ -285,4 +240,4 @@ def run_rule(smk: Any) -> None:
         raise SystemExit(1) from None
 
 
-__all__ = ["RULES", "Rule", "Kept", "StepContext", "run_rule", "run_step", "context"]
+__all__ = ["RULES", "Rule", "Kept", "StepContext", "register", "run_rule", "run_step", "context"]

@@ -12,6 +12,7 @@ from llmpipe import health
 from llmpipe.config import ConfigError
 from llmpipe.dispatch import check_executor
 from llmpipe.steps.context import StepContext, read_json
+from llmpipe.steps.registry import register
 
 #: Part of the bench's identity: bump when a change in the bench changes what it measures.
 VERSION = 1
@@ -58,11 +59,19 @@ def health_identity(config: dict) -> dict:
             "tasks_per_node": int(r["tasks_per_node"])}
 
 
+def gate_identity(config: dict) -> dict | None:
+    """The gate's settings as the gate rules' ``params: gate`` (``allreduce.gate``, with ``allreduce.health`` when
+    set; None when the gate is off): a changed threshold re-checks the gate, it never re-measures."""
+    s = bench.settings(config)
+    return {**s["gate"], "health": s["health"]} if s.get("health") else s["gate"]
+
+
 def bench_job_resources(config: dict, wildcards) -> dict:
     """The bench's job on ``{nodes}`` nodes (:func:`llmpipe.allreduce.bench_resources`)."""
     return bench.bench_resources(config, int(wildcards.nodes))
 
 
+@register("allreduce", resources=bench_job_resources, where="allreduce.resources")
 def allreduce(ctx: StepContext) -> dict:
     """Rule ``allreduce``: the sweep on ``{nodes}`` nodes through the dispatch layer -> CSV and Markdown table.
 
@@ -83,6 +92,7 @@ def allreduce(ctx: StepContext) -> dict:
     return {"allreduce": s, "resources": ctx.resources}
 
 
+@register("allreduce_health", resources=bench_job_resources, where="allreduce.resources")
 def allreduce_health(ctx: StepContext) -> dict:
     """Rule ``allreduce_health``: the GPU health check on ``{nodes}`` nodes -> one line per GPU (JSON list).
 
@@ -104,6 +114,7 @@ def allreduce_health(ctx: StepContext) -> dict:
     return {"health": h, "resources": ctx.resources}
 
 
+@register("allreduce_plot")
 def allreduce_plot(ctx: StepContext) -> dict:
     """Rule ``allreduce_plot``: busbw versus size, one line per node count of ``allreduce.nodes``."""
     paths = {int(re.search(r"nodes(\d+)\.csv$", p).group(1)): p for p in ctx.input}
@@ -111,6 +122,8 @@ def allreduce_plot(ctx: StepContext) -> dict:
     return {"nodes": sorted(paths)}
 
 
+@register("allreduce_gate")
+@register("scaling_allreduce_gate")
 def allreduce_gate(ctx: StepContext) -> dict:
     """Rules ``allreduce_gate`` and ``scaling_allreduce_gate``: pass (write the record) or refuse training.
 

@@ -13,6 +13,7 @@ import os
 from llmpipe.config import step_resources, validate_data_prep
 from llmpipe.eval_tasks import built_task
 from llmpipe.steps.context import StepContext, read_json
+from llmpipe.steps.registry import register
 
 #: Bump a step's version when a change in our code changes what that step produces: the version is part of the
 #: step's identity, so bumping it reruns that step and everything after it.
@@ -28,16 +29,16 @@ def corpus_identity(config: dict, corpus: str) -> dict:
     return {"step": "corpus", "version": VERSIONS["corpus"], **keep}
 
 
-def tokenizer_identity(config: dict, tok: str) -> dict:
+def tokenizer_identity(config: dict, tokenizer: str) -> dict:
     """What determines a tokenizer: its source and name, or its training corpus and vocabulary size."""
-    t = config["tokenizers"][tok]
+    t = config["tokenizers"][tokenizer]
     keep = {k: t.get(k) for k in ("source", "name", "corpus", "vocab_size", "eos_text")}
     if t.get("source") == "train":
         keep["corpus_identity"] = corpus_identity(config, t["corpus"])
     return {"step": "tokenizer", "version": VERSIONS["tokenizer"], **keep}
 
 
-def mds_identity(config: dict, corpus: str, tok: str, concat: int) -> dict:
+def mds_identity(config: dict, corpus: str, tokenizer: str, concat: int) -> dict:
     """What determines an MDS dataset: corpus, tokenizer, concat length and shard format.
 
     Raises:
@@ -45,13 +46,13 @@ def mds_identity(config: dict, corpus: str, tok: str, concat: int) -> dict:
     """
     shards = validate_data_prep(config, concat)
     return {"step": "mds", "version": VERSIONS["mds"], "corpus": corpus_identity(config, corpus),
-            "tokenizer": tokenizer_identity(config, tok), "concat_tokens": int(concat),
+            "tokenizer": tokenizer_identity(config, tokenizer), "concat_tokens": int(concat),
             "compression": shards["compression"]}
 
 
-def verify_identity(config: dict, corpus: str, tok: str, concat: int) -> dict:
+def verify_identity(config: dict, corpus: str, tokenizer: str, concat: int) -> dict:
     """What determines a dataset's verification record: the dataset (:func:`mds_identity`) and the checks."""
-    return {"step": "verify", "version": VERSIONS["verify"], "mds": mds_identity(config, corpus, tok, concat)}
+    return {"step": "verify", "version": VERSIONS["verify"], "mds": mds_identity(config, corpus, tokenizer, concat)}
 
 
 def icl_task_identity(config: dict, label: str) -> dict:
@@ -60,13 +61,13 @@ def icl_task_identity(config: dict, label: str) -> dict:
     return {"step": "icl_task", "version": VERSIONS["icl_task"], "task": task}
 
 
-def instructions_identity(config: dict, name: str) -> dict:
+def instructions_identity(config: dict, iset: str) -> dict:
     """What determines a prepared instruction set: its source, dataset id, revision, splits, columns, row caps.
 
     The mirror folder of a local source is left out (as for corpora): the same data read from another path is
     the same data.
     """
-    s = config["instruction_sets"][name]
+    s = config["instruction_sets"][iset]
     keep = {k: s.get(k) for k in ("source", "hf_name", "revision", "train_split", "eval_split", "columns",
                                   "max_rows", "max_items", "eval_percent", "seed")}
     return {"step": "instructions", "version": VERSIONS["instructions"], **keep}
@@ -77,6 +78,11 @@ def instructions_identity(config: dict, name: str) -> dict:
 def single_task_resources(config: dict, wildcards) -> dict:
     """One task on one node with ``data_resources``' limits: the preparation steps that run as one process."""
     return dict(step_resources(config, "data"), tasks_per_node=1, nodes=1)
+
+
+def data_resources(config: dict, wildcards) -> dict:
+    """``data_resources`` as they are: the MDS conversion's units share them (:mod:`llmpipe.mds_dispatch`)."""
+    return step_resources(config, "data")
 
 
 # ------------------------------------------------------------------------------------------- steps
@@ -96,6 +102,7 @@ def prepare_named(ctx: StepContext, prepare, section: str, name: str, what: str)
     return settings
 
 
+@register("corpus", resources=single_task_resources, where="data_resources")
 def corpus(ctx: StepContext) -> dict:
     """Rule ``corpus``: write or download a corpus in C4's layout (on the submitting machine: it needs the hub)."""
     from llmpipe.data.corpus import prepare_corpus
@@ -104,6 +111,7 @@ def corpus(ctx: StepContext) -> dict:
     return {"corpus": settings, "resources": ctx.resources}
 
 
+@register("tokenizer", resources=single_task_resources, where="data_resources")
 def tokenizer(ctx: StepContext) -> dict:
     """Rule ``tokenizer``: fetch, copy or train the tokenizer into ``results/tokenizers/{name}/``."""
     from llmpipe.data.tokenizer import prepare_tokenizer
@@ -116,6 +124,7 @@ def tokenizer(ctx: StepContext) -> dict:
     return {"tokenizer": settings, "resources": ctx.resources}
 
 
+@register("mds", resources=data_resources, where="data_resources")
 def mds(ctx: StepContext) -> dict:
     """Rule ``mds``: tokenize and concatenate the corpus into MDS shards, one parallel unit per input file."""
     from llmpipe.mds_dispatch import convert_dataset
@@ -128,6 +137,7 @@ def mds(ctx: StepContext) -> dict:
             "data_prep": ctx.config.get("data_prep"), "data_resources": step_resources(ctx.config, "data")}
 
 
+@register("verify_mds", resources=single_task_resources, where="data_resources")
 def verify_mds(ctx: StepContext) -> dict:
     """Rule ``verify_mds``: read the merged dataset back and check counts, lengths, vocabulary and text."""
     from llmpipe.data.mds_verify import verify_dataset
@@ -138,6 +148,7 @@ def verify_mds(ctx: StepContext) -> dict:
     return {"concat_tokens": int(ctx.wildcards.concat), "vocab_size": vocab_size}
 
 
+@register("icl_task")
 def icl_task(ctx: StepContext) -> dict:
     """Rule ``icl_task``: build an in-context-learning task from held-out (validation) text.
 
@@ -155,6 +166,7 @@ def icl_task(ctx: StepContext) -> dict:
     return {"task": task}
 
 
+@register("instructions", resources=single_task_resources, where="data_resources")
 def instructions(ctx: StepContext) -> dict:
     """Rule ``instructions``: prepare an instruction set on the submitting machine (it may need the hub)."""
     from llmpipe.data.instructions import prepare_instructions

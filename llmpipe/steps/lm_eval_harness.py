@@ -13,6 +13,7 @@ import os
 from llmpipe import lm_eval_harness as harness
 from llmpipe.config import ConfigError, gpu_memory, run_config, section_path, step_resources
 from llmpipe.steps.context import StepContext
+from llmpipe.steps.registry import register
 
 #: Bump when a change in our code changes eval-lm_eval.json (reruns the harness).
 VERSION = 1
@@ -70,6 +71,7 @@ def lm_eval_resources(config: dict, wildcards) -> dict:
     return res
 
 
+@register("lm_eval", resources=lm_eval_resources, where="eval.resources")
 def lm_eval(ctx: StepContext) -> dict:
     """Rule ``lm_eval``: the export scored by lm-evaluation-harness on the local tasks -> eval-lm_eval.json."""
     s = ctx.config["lm_eval"]

@@ -8,8 +8,10 @@ import os
 from llmpipe import report as tables
 from llmpipe import run_report
 from llmpipe.steps.context import StepContext
+from llmpipe.steps.registry import register
 
 
+@register("report")
 def report(ctx: StepContext) -> dict:
     """Rule ``report``: every file of ``results/report/`` from the inputs Snakemake resolved."""
     runs, scaling, allreduce = list(ctx.params.runs), list(ctx.params.scaling), list(ctx.params.allreduce)
@@ -17,6 +19,7 @@ def report(ctx: StepContext) -> dict:
     return {"report": tables.settings(ctx.config), "runs": runs, "scaling": scaling, "allreduce": allreduce}
 
 
+@register("report_run")
 def report_run(ctx: StepContext) -> dict:
     """Rule ``report_run``: ``results/report/runs/{run}/`` (loss.png, mfu.png, tracking.html) from the run's
     ``train.json``, loss log and ``tracking.json``."""
