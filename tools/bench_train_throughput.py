@@ -364,7 +364,10 @@ def build_train_config(config: dict, run: str, variant: dict, *, steps: int, mb_
     rc = {**rc, 'train': {**rc['train'], 'microbatch_size': mb, 'global_batch_size': mb}}
     # activation_checkpointing: auto -> the memory plan's choice for one GPU of this machine, as a training job's
     # (the benchmark trains on one GPU: the run's typed settings are checked at that placement)
-    one_gpu = deep_merge(config, {'models': {run: {'resources': {'nodes': 1, 'gpus_per_node': 1}}}})
+    one_gpu = {'resources': {'nodes': 1, 'gpus_per_node': 1}}
+    if train_over.get('fp8'):  # FP8 trains in amp_bf16 (llmpipe.fp8.check_fp8)
+        one_gpu['train'] = {'precision': 'amp_bf16'}
+    one_gpu = deep_merge(config, {'models': {run: one_gpu}})
     settings = run_settings(one_gpu, run)
     settings = dataclasses.replace(settings, train=dataclasses.replace(settings.train, microbatch_size=mb,
                                                                        global_batch_size=mb))
