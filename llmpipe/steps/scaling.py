@@ -8,6 +8,7 @@ import re
 from llmpipe import scaling
 from llmpipe.config import run_settings, step_resources, validate_run, world_size
 from llmpipe.steps.context import StepContext, read_json
+from llmpipe.steps.registry import register
 from llmpipe.steps.train import check_all_steps, finished_training, train_identity, training_task
 
 
@@ -23,6 +24,7 @@ def study_resources(config: dict, wildcards) -> dict:
                           wildcards.run)
 
 
+@register("scaling_train", resources=study_resources, where="models.{run}.resources (scaling at {nodes} nodes)")
 def scaling_train(ctx: StepContext) -> dict:
     """Rule ``scaling_train``: the run's training task on ``{nodes}`` nodes into the study's folder.
 
@@ -43,6 +45,7 @@ def scaling_train(ctx: StepContext) -> dict:
     return {"run": rc, "resources": ctx.resources}
 
 
+@register("scaling_table")
 def scaling_table(ctx: StepContext) -> dict:
     """Rule ``scaling_table``: scaling.csv, scaling.md and speedup.png of one study."""
     results = {int(re.search(r"nodes(\d+)/train\.json$", p).group(1)): read_json(p) for p in ctx.input}
