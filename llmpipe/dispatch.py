@@ -140,11 +140,11 @@ _SNAKEMAKE_THREAD_VARS = ("OMP_NUM_THREADS", "GOTO_NUM_THREADS", "OPENBLAS_NUM_T
 
 
 def normalize_thread_env() -> None:
-    """Rules that only wait on Slurm take ``threads: 0`` (rules/common.smk ``dispatch_threads``), so Snakemake sets
-    ``OMP_NUM_THREADS=0`` and the like in the rule's process; sbatch exports the environment to the job, and 0
-    threads is invalid for OpenMP/BLAS there and here. Set them to 1, what the rules and jobs had before (when those
-    rules took 1 thread). Called first by every rule script (:func:`llmpipe.steps.run_rule`, the entry of all of
-    them), so the rule's own libraries and every job it submits see the fixed values."""
+    """Rules that only wait on Slurm take ``threads: 0`` (:meth:`llmpipe.dag_checks.DagChecks.dispatch_threads`),
+    so Snakemake sets ``OMP_NUM_THREADS=0`` and the like in the rule's process; sbatch exports the environment to the
+    job, and 0 threads is invalid for OpenMP/BLAS there and here. Set them to 1, what the rules and jobs had
+    before (when those rules took 1 thread). Called first by the rule script (:func:`llmpipe.steps.run_rule`), so
+    the rule's own libraries and every job it submits see the fixed values."""
     for var in _SNAKEMAKE_THREAD_VARS:
         if os.environ.get(var) == "0":
             os.environ[var] = "1"

@@ -1,11 +1,11 @@
 """Step identity as text: the one canonical form Snakemake stores as a rule's ``params``, and its comparison.
 
-A step's identity is a dict (built by the step's module in :mod:`llmpipe.steps`); it becomes text once, at the
-rule boundary (rules/common.smk ``identity_text``), with :func:`identity_text`. A training keeps that text in its
-checkpoint folder (``identity.json``) and compares it with :func:`same_identity`, which compares meanings, not
-characters: identities written before identities were dicts held the identities of their inputs as JSON text
-inside JSON text (``"data": "{\\"step\\":\\"mds\\",...}"``); :func:`parse_identity` decodes those, so a finished
-training recognizes itself after the upgrade instead of deleting its checkpoints.
+A step's identity is a dict (built by the step's module in :mod:`llmpipe.steps`); it becomes text once, at the rule
+boundary (a rule's ``params``: rules/common.smk ``identity``), with :func:`identity_text`. A training keeps that
+text in its checkpoint folder (``identity.json``) and compares it with :func:`same_identity`, which compares
+meanings, not characters: identities written before identities were dicts held the identities of their inputs as
+JSON text inside JSON text (``"data": "{\\"step\\":\\"mds\\",...}"``); :func:`parse_identity` decodes those, so a
+finished training recognizes itself after the upgrade instead of deleting its checkpoints.
 
 No imports from llmpipe: every module may use this one.
 """

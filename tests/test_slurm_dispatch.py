@@ -190,7 +190,7 @@ def test_reattaches_to_the_job_a_killed_snakemake_left_running(slurm_cluster, tm
         first.send_signal(signal.SIGKILL)
         first.wait()
     assert list((tmp_path / "state").glob("*.json")), "no record of the submitted job"
-    # what a dry run prints meanwhile (rules/common.smk)
+    # what a dry run prints meanwhile (llmpipe.dag_checks)
     notes = "\n".join(live_jobs.notes(str(tmp_path / "state"), lock_dir=str(tmp_path / "locks")))
     assert re.search(rf"{re.escape(name)}: slurm job {job_id} is RUNNING on n\[1-2\]; the next run re-attaches", notes), \
         notes
