@@ -8,33 +8,35 @@ The flow, for every rule::
       -> run_rule: one StepContext from Snakemake's object -> the step function registered under the rule's name
       -> ctx.dispatch(...) -> llmpipe.dispatch.run_step -> a submitit job (local, Slurm, or in-process for tests)
 
-The rule table is :data:`~llmpipe.steps.registry.RULES`: each step function registers itself under its rule's
-name (:func:`~llmpipe.steps.registry.register`) with its job's resources, the config path of those resources (for
-the Slurm preflight), its memory plan and whether its result is kept; the step's submitit folder is derived from the
-rule's ``log:``. ``tests/test_steps.py`` checks that every rule with a script is registered and vice versa.
+The rule table is :data:`~llmpipe.steps.registry.RULES`: each step function is registered under its rule's name
+(:func:`~llmpipe.steps.registry.register`, a decorator in its stage module; the steps of train, convert, generate
+and evaluate are registered below) with its job's resources, the config path of those resources (for the Slurm
+preflight), its memory plan and whether its result is kept; the step's submitit folder is derived from the rule's
+``log:``. ``tests/test_steps.py`` checks that every rule with a script is registered and vice versa.
 
-=====================  =====================================================================================
-module                 rules
-=====================  =====================================================================================
-:mod:`.data`           corpus, tokenizer, mds, verify_mds, icl_task, instructions
-:mod:`.train`          train, finetune
-:mod:`.convert`        convert
-:mod:`.generate`       generate
-:mod:`.evaluate`       eval, finetune_eval, eval_task_data
-:mod:`.lm_eval_harness` lm_eval (the optional second harness, lm-evaluation-harness)
-:mod:`.scaling`        scaling_train, scaling_table
-:mod:`.allreduce`      allreduce, allreduce_plot, allreduce_health, allreduce_gate, scaling_allreduce_gate
-:mod:`.report`         report, report_run
-=====================  =====================================================================================
+=======================  ===================================================================================
+module                   rules
+=======================  ===================================================================================
+:mod:`.data`             corpus, tokenizer, mds, verify_mds, icl_task, instructions
+:mod:`.train`            train, finetune
+:mod:`.convert`          convert
+:mod:`.generate`         generate
+:mod:`.evaluate`         eval, finetune_eval, eval_task_data
+:mod:`.lm_eval_harness`  lm_eval (the optional second harness, lm-evaluation-harness)
+:mod:`.scaling`          scaling_train, scaling_table
+:mod:`.allreduce`        allreduce, allreduce_plot, allreduce_health, allreduce_gate, scaling_allreduce_gate
+:mod:`.report`           report, report_run
+=======================  ===================================================================================
 
-Each module also declares its steps' versions and identity functions (dicts; the rule files turn them into
-text once, with :func:`llmpipe.identity.identity_text`). :func:`run_rule` is the one entry: it empties the rule's
-log, makes the thread variables valid (:func:`llmpipe.dispatch.normalize_thread_env`), builds the
-:class:`~llmpipe.steps.context.StepContext`, calls the step, and writes the step's provenance record beside its
-first output (:mod:`llmpipe.steps.provenance`: ``<output>.provenance.json``). A failing step's error is appended
-to the rule's log, so ``--show-failed-logs`` shows why it failed. The steps after training (rules with
-:attr:`Rule.kept`: convert, generate, eval, finetune_eval) keep their finished results per identity and restore them
-instead of running again when the same identity comes back on the same inputs (:mod:`llmpipe.kept_results`).
+Each module also declares its steps' versions and identity functions (dicts; the rule files turn them into text
+once, through rules/common.smk's ``identity`` and :func:`llmpipe.identity.identity_text`). :func:`run_rule` is the
+one entry: it empties the rule's log, makes the thread variables valid
+(:func:`llmpipe.dispatch.normalize_thread_env`), builds the :class:`~llmpipe.steps.context.StepContext`, calls the
+step, and writes the step's provenance record beside its first output (:mod:`llmpipe.steps.provenance`:
+``<output>.provenance.json``). A failing step's error is appended to the rule's log, so ``--show-failed-logs`` shows
+why it failed. The steps after training (rules with :attr:`Rule.kept`: convert, generate, eval, finetune_eval) keep
+their finished results per identity and restore them instead of running again when the same identity comes back on
+the same inputs (:mod:`llmpipe.kept_results`).
 
 Nothing here imports torch: the rule files import these modules to plan the DAG.
 """
@@ -55,8 +57,8 @@ from llmpipe.steps.context import StepContext, parse_params, wildcard_values
 from llmpipe.steps.registry import (KEPT_EVAL, KEPT_EXPORT, KEPT_GENERATION, RULES, Kept, Rule, register,
                                     submitit_folder)
 
-# The stage modules of training, export, generation and evaluation are registered here, by the same decorator
-# their other stages use in place; each line belongs in its stage module, above the step function.
+# The steps of llmpipe/steps/{train,convert,generate,evaluate}.py, registered here with the same decorator the other
+# stage modules apply above their step functions.
 register("train", resources=train.training_resources, where="models.{run}.resources", plan="train")(train.train)
 register("finetune", resources=train.training_resources, where="finetunes.{run}.resources",
          plan="train")(train.finetune)
