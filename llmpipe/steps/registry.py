@@ -3,8 +3,8 @@
 A stage module registers each step function under its rule's name with :func:`register`, declaring what
 :func:`llmpipe.steps.run_rule` and the DAG-time checks (:mod:`llmpipe.dag_checks`) need beside the rule file::
 
-    @register("convert", resources=convert_resources, where="convert.resources", plan="convert", kept=KEPT_EXPORT)
-    def convert(ctx: StepContext) -> dict: ...
+    @register("mds", resources=data_resources, where="data_resources")
+    def mds(ctx: StepContext) -> dict: ...
 
 The rule itself (inputs, outputs, log, params) is in ``rules/<stage>.smk``, and its script is ``scripts/run_rule.py``
 for every rule; the step's submitit folder is derived from the rule's ``log:`` (:func:`submitit_folder`).
