@@ -19,6 +19,7 @@ import time
 from llmpipe import progress
 from llmpipe.atomic import atomic_write_json, read_json, umask_mode
 from llmpipe.settings import RunSettings
+from llmpipe.stage_settings import ConvertSettings
 from llmpipe.throughput import peak_host_rss_gib
 
 #: attention implementations that the exported code knows; anything else is mapped to ``torch``.
@@ -101,8 +102,8 @@ def build_hf_model(settings: RunSettings, ckpt_path: str, dtype=None, merge_repo
     return model.to(dtype or torch.float32).eval()
 
 
-def convert_checkpoint(settings: RunSettings, ckpt_path: str, tokenizer_dir: str, out_dir: str, dtype: str = "bfloat16",
-                       verify: bool = True, max_shard_size: str = "5GB") -> dict:
+def convert_checkpoint(settings: RunSettings, ckpt_path: str, tokenizer_dir: str, out_dir: str,
+                       export_settings: ConvertSettings, verify: bool = True) -> dict:
     """Write the Hugging Face folder ``out_dir`` for a run's composer checkpoint; return its manifest.
 
     The folder is written aside and renamed into place, and ``manifest.json`` (the rule's output) is written
@@ -113,9 +114,10 @@ def convert_checkpoint(settings: RunSettings, ckpt_path: str, tokenizer_dir: str
         ckpt_path: the final composer checkpoint.
         tokenizer_dir: the saved Hugging Face tokenizer folder (copied into the export).
         out_dir: the export folder (replaced when it exists).
-        dtype: ``bfloat16`` | ``float16`` | ``float32``: the dtype of the saved weights.
-        max_shard_size: the largest safetensors file (transformers' ``save_pretrained``, e.g. ``5GB``); larger
-            exports are split into ``model-0000k-of-0000n.safetensors`` with ``model.safetensors.index.json``.
+        export_settings: the ``convert:`` settings: ``dtype`` (``bfloat16`` | ``float16`` | ``float32``) of the
+            saved weights, and ``max_shard_size``, the largest safetensors file (transformers' ``save_pretrained``,
+            e.g. ``5GB``); larger exports are split into ``model-0000k-of-0000n.safetensors`` with
+            ``model.safetensors.index.json``.
         verify: reload the written folder through transformers alone and compare its logits with the source
             model on a fixed random input; the max abs difference is recorded in the manifest.
 
@@ -128,15 +130,14 @@ def convert_checkpoint(settings: RunSettings, ckpt_path: str, tokenizer_dir: str
     with a pad token and left padding (:func:`save_export_tokenizer`; ``tokenizer`` in the manifest).
 
     Raises:
-        ValueError: unknown dtype, or a tokenizer that would grow when given its pad token.
+        ValueError: a tokenizer that would grow when given its pad token.
     """
     import torch
     from llmfoundry.models.mpt import MPTConfig, MPTForCausalLM
     from llmfoundry.utils.huggingface_hub_utils import edit_files_for_hf_compatibility
 
     dtypes = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
-    if dtype not in dtypes:
-        raise ValueError(f"convert.dtype is {dtype!r}; it must be one of {', '.join(dtypes)}.")
+    dtype, max_shard_size = export_settings.dtype, export_settings.max_shard_size
     t0 = time.time()
     run = settings.name
     lora_report: dict = {}

@@ -16,20 +16,23 @@ import tempfile
 import time
 
 from llmpipe import eval_tasks, icl_tokens
+from llmpipe.settings import RunSettings
+from llmpipe.stage_settings import EvalSettings
 
 
-def evaluate(rc: dict, model_dir: str, data_dir: str | None, icl_files: dict[str, str], *, eval_settings: dict,
-             eval_loader: dict | None = None, suite: dict | None = None) -> dict:
+def evaluate(settings: RunSettings, model_dir: str, data_dir: str | None, icl_files: dict[str, str], *,
+             eval_settings: EvalSettings, suite: dict, eval_loader: dict | None = None) -> dict:
     """Evaluate the Hugging Face model in ``model_dir``; return the eval.json record.
 
     Args:
-        rc: the run's merged settings (:func:`llmpipe.config.run_config`: ``name``, ``data.concat_tokens``).
+        settings: the run's typed settings (:func:`llmpipe.config.run_settings`: its ``name``, and
+            ``data.concat_tokens``, the sequence length in tokens).
         model_dir: the Hugging Face export.
         data_dir: the MDS dataset folder (its ``val`` split is used).
         icl_files: ICL task label -> the local jsonl file it is scored on (every task of ``suite``).
-        eval_settings: the config's ``eval`` section (``batch_size``, ``val_batches``).
+        eval_settings: the ``eval:`` settings (``batch_size`` per device, ``val_batches`` over all processes).
         suite: the run's ICL suite (:func:`llmpipe.eval_tasks.run_suite`: ``name``, ``icl_tasks``,
-            ``eval_gauntlet``); None: ``eval_settings["icl_tasks"]`` without a gauntlet.
+            ``eval_gauntlet``, which may be None).
         eval_loader: an llm-foundry loader config for the held-out metrics instead of ``data_dir``'s val split
             (a finetune's held-out instructions, see :func:`llmpipe.finetune.evaluate_finetune`).
 
@@ -59,12 +62,10 @@ def evaluate(rc: dict, model_dir: str, data_dir: str | None, icl_files: dict[str
     dist_env = export_dist_env()
     world = int(dist_env["world_size"])
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    run = rc["name"]
-    ecfg = eval_settings
-    seq = int(rc["data"]["concat_tokens"])
-    bs = int(ecfg.get("batch_size", 8))
+    run = settings.name
+    seq = int(settings.data.concat_tokens)
+    bs = int(eval_settings.batch_size)
     on_gpu = torch.cuda.is_available()
-    suite = suite or {"name": "default", "icl_tasks": ecfg.get("icl_tasks", []), "eval_gauntlet": None}
     scratch = tempfile.mkdtemp(prefix="llmpipe-eval-")
     tasks, task_info = eval_tasks.foundry_tasks(suite["icl_tasks"], icl_files, os.path.join(scratch, "subsets"))
     # before the model loads: a task with an answer that leaves no context token would stop llm-foundry's whole
@@ -108,7 +109,7 @@ def evaluate(rc: dict, model_dir: str, data_dir: str | None, icl_files: dict[str
                         "persistent_workers": False},
         # -1 here: Trainer.eval would cap the ICL tasks too; the held-out loader is capped by this callback
         "eval_subset_num_batches": -1,
-        "callbacks": {eval_tasks.register_heldout_cap(): {"batches": int(ecfg.get("val_batches", -1))},
+        "callbacks": {eval_tasks.register_heldout_cap(): {"batches": int(eval_settings.val_batches)},
                       # after the cap: it reads the capped length; the held-out loader and each task's shot counts
                       register_eval_progress(): {"evaluators": 1 + sum(len(t.get("num_fewshot") or [0])
                                                                        for t in tasks)}},
@@ -163,7 +164,7 @@ def evaluate(rc: dict, model_dir: str, data_dir: str | None, icl_files: dict[str
         "model": model_dir,
         "val": {"loss": loss, "perplexity": heldout.get("LanguagePerplexity", math.exp(loss) if loss else None),
                 "token_accuracy": heldout.get("TokenAccuracy"), "tokens": tokens,
-                "batches": int(ecfg.get("val_batches", -1)),
+                "batches": int(eval_settings.val_batches),
                 "batch_size": bs, "seq_len": seq, "split": "val", "token_scope": "all"},
         "harness": f"llm-foundry {llmfoundry.__version__}",
         "suite": suite.get("name"),

@@ -26,6 +26,7 @@ from llmpipe.config import ConfigError
 from llmpipe.data.instructions import SPLIT_FILES
 from llmpipe.lora import lora_settings, merge_adapters, peft_config
 from llmpipe.settings import RunSettings
+from llmpipe.stage_settings import EvalSettings
 from llmpipe.train import TrainTask, foundry_train_config
 
 #: Attention implementations a Hugging Face MPT (hub code or our export) knows; ours (sdpa) map to ``torch``.
@@ -224,8 +225,8 @@ class FinetuneTask(TrainTask):
 
 # ------------------------------------------------------------------------------------------- evaluation
 
-def evaluate_finetune(rc: dict, model_dir: str, instructions_dir: str, icl_files: dict[str, str], *,
-                      eval_settings: dict, suite: dict | None = None) -> dict:
+def evaluate_finetune(settings: RunSettings, model_dir: str, instructions_dir: str, icl_files: dict[str, str], *,
+                      eval_settings: EvalSettings, suite: dict) -> dict:
     """Evaluate a finetune's Hugging Face export on its held-out split and the ICL tasks; return eval.json.
 
     The shared evaluation (:func:`llmpipe.evaluate.evaluate`: ICL tasks, metrics, record) with llm-foundry's
@@ -233,11 +234,11 @@ def evaluate_finetune(rc: dict, model_dir: str, instructions_dir: str, icl_files
     so loss (nats per token), perplexity and token accuracy are over the response tokens only.
 
     Args:
-        rc: the finetune's merged settings (:func:`llmpipe.config.run_config`).
+        settings: the finetune's typed settings (:func:`llmpipe.config.run_settings`).
         model_dir: the finetune's Hugging Face export.
         instructions_dir: the prepared instruction set (its held-out ``test`` split is used).
         icl_files: ICL task label -> jsonl path.
-        eval_settings: the config's ``eval`` section (``batch_size``, ``val_batches``).
+        eval_settings: the ``eval:`` settings (``batch_size``, ``val_batches``).
         suite: the run's ICL suite (as :func:`llmpipe.evaluate.evaluate` takes it).
 
     Returns:
@@ -248,9 +249,10 @@ def evaluate_finetune(rc: dict, model_dir: str, instructions_dir: str, icl_files
     from llmpipe.evaluate import evaluate
 
     os.environ.setdefault("MAX_NUM_PROC", "1")  # llm-foundry tokenizes with cpu_count - 8 processes
-    loader = finetuning_loader(rc, instructions_dir, "test")
+    loader = finetuning_loader(settings, instructions_dir, "test")
     loader.update(num_workers=0, prefetch_factor=None, persistent_workers=False)
-    result = evaluate(rc, model_dir, None, icl_files, eval_settings=eval_settings, eval_loader=loader, suite=suite)
+    result = evaluate(settings, model_dir, None, icl_files, eval_settings=eval_settings, eval_loader=loader,
+                      suite=suite)
     result["kind"] = "finetune"
     result["val"].update(split="test", token_scope="response")
     return result

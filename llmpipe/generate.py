@@ -21,9 +21,7 @@ import time
 import traceback
 
 from llmpipe.data.instructions import PROMPT_FIELD, apply_template
-
-#: ``generate.long_prompts``: what happens to a prompt too long for the context.
-LONG_PROMPT_MODES = ("truncate", "fail")
+from llmpipe.stage_settings import GenerateSettings
 
 
 def prompt_budget(prompt_tokens: int, context: int, max_new_tokens: int) -> tuple[int, int]:
@@ -48,23 +46,21 @@ def prompt_budget(prompt_tokens: int, context: int, max_new_tokens: int) -> tupl
     return kept, min(max_new_tokens, context - kept)
 
 
-def generate(model_dir: str, gen_cfg: dict, *, gpus: int | None = None,
-             prompts_at: str = "generate.prompts") -> dict:
-    """Answer each prompt of ``gen_cfg['prompts']`` with the model in ``model_dir``.
+def generate(model_dir: str, settings: GenerateSettings, *, gpus: int | None = None) -> dict:
+    """Answer each prompt of ``settings.prompts`` with the model in ``model_dir``.
 
     Args:
         model_dir: a folder written by :func:`llmpipe.convert.convert_checkpoint`.
-        gen_cfg: ``prompts`` (list of str), ``template`` (text with ``{prompt}``; None: the prompt alone),
-            ``max_new_tokens``, ``do_sample``, ``temperature``, ``top_p``, ``seed``, ``long_prompts``
-            (``truncate`` | ``fail``, see the module docstring).
+        settings: the run's generation settings (:func:`llmpipe.steps.generate.run_generate_settings`): prompts,
+            template (text with ``{prompt}``), ``max_new_tokens``, sampling, ``seed``, ``long_prompts``
+            (``truncate`` | ``fail``, see the module docstring); ``prompts_at`` names the prompts in messages.
         gpus: the job's GPUs (``resources.gpus_per_node``; None: every visible one). The model is placed across
             them (:func:`llmpipe.inference_placement.generation_placement`: ``device_map``), on the CPU when the
             host has none.
-        prompts_at: the setting the prompts are written at, named in messages (``finetunes.<run>.generate.prompts``).
 
     Returns:
-        ``{"model", "device", "gpus" (the model was placed across; 0: CPU), "context_tokens", "settings", "outputs",
-        "tokens_per_s"}``; each output is
+        ``{"model", "device", "gpus" (the model was placed across; 0: CPU), "context_tokens", "settings"
+        (:meth:`llmpipe.stage_settings.GenerateSettings.record`), "outputs", "tokens_per_s"}``; each output is
         ``{"prompt", "text" (the template applied: what the model continued), "prompt_tokens" (of the text),
         "prompt_tokens_kept", "prompt_truncated", "completion", "new_tokens", "seconds", "truncated_to_context"}``
         (``truncated_to_context``: fewer than ``max_new_tokens`` new tokens fit), or, for a prompt that was not
@@ -72,18 +68,17 @@ def generate(model_dir: str, gen_cfg: dict, *, gpus: int | None = None,
         name) when generating it raised. tokens/s counts generated tokens over generation time.
 
     Raises:
-        ValueError: no prompts configured, an unknown ``long_prompts``, or a template without ``{prompt}``.
+        ValueError: no prompts configured, or a template without ``{prompt}``.
     """
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    prompts = list(gen_cfg.get("prompts") or [])
+    prompts_at = settings.prompts_at
+    prompts = list(settings.prompts)
     if not prompts:
         raise ValueError(f"{prompts_at} is empty. Fix: list at least one prompt under {prompts_at}.")
-    mode = gen_cfg.get("long_prompts") or "truncate"
-    if mode not in LONG_PROMPT_MODES:
-        raise ValueError(f"generate.long_prompts is {mode!r}; it must be one of {', '.join(LONG_PROMPT_MODES)}.")
-    template = gen_cfg.get("template") or PROMPT_FIELD
+    mode = settings.long_prompts
+    template = settings.template
     if not isinstance(template, str) or PROMPT_FIELD not in template:
         raise ValueError(f"the generation template {template!r} has no {PROMPT_FIELD}. Fix: write {PROMPT_FIELD} "
                          f"where the prompt goes (generate.template).")
@@ -96,13 +91,13 @@ def generate(model_dir: str, gen_cfg: dict, *, gpus: int | None = None,
                                                  device_map=place["device_map"], max_memory=place["max_memory"])
     model.eval()
     device = model.get_input_embeddings().weight.device  # the first block's device: prompts go there
-    torch.manual_seed(int(gen_cfg.get("seed", 17)))
-    max_new = int(gen_cfg.get("max_new_tokens", 256))
-    kwargs = {"do_sample": bool(gen_cfg.get("do_sample")),
+    torch.manual_seed(int(settings.seed))
+    max_new = int(settings.max_new_tokens)
+    kwargs = {"do_sample": bool(settings.do_sample),
               "pad_token_id": tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id,
               "eos_token_id": tok.eos_token_id}
     if kwargs["do_sample"]:
-        kwargs.update(temperature=float(gen_cfg.get("temperature", 1.0)), top_p=float(gen_cfg.get("top_p", 1.0)))
+        kwargs.update(temperature=float(settings.temperature), top_p=float(settings.top_p))
     context = int(getattr(model.config, "max_seq_len", 2048))
     outputs, total_new, total_s = [], 0, 0.0
     for i, prompt in enumerate(prompts):
@@ -147,6 +142,5 @@ def generate(model_dir: str, gen_cfg: dict, *, gpus: int | None = None,
     return {"model": model_dir, "device": torch.cuda.get_device_name() if place["gpus"] else "cpu",
             "gpus": place["gpus"],
             "context_tokens": context,
-            "settings": {**{k: gen_cfg.get(k) for k in ("max_new_tokens", "do_sample", "temperature", "top_p",
-                                                        "seed", "long_prompts")}, "template": template},
+            "settings": settings.record(),
             "outputs": outputs, "tokens_per_s": round(total_new / total_s, 2) if total_s else None}

@@ -160,6 +160,39 @@ def test_training_export_and_step_work_take_the_typed_settings():
     assert not bad, "\n".join(bad)
 
 
+def test_export_generation_and_evaluation_take_their_typed_settings():
+    """Export, generation and evaluation (and a finetune's evaluation) take the typed settings of their stage
+    (:mod:`llmpipe.stage_settings`) and, where they need the run's, :class:`llmpipe.settings.RunSettings`: one
+    parameter annotated with each class, none annotated as a dict or Mapping; the steps build them with one
+    constructor each (annotated to return the class)."""
+    import typing
+
+    from llmpipe import config, convert, evaluate, finetune, generate
+    from llmpipe.settings import RunSettings
+    from llmpipe.stage_settings import ConvertSettings, EvalSettings, GenerateSettings
+    from llmpipe.steps import generate as generate_step
+
+    takers = {convert.convert_checkpoint: (RunSettings, ConvertSettings), generate.generate: (GenerateSettings,),
+              evaluate.evaluate: (RunSettings, EvalSettings), finetune.evaluate_finetune: (RunSettings, EvalSettings)}
+    bad = []
+    for fn, classes in takers.items():
+        hints = typing.get_type_hints(fn)
+        params = [p for p in inspect.signature(fn).parameters if p != "self"]
+        for cls in classes:
+            if not any(hints.get(p) is cls for p in params):
+                bad.append(f"{fn.__qualname__}: no parameter annotated {cls.__name__}")
+        for p in params:
+            if p in ("rc", "run_cfg", "gen_cfg", "ecfg") or hints.get(p) in (dict, typing.Mapping) and p in (
+                    "settings", "eval_settings", "export_settings"):
+                bad.append(f"{fn.__qualname__}: parameter {p} takes a dict")
+    builders = {config.run_settings: RunSettings, generate_step.run_generate_settings: GenerateSettings,
+                EvalSettings.from_section: EvalSettings, ConvertSettings.from_section: ConvertSettings,
+                GenerateSettings.from_section: GenerateSettings}
+    bad += [f"{fn.__qualname__} does not return {cls.__name__}" for fn, cls in builders.items()
+            if typing.get_type_hints(fn).get("return") is not cls]
+    assert not bad, "\n".join(bad)
+
+
 #: Receivers whose ``.get(<literal key>, <default>)`` is a settings fallback: these names (a run's settings and
 #: their sections, the workflow config and its sections) and attributes of them (``self.rc``, ``ctx.config``),
 #: items of them (``rc["train"]``) and ``(<one of them>.get(...) or {})``.
@@ -179,10 +212,7 @@ NOT_YET_TYPED = frozenset({
     ("llmpipe/dispatch.py", "executor"), ("llmpipe/dispatch.py", "poll_s"), ("llmpipe/dispatch.py", "state_dir"),
     ("llmpipe/dispatch.py", "progress_s"), ("llmpipe/eval_data.py", "source"), ("llmpipe/eval_data.py", "retries"),
     ("llmpipe/eval_tasks.py", "results_dir"), ("llmpipe/tracking.py", "results_dir"),
-    ("llmpipe/evaluate.py", "batch_size"), ("llmpipe/evaluate.py", "val_batches"),
-    ("llmpipe/generate.py", "seed"), ("llmpipe/generate.py", "max_new_tokens"), ("llmpipe/generate.py", "temperature"),
-    ("llmpipe/generate.py", "top_p"), ("llmpipe/inference_placement.py", "batch_size"),
-    ("llmpipe/inference_placement.py", "val_batches"), ("llmpipe/lora.py", "kv_n_heads"),
+    ("llmpipe/lora.py", "kv_n_heads"),
     ("llmpipe/lora.py", "expansion_ratio"), ("llmpipe/mfu.py", "expansion_ratio"), ("llmpipe/mfu.py", "no_bias"),
     ("llmpipe/mfu.py", "kv_n_heads"), ("llmpipe/plan.py", "fused_loss"), ("llmpipe/plan.py", "train_metrics"),
     ("llmpipe/settings.py", "n_kv_heads"), ("llmpipe/steps/__init__.py", "earlier_identities_to_keep"),

@@ -47,6 +47,7 @@ def composer_logits(config: dict, run: str, ckpt: str, ids: torch.Tensor) -> tor
 @pytest.mark.parametrize("dtype,tol", [("float32", 1e-4), ("bfloat16", None)])
 def test_export_matches_composer_logits(tiny_run, tmp_path, dtype, tol):
     from llmpipe.convert import convert_checkpoint
+    from llmpipe.stage_settings import ConvertSettings
 
     config = project_config()
     train = json.loads((tiny_run / "results/mpt-tiny/train.json").read_text())
@@ -54,7 +55,8 @@ def test_export_matches_composer_logits(tiny_run, tmp_path, dtype, tol):
     out = tmp_path / "hf"
     out.mkdir()
     tokenizer_dir = tiny_run / "results/tokenizers/bpe-builtin-docs"
-    manifest = convert_checkpoint(run_settings(config, "mpt-tiny"), ckpt, str(tokenizer_dir), str(out), dtype)
+    export = ConvertSettings.from_section({**config["convert"], "dtype": dtype})
+    manifest = convert_checkpoint(run_settings(config, "mpt-tiny"), ckpt, str(tokenizer_dir), str(out), export)
     assert manifest["dtype"] == dtype and (out / "model.safetensors").exists() and (out / "tokenizer.json").exists()
     assert json.loads((out / "config.json").read_text())["attn_config"]["attn_impl"] == "torch"
     if dtype == "float32":  # the trained model's export with transformers' usual calls (tests/test_export.py)

@@ -4,6 +4,7 @@ average, the task-data download (against a local HTTP server) and the dry-run ch
 from __future__ import annotations
 
 import copy
+import dataclasses
 import hashlib
 import http.server
 import inspect
@@ -84,7 +85,9 @@ def test_standin_suite_is_scored_as_hand_computed(tmp_path, monkeypatch):
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "NODE_RANK", "MASTER_ADDR", "MASTER_PORT"):
         monkeypatch.delenv(key, raising=False)
 
+    from llmpipe.config import run_settings
     from llmpipe.evaluate import evaluate
+    from llmpipe.stage_settings import EvalSettings
 
     model = write_repeat_model(str(tmp_path / "model"))
     with MDSWriter(out=str(tmp_path / "mds" / "val"), columns={"text": "str"}) as w:
@@ -97,8 +100,10 @@ def test_standin_suite_is_scored_as_hand_computed(tmp_path, monkeypatch):
         {"name": "free", "benchmarks": [{"name": "lm", "num_fewshot": 0, "random_baseline": 0.0},
                                         {"name": "gen", "num_fewshot": 0, "random_baseline": 0.0}]},
         {"name": "long_answers", "benchmarks": [{"name": "long", "num_fewshot": 0, "random_baseline": 0.5}]}]}
-    ev = evaluate({"name": "repeat", "data": {"concat_tokens": 64}}, model, str(tmp_path / "mds"),
-                  {t["label"]: t["dataset_uri"] for t in tasks}, eval_settings={"batch_size": 2, "val_batches": 1},
+    tiny = run_settings(project_config(), "mpt-tiny")  # a run named repeat, of 64-token sequences
+    repeat = dataclasses.replace(tiny, name="repeat", data=dataclasses.replace(tiny.data, concat_tokens=64))
+    ev = evaluate(repeat, model, str(tmp_path / "mds"), {t["label"]: t["dataset_uri"] for t in tasks},
+                  eval_settings=EvalSettings(batch_size=2, val_batches=1),
                   suite={"name": "stand-in", "icl_tasks": tasks, "eval_gauntlet": gauntlet})
     want = {("mc", "0-shot"): (5, 7), ("mc_first3", "0-shot"): (3, 3), ("lm", "0-shot"): (3, 5),
             ("lm", "2-shot"): (3, 5), ("schema", "0-shot"): (4, 6), ("gen", "0-shot"): (2, 4),
@@ -545,6 +550,8 @@ def test_standard_files_are_counted_from_the_mirror_or_the_manifest(tmp_path):
     assert eval_tasks.suite_items(cfg, "mpt-tiny") == [("copa", 7, 2)]
     tokens, unknown = eval_tokens({"batch_size": 4, "val_batches": 2}, 128, [("copa", 7, 2), ("x", None, 1)])
     assert tokens == (2 * 4 + 7 * 2) * 128 and unknown == ["x"]
+    from llmpipe.stage_settings import EvalSettings
+    assert eval_tokens(EvalSettings(batch_size=4, val_batches=2), 128, [("copa", 7, 2)])[0] == tokens
 
 
 def write_tokenizer_folder(folder):

@@ -53,13 +53,15 @@ def random_checkpoint(rc: dict, path: Path) -> str:
 def export(tmp: Path, umask: int) -> Path:
     """Convert a random mpt-tiny checkpoint under ``umask``; return the export folder."""
     from llmpipe.convert import convert_checkpoint
+    from llmpipe.stage_settings import ConvertSettings
 
     rc = run_settings(project_config(), "mpt-tiny")
     out = tmp / "hf"
     old = os.umask(umask)
     try:
-        convert_checkpoint(rc, random_checkpoint(rc, tmp / "ckpt.pt"), tiny_tokenizer(tmp / "tok"), str(out),
-                           "float32", verify=False)
+        export = ConvertSettings.from_section({**project_config()["convert"], "dtype": "float32"})
+        convert_checkpoint(rc, random_checkpoint(rc, tmp / "ckpt.pt"), tiny_tokenizer(tmp / "tok"), str(out), export,
+                           verify=False)
     finally:
         os.umask(old)
     return out
@@ -102,17 +104,25 @@ def settings(**over) -> dict:
     return {"prompts": [SHORT[0], LONG, SHORT[1]], "max_new_tokens": 8, "do_sample": False, "seed": 17, **over}
 
 
+def typed(**over):
+    """:func:`settings` over the shipped ``generate:`` section, typed as the generation job takes it (no template:
+    the prompt alone, as a pretraining run generates)."""
+    from llmpipe.stage_settings import GenerateSettings
+
+    return GenerateSettings.from_section({**project_config()["generate"], "template": "{prompt}", **settings(**over)})
+
+
 def test_a_prompt_longer_than_the_context_is_truncated_from_the_left(tiny_export):
     """The long prompt keeps its last tokens and leaves room for max_new_tokens; the short prompts' completions are
     those they get alone."""
     from llmpipe.generate import generate
 
-    got = generate(str(tiny_export), settings())
+    got = generate(str(tiny_export), typed())
     assert got["context_tokens"] == 128 and [o["prompt"] for o in got["outputs"]] == [SHORT[0], LONG, SHORT[1]]
     long = got["outputs"][1]
     assert long["prompt_tokens"] > 128 and long["prompt_truncated"] is True
     assert long["prompt_tokens_kept"] == 128 - 8 and 1 <= long["new_tokens"] <= 8
-    alone = generate(str(tiny_export), settings(prompts=SHORT))["outputs"]
+    alone = generate(str(tiny_export), typed(prompts=SHORT))["outputs"]
     for o, a in zip([got["outputs"][0], got["outputs"][2]], alone):
         assert o["prompt_truncated"] is False and o["prompt_tokens_kept"] == o["prompt_tokens"]
         assert o["completion"] == a["completion"] and o["new_tokens"] == a["new_tokens"]
@@ -174,7 +184,7 @@ def test_generation_through_the_placement_gives_the_tokens_of_a_plain_greedy_gen
     if torch.cuda.is_available():
         pytest.skip("checks the CPU placement")
     assert generation_placement(8) == {"device_map": {"": "cpu"}, "max_memory": None, "gpus": 0}
-    got = generate(str(tiny_export), settings(prompts=SHORT, max_new_tokens=12), gpus=8)
+    got = generate(str(tiny_export), typed(prompts=SHORT, max_new_tokens=12), gpus=8)
     assert got["gpus"] == 0 and got["device"] == "cpu"
     tok = AutoTokenizer.from_pretrained(tiny_export)
     model = AutoModelForCausalLM.from_pretrained(tiny_export, trust_remote_code=True, torch_dtype=torch.float32)
@@ -195,16 +205,16 @@ def test_each_prompt_is_sent_in_the_template_and_the_text_sent_is_recorded(tiny_
     from llmpipe.data.instructions import BUILTIN_TEMPLATE, apply_template
     from llmpipe.generate import generate
 
-    got = generate(str(tiny_export), settings(prompts=SHORT, template=BUILTIN_TEMPLATE))
+    got = generate(str(tiny_export), typed(prompts=SHORT, template=BUILTIN_TEMPLATE))
     texts = [apply_template(BUILTIN_TEMPLATE, p) for p in SHORT]
     assert [o["text"] for o in got["outputs"]] == texts == [f"Question: {p}\nAnswer:" for p in SHORT]
     assert [o["prompt"] for o in got["outputs"]] == SHORT and got["settings"]["template"] == BUILTIN_TEMPLATE
-    bare = generate(str(tiny_export), settings(prompts=texts))
+    bare = generate(str(tiny_export), typed(prompts=texts))
     assert [o["text"] for o in bare["outputs"]] == texts and bare["settings"]["template"] == "{prompt}"
     for o, b in zip(got["outputs"], bare["outputs"], strict=True):
         assert (o["completion"], o["new_tokens"], o["prompt_tokens"]) == (b["completion"], b["new_tokens"],
                                                                           b["prompt_tokens"])
-    braces = generate(str(tiny_export), settings(prompts=SHORT[:1], template='{"q": "{prompt}"} =>'))
+    braces = generate(str(tiny_export), typed(prompts=SHORT[:1], template='{"q": "{prompt}"} =>'))
     assert braces["outputs"][0]["text"] == '{"q": "' + SHORT[0] + '"} =>'  # other braces are literal text
 
 

@@ -9,7 +9,8 @@ import math
 import pytest
 
 from llmpipe import dispatch
-from llmpipe.config import run_config
+from llmpipe.config import run_config, run_settings
+from llmpipe.stage_settings import EvalSettings
 from tests.conftest import project_config
 
 pytestmark = pytest.mark.slow
@@ -22,12 +23,15 @@ def _evaluate(wd, tmp_path, processes: int) -> dict:
     config = project_config()
     results = wd / "results"
     corpus = results / "data/builtin-docs"
-    settings = {**config["eval"], "val_batches": -1}  # every held-out sequence: the same ones on any world size
-    icl = {t["label"]: str(corpus / "icl" / f"{t['label']}.jsonl") for t in settings["icl_tasks"]}
+    # every held-out sequence: the same ones on any world size
+    settings = EvalSettings.from_section({**config["eval"], "val_batches": -1})
+    tasks = config["eval"]["icl_tasks"]
+    icl = {t["label"]: str(corpus / "icl" / f"{t['label']}.jsonl") for t in tasks}
     jobs = {"executor": "local", "state_dir": str(tmp_path / f"state{processes}"), "poll_s": 1}
     return dispatch.run_step(
-        evaluate, run_config(config, "mpt-tiny"), str(results / "mpt-tiny/hf"),
-        str(corpus / "bpe-builtin-docs/concat128/mds"), icl, eval_settings=settings, step=f"eval x{processes}",
+        evaluate, run_settings(config, "mpt-tiny"), str(results / "mpt-tiny/hf"),
+        str(corpus / "bpe-builtin-docs/concat128/mds"), icl, eval_settings=settings,
+        suite={"name": "default", "icl_tasks": tasks, "eval_gauntlet": None}, step=f"eval x{processes}",
         resources={"nodes": 1, "gpus_per_node": 0, "tasks_per_node": processes, "time_min": 30},
         config={"dispatch": jobs}, log_dir=str(tmp_path / f"logs{processes}"), key=f"eval-{processes}")
 

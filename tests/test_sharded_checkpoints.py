@@ -87,12 +87,13 @@ def test_sharded_checkpoint_converts_with_fp32_logits_of_the_trained_model(fsdp_
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
     from llmpipe.convert import convert_checkpoint, mpt_config_dict
+    from llmpipe.stage_settings import ConvertSettings
 
     rc = run_settings(project_config(), "mpt-tiny")
     final = str(fsdp_run / load(fsdp_run, TRAIN)["final_checkpoint"])
     out = tmp_path / "hf"
     manifest = convert_checkpoint(rc, final, str(fsdp_run / "results/tokenizers/bpe-builtin-docs"), str(out),
-                                  "float32", max_shard_size="1MB")
+                                  ConvertSettings(dtype="float32", max_shard_size="1MB"))
     assert manifest["source_checkpoint_sharded"] and len(manifest["safetensors_files"]) > 1  # 3.7 MB in 1 MB files
     assert (out / "model.safetensors.index.json").exists() and manifest["peak_rss_gib_export"] > 0
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 
 from llmpipe.config import run_settings, step_resources
+from llmpipe.stage_settings import ConvertSettings
 from llmpipe.steps.context import StepContext, read_json
 
 #: Bump when a change in our code changes the exported folder (reruns conversion and everything after it).
@@ -40,8 +41,7 @@ def convert(ctx: StepContext) -> dict:
 
     run = ctx.wildcards.run
     checkpoint = os.path.abspath(read_json(ctx.input.train)["final_checkpoint"])
-    dtype = ctx.config["convert"]["dtype"]
+    export = ConvertSettings.from_section(ctx.config["convert"])
     ctx.dispatch(convert_checkpoint, run_settings(ctx.config, run), checkpoint, os.path.dirname(ctx.input.tokenizer),
-                 os.path.dirname(ctx.output[0]), dtype, max_shard_size=ctx.config["convert"]["max_shard_size"],
-                 step=f"convert {run}")
-    return {"checkpoint": checkpoint, "dtype": dtype, "resources": ctx.resources}
+                 os.path.dirname(ctx.output[0]), export, step=f"convert {run}")
+    return {"checkpoint": checkpoint, "dtype": export.dtype, "resources": ctx.resources}

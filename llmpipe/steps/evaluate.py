@@ -10,7 +10,8 @@ from __future__ import annotations
 import os
 
 from llmpipe import eval_tasks
-from llmpipe.config import run_config, step_resources
+from llmpipe.config import run_config, run_settings, step_resources
+from llmpipe.stage_settings import EvalSettings
 from llmpipe.steps.context import StepContext
 from llmpipe.steps.data import instructions_identity
 
@@ -78,9 +79,10 @@ def evaluate(ctx: StepContext) -> dict:
 
     run = ctx.wildcards.run
     suite, files = icl_suite(ctx)
-    result = ctx.dispatch(evaluate_model, run_config(ctx.config, run), os.path.dirname(ctx.input.model),
+    result = ctx.dispatch(evaluate_model, run_settings(ctx.config, run), os.path.dirname(ctx.input.model),
                           os.path.join(os.path.dirname(ctx.input.data), "mds"), files,
-                          eval_settings=ctx.config["eval"], suite=suite, step=f"eval {run}")
+                          eval_settings=EvalSettings.from_section(ctx.config["eval"]), suite=suite,
+                          step=f"eval {run}")
     ctx.write_json(result)
     return {"eval": ctx.config["eval"], "run": run_config(ctx.config, run), "resources": ctx.resources}
 
@@ -91,8 +93,9 @@ def finetune_eval(ctx: StepContext) -> dict:
 
     run = ctx.wildcards.run
     suite, files = icl_suite(ctx)
-    result = ctx.dispatch(evaluate_finetune, run_config(ctx.config, run), os.path.dirname(ctx.input.model),
-                          os.path.dirname(ctx.input.instructions), files, eval_settings=ctx.config["eval"],
-                          suite=suite, step=f"eval {run}")
+    result = ctx.dispatch(evaluate_finetune, run_settings(ctx.config, run), os.path.dirname(ctx.input.model),
+                          os.path.dirname(ctx.input.instructions), files,
+                          eval_settings=EvalSettings.from_section(ctx.config["eval"]), suite=suite,
+                          step=f"eval {run}")
     ctx.write_json(result)
     return {"eval": ctx.config["eval"], "run": run_config(ctx.config, run), "resources": ctx.resources}

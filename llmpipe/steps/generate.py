@@ -15,6 +15,7 @@ import os
 from llmpipe.atomic import remove_if_exists
 from llmpipe.config import ConfigError, is_finetune, run_config, step_resources, written_at
 from llmpipe.data.instructions import PROMPT_FIELD, instruction_template
+from llmpipe.stage_settings import GenerateSettings
 from llmpipe.steps.context import StepContext
 
 #: Bump when a change in our code changes generate.json (reruns generation).
@@ -58,6 +59,18 @@ def generate_settings(config: dict, run: str) -> dict:
     return out
 
 
+def run_generate_settings(config: dict, run: str) -> GenerateSettings:
+    """The typed generation settings of one run (:func:`generate_settings` resolved, as
+    :class:`llmpipe.stage_settings.GenerateSettings`): what the generation job takes.
+
+    Raises:
+        ConfigError: an unknown run (:func:`llmpipe.config.run_config`).
+        ValueError: an unknown ``generate.long_prompts`` (the schema refuses one first).
+    """
+    g = generate_settings(config, run)
+    return GenerateSettings.from_section(g, prompts_at=g["prompts_at"], template_at=g.get("template_at"))
+
+
 def generate_identity(config: dict, run: str) -> dict:
     """What determines generate.json besides the model (its input): the run's prompts, the template they are put
     in (:func:`generate_settings`) and the sampling settings."""
@@ -83,13 +96,12 @@ def generate(ctx: StepContext) -> dict:
     from llmpipe.generate import generate as answer_prompts
 
     run = ctx.wildcards.run
-    settings = generate_settings(ctx.config, run)
+    settings = run_generate_settings(ctx.config, run)
     result = ctx.dispatch(answer_prompts, os.path.dirname(ctx.input[0]), settings,
-                          gpus=int(ctx.resources["gpus_per_node"]), prompts_at=settings["prompts_at"],
-                          step=f"generate {run}")
+                          gpus=int(ctx.resources["gpus_per_node"]), step=f"generate {run}")
     for i, out in enumerate(result["outputs"]):
         if out.get("prompt_truncated"):
-            ctx.log(f"{settings['prompts_at']}[{i}] has {out['prompt_tokens']} tokens, more than fit the context of "
+            ctx.log(f"{settings.prompts_at}[{i}] has {out['prompt_tokens']} tokens, more than fit the context of "
                     f"{result['context_tokens']} with the new tokens: its first "
                     f"{out['prompt_tokens'] - out['prompt_tokens_kept']} tokens were dropped.")
     failed = [out for out in result["outputs"] if "error" in out]
@@ -102,4 +114,4 @@ def generate(ctx: StepContext) -> dict:
                    f"{len(result['outputs'])}) and these errors are in {partial}.")
     remove_if_exists(partial)  # a failed run's partial answers are stale now
     ctx.write_json(result)
-    return {"generate": settings, "resources": ctx.resources}
+    return {"generate": generate_settings(ctx.config, run), "resources": ctx.resources}
