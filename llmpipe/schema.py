@@ -507,4 +507,6 @@ def message(error: Any, prefix: list[str] | tuple = ()) -> str:
     if kind in bounds:
         return (f"{where} is {_repr(value)}; it must be {bounds[kind]} {error.validator_value}{_described(node)}. "
                 f"Fix: set {where} to such a value.")
+    if kind == "minItems" and node.get("x-must"):
+        return f"{where} is {_repr(value)}; it must {_must(node)}{_described(node)}. Fix: set {where} to such a list."
     return f"{where} is {_repr(value)}: {error.message}{_described(node)}. Fix: set {where} as its description says."

@@ -283,6 +283,10 @@ SCHEMA_ERRORS = [
      r"^generate\.prompts\[1\] is ''; it must be text with a character other than spaces.*Fix: write the prompt's "
      r"text there, or remove the empty entry from the list"),
     ({"generate": {"prompts": [3]}}, r"^generate\.prompts\[0\] is 3; it must be text .*quote a prompt"),
+    # no prompt at all gave the generation step nothing to write; found in the dry run, not in the job
+    ({"generate": {"prompts": []}}, r"^generate\.prompts is \[\]; it must be a list of at least one prompt"),
+    ({"finetunes": {"mpt-tiny-sft": {"generate": {"prompts": []}}}},
+     r"^finetunes\.mpt-tiny-sft\.generate\.prompts is \[\]; it must be null \(generate\.prompts\) or a list of at least"),
     ({"generate": {"prompts": [{"Question": "what?"}]}},
      r"^generate\.prompts\[0\] is \{'Question': 'what\?'\}; it must be text .*holding ': '"),
     ({"finetunes": {"mpt-tiny-sft": {"generate": {"prompts": [" "]}}}},
