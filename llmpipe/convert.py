@@ -161,6 +161,10 @@ def convert_checkpoint(settings: RunSettings, ckpt_path: str, tokenizer_dir: str
     tokenizer = save_export_tokenizer(tokenizer_dir, tmp)
     # transformers' pipeline() loads a remote-code model's tokenizer only when its config names the class
     export.config.tokenizer_class = tokenizer["class"]
+    # generate() without pad/eos arguments stops at EOS and pads batches with the tokenizer's pad token
+    # (generation_config.json); None where the tokenizer has none
+    export.generation_config.pad_token_id = tokenizer["pad_token_id"]
+    export.generation_config.eos_token_id = tokenizer["eos_token_id"]
     export.save_pretrained(tmp, safe_serialization=True, max_shard_size=max_shard_size)
     edit_files_for_hf_compatibility(tmp)
     state_tied_embeddings(tmp, bool(getattr(export.config, "tie_word_embeddings", True)))
@@ -210,7 +214,8 @@ def save_export_tokenizer(tokenizer_dir: str, out_dir: str) -> dict:
     tokenizer, which ``save_pretrained`` writes to ``tokenizer_config.json``.
 
     Returns:
-        ``{"class", "pad_token", "pad_token_id", "padding_side", "model_input_names"}`` of the saved tokenizer
+        ``{"class", "pad_token", "pad_token_id", "eos_token_id", "padding_side", "model_input_names"}`` of the saved
+        tokenizer
         (``class``: the ``tokenizer_class`` of its ``tokenizer_config.json``, for the model's config).
 
     Raises:
@@ -230,7 +235,7 @@ def save_export_tokenizer(tokenizer_dir: str, out_dir: str) -> dict:
     tok.save_pretrained(out_dir)
     saved = read_json(os.path.join(out_dir, "tokenizer_config.json"), {}) or {}
     return {"class": saved.get("tokenizer_class") or type(tok).__name__, "pad_token": tok.pad_token,
-            "pad_token_id": tok.pad_token_id, "padding_side": tok.padding_side,
+            "pad_token_id": tok.pad_token_id, "eos_token_id": tok.eos_token_id, "padding_side": tok.padding_side,
             "model_input_names": list(tok.model_input_names)}
 
 

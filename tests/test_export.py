@@ -342,6 +342,8 @@ print(json.dumps({
     "batched_new": [generated[i, width:].tolist() for i in range(len(texts))],
     "alone_new": [a[0, a.shape[1] - new:].tolist() for a in alone], "pad_max_abs_logit_diff": pad_diff,
     "pipeline": piped, "pipeline_expected": texts[0] + tok.decode(alone[0][0, -new:], skip_special_tokens=True),
+    "generation_config": {"pad_token_id": model.generation_config.pad_token_id,
+                          "eos_token_id": model.generation_config.eos_token_id},
 }))
 """
 
@@ -366,6 +368,8 @@ def usual_calls(folder: Path, tokenizer_dir: Path) -> dict:
     assert got["batched_new"] == got["alone_new"]
     assert got["pad_max_abs_logit_diff"] < 1e-4, got  # padding changes no score
     assert got["pipeline"] == got["pipeline_expected"]
+    # generate() called without pad/eos ids uses the tokenizer's (generation_config.json)
+    assert got["generation_config"] == {"pad_token_id": got["pad_token_id"], "eos_token_id": got["eos_token_id"]}
     return got
 
 
@@ -376,5 +380,6 @@ def test_the_exported_tokenizer_works_with_the_usual_calls(tiny_export):
     got = usual_calls(tiny_export, tiny_export.parent / "tok")
     manifest = json.loads((tiny_export / "manifest.json").read_text())
     assert manifest["tokenizer"] == {"class": "PreTrainedTokenizer", "pad_token": got["pad_token"],
-                                     "pad_token_id": got["pad_token_id"], "padding_side": "left",
+                                     "pad_token_id": got["pad_token_id"], "eos_token_id": got["eos_token_id"],
+                                     "padding_side": "left",
                                      "model_input_names": ["input_ids", "attention_mask"]}
