@@ -368,10 +368,13 @@ def step_resources(config: dict, step: str, run: str | None = None) -> dict:
     Training uses ``models.<run>.resources``; other steps use their own section (``convert.resources`` ...)
     overlaid with ``models.<run>.step_resources.<step>`` when given. A finetune's training (step ``train``)
     uses ``finetunes.<run>.resources`` over ``finetune_defaults.resources``, and its other steps
-    ``finetunes.<run>.step_resources.<step>``.
+    ``finetunes.<run>.step_resources.<step>``. Every value but ``tasks_per_node`` is read as the validated config
+    has it (each section's defaults are the schema's); ``tasks_per_node`` is one per GPU on GPU nodes, else the
+    value written (1 when none is).
 
     Raises:
-        KeyError: ``step`` has no resources of its own (keys are checked by :func:`llmpipe.schema.check`).
+        KeyError: ``step`` has no resources of its own, or a config not checked by :func:`llmpipe.schema.check`
+            (a section without its schema defaults).
     """
     if step == "train":
         res = dict(run_config(config, run)["resources"])
@@ -381,11 +384,10 @@ def step_resources(config: dict, step: str, run: str | None = None) -> dict:
         res = dict(config[step].get("resources", {}))
         if run is not None:
             res.update((_run_section(config, run).get("step_resources") or {}).get(step) or {})
-    res.setdefault("nodes", 1)
-    res.setdefault("gpus_per_node", 0)
-    res.setdefault("cpus_per_task", 1)
-    res.setdefault("mem_gb", 0)
-    res.setdefault("time_min", 60)
+    missing = [k for k in ("nodes", "gpus_per_node", "cpus_per_task", "mem_gb", "time_min") if k not in res]
+    if missing:
+        raise KeyError(f"the resources of step {step} have no {', '.join(missing)}: the config was not validated "
+                       f"(llmpipe.schema.check fills each section's defaults)")
     if step == "convert" and run is not None and not float(res["mem_gb"] or 0):
         res["mem_gb"] = convert_mem_gb(config, run)
     placed = inference_plan(config, step, run) if step in ("eval", "generate") and run is not None else None
@@ -421,13 +423,13 @@ def inference_plan(config: dict, step: str, run: str) -> dict | None:
     """
     section = dict(config[step].get("resources", {}))
     override = (_run_section(config, run).get("step_resources") or {}).get(step) or {}
-    gpus = int(override.get("gpus_per_node", section.get("gpus_per_node", 0)) or 0)
+    gpus = int((override["gpus_per_node"] if "gpus_per_node" in override else section["gpus_per_node"]) or 0)
     if gpus <= 0 or not config.get("gpu_type"):
         return None
     rc = run_config(config, run)
     if "d_model" not in (rc.get("arch") or {}):
         return None
-    node = int(rc["resources"].get("gpus_per_node", 0) or 0)
+    node = int(rc["resources"]["gpus_per_node"] or 0)
     if override.get("gpus_per_node") is not None and node and int(override["gpus_per_node"]) > node:
         where = section_path(config, run)
         raise ConfigError(f"{where}.step_resources.{step}.gpus_per_node is {override['gpus_per_node']}, more than "
@@ -436,8 +438,7 @@ def inference_plan(config: dict, step: str, run: str) -> dict | None:
     from llmpipe import inference_placement
     return inference_placement.plan_gpus(
         rc, step, capacity_gb=gpu_memory(config),
-        section_gpus=int(section.get("gpus_per_node", 0) or 0),
-        node_gpus=int(rc["resources"].get("gpus_per_node", 0) or 0), requested=override.get("gpus_per_node"),
+        section_gpus=int(section["gpus_per_node"] or 0), node_gpus=node, requested=override.get("gpus_per_node"),
         batch_size=int(config["eval"]["batch_size"]) if step == "eval" else 1)
 
 
@@ -530,7 +531,8 @@ def finetune_run_config(config: dict, run: str) -> dict:
         arch = deep_merge(md.get("arch", {}), ft.get("arch"))
         data["icl_corpus"] = data.get("icl_corpus") or (md.get("data") or {}).get("corpus")
     data["corpus"] = data["icl_corpus"]
-    data["concat_tokens"] = int(data.get("max_seq_len") or arch.get("max_seq_len", 2048))
+    seq = data.get("max_seq_len") or arch.get("max_seq_len")  # None: a hub base without arch, refused by the checks
+    data["concat_tokens"] = None if seq is None else int(seq)
     return {
         "name": run,
         "kind": "finetune",

@@ -123,7 +123,7 @@ def fetch_task_files(files: list[str], dest: str, settings: dict, *, wait_s: flo
     Raises:
         TaskDataError: a file is missing (local), cannot be downloaded, is empty or is not jsonl.
     """
-    source = settings.get("source", "github")
+    source = settings["source"]
     manifest_path = os.path.join(dest, "manifest.json")
     previous = (read_json(manifest_path) or {}).get("files", {})
     out_files = {}
@@ -150,7 +150,7 @@ def fetch_task_files(files: list[str], dest: str, settings: dict, *, wait_s: flo
             done = (old and os.path.isfile(out) and os.path.getsize(out) == old.get("bytes")
                     and sha256_file(out) == old.get("sha256"))
             if not done:
-                _download(url, out, retries=max(1, int(settings.get("retries", 5))), wait_s=wait_s,
+                _download(url, out, retries=max(1, int(settings["retries"])), wait_s=wait_s,
                           timeout_s=timeout_s)
             entry["url"] = url
         items = count_items(out)

@@ -131,7 +131,7 @@ def known_items(config: Mapping, task: Mapping, suite_name_: str) -> int | None:
     td = (config.get("eval") or {}).get("task_data") or {}
     if td.get("source") == "local" and td.get("local_dir") and os.path.isfile(os.path.join(td["local_dir"], uri)):
         return count_items(os.path.join(td["local_dir"], uri))
-    manifest = os.path.join(task_data_dir(str(config.get("results_dir", "results")), suite_name_), "manifest.json")
+    manifest = os.path.join(task_data_dir(str(config["results_dir"]), suite_name_), "manifest.json")
     rec = ((read_json(manifest) or {}).get("files") or {}).get(uri) or {}
     return int(rec["items"]) if rec.get("items") is not None else None
 
@@ -269,7 +269,7 @@ def file_on_disk(config: Mapping, task: Mapping, suite_name_: str, corpus: str) 
     if src == "foundry" and td.get("source") == "local" and td.get("local_dir"):
         path = os.path.join(td["local_dir"], uri)
     else:
-        path = task_path(task, results_dir=str(config.get("results_dir", "results")), corpus=corpus,
+        path = task_path(task, results_dir=str(config["results_dir"]), corpus=corpus,
                          suite=suite_name_)
     return path if os.path.isfile(path) else None
 
@@ -294,7 +294,7 @@ def check_answers_fit(config: Mapping, run: str, suite_name_: str, s: Mapping) -
     from llmpipe.config import run_config
 
     data = run_config(config, run)["data"]  # type: ignore[arg-type]
-    tok_dir = os.path.join(str(config.get("results_dir", "results")), "tokenizers", str(data["tokenizer"]))
+    tok_dir = os.path.join(str(config["results_dir"]), "tokenizers", str(data["tokenizer"]))
     manifest = os.path.join(tok_dir, "manifest.json")
     if not os.path.isfile(manifest):
         return

@@ -150,8 +150,8 @@ def _fsdp(rc: Mapping, world_size: int, gpus_per_node: int) -> dict | None:
 
 def _logits_bytes(rc: Mapping, tokens: int, vocab: int) -> float:
     train = rc['train']
-    fused = train.get('fused_loss', False)
-    if rc.get('kind') != 'finetune' and fused and not train.get('train_metrics', False):
+    fused = train['fused_loss']
+    if rc.get('kind') != 'finetune' and fused and not train['train_metrics']:
         chunk = fused.get('chunk_size') if isinstance(fused, Mapping) else None
         rows = int(chunk) if chunk else min(8192, max(1, 2**29 // vocab))
         kernel = fused.get('kernel', 'liger') if isinstance(fused, Mapping) else 'liger'

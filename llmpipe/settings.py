@@ -540,7 +540,7 @@ class RunSettings:
         data_at = origins("data", ("corpus", "tokenizer", concat_key, "instructions", "packing_ratio"),
                           {concat_key: "concat_tokens"})
         kv_key = "n_kv_heads" if arch.get("n_kv_heads") is not None else "attn_config.kv_n_heads"
-        kv = arch.get("n_kv_heads", (arch.get("attn_config") or {}).get("kv_n_heads"))
+        kv = arch["n_kv_heads"] if kv_key == "n_kv_heads" else (arch.get("attn_config") or {}).get("kv_n_heads")
         arch_at = {**origins("arch", ARCH_REQUIRED), "n_kv_heads": at("arch", kv_key)}
         train_keys = ("global_batch_size", "microbatch_size", "max_duration_batches")
         train_at = {**origins("train", train_keys), "t_max": at("train", "scheduler.t_max")}

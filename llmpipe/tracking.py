@@ -59,7 +59,7 @@ def settings(config: dict) -> dict | None:
                               f"Fix: {fix}, or remove {name} from tracking.loggers.")
     uri = t.get("mlflow_tracking_uri")
     if not uri:
-        store = os.path.abspath(os.path.join(config.get("results_dir", "results"), "tracking", "mlruns"))
+        store = os.path.abspath(os.path.join(config["results_dir"], "tracking", "mlruns"))
         uri = "file://" + store
     return {"loggers": loggers, "experiment": t.get("experiment") or "llmpipe", "mlflow_tracking_uri": uri,
             "wandb_mode": t.get("wandb_mode") or "offline", "wandb_entity": t.get("wandb_entity")}
