@@ -28,14 +28,11 @@ import importlib.util
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from llmpipe.schema import node_at
 from llmpipe.settings import ConfigError
 
 #: ``train.fp8.recipe`` values: torchao's ``Float8LinearRecipeName`` names.
 RECIPES = ("tensorwise", "rowwise")
-#: The recipe of ``fp8: true`` and of a mapping without ``recipe``.
-DEFAULT_RECIPE = "tensorwise"
-#: ``train.fp8.min_features`` when not given: a linear with fewer input or output features stays in bf16.
-DEFAULT_MIN_FEATURES = 1024
 #: Lowest CUDA compute capability with FP8 tensor cores per recipe (Ada 8.9: tensorwise; rowwise scaling in
 #: ``torch._scaled_mm`` needs Hopper, 9.0).
 MIN_CAPABILITY = {"tensorwise": (8, 9), "rowwise": (9, 0)}
@@ -48,12 +45,20 @@ OUTPUT_LAYER_NAMES = frozenset({"lm_head", "output", "embed_out"})
 CALLBACK_NAME = "llmpipe_fp8"
 
 
+def fp8_defaults() -> dict:
+    """The FP8 settings a value leaves out, from the schema (``train.fp8``'s ``x-default`` of ``recipe`` and
+    ``min_features``): the recipe of ``fp8: true`` and of a mapping without one, and the smallest input or output
+    features of a linear trained in FP8 (fewer stay bf16), e.g. ``{"recipe": "tensorwise", "min_features": 1024}``."""
+    props = node_at("#/$defs/train")["properties"]["fp8"]["anyOf"][2]["properties"]
+    return {"recipe": props["recipe"]["x-default"], "min_features": int(props["min_features"]["x-default"])}
+
+
 def fp8_settings(train: Mapping, where: str = "train") -> dict | None:
     """The FP8 settings of a run's ``train`` section.
 
-    ``fp8`` is ``false``/``null`` (off, the default), ``true`` (:data:`DEFAULT_RECIPE`), a recipe name
+    ``fp8`` is ``false``/``null`` (off, the default), ``true`` (:func:`fp8_defaults`), a recipe name
     (``tensorwise`` | ``rowwise``), or a mapping ``{recipe: tensorwise | rowwise | null, min_features: int | null}``
-    (``min_features`` null: :data:`DEFAULT_MIN_FEATURES`; at least 16).
+    (``min_features`` null: :func:`fp8_defaults`; at least 16).
 
     Returns:
         None when off, else ``{"recipe": str, "min_features": int}``.
@@ -64,13 +69,14 @@ def fp8_settings(train: Mapping, where: str = "train") -> dict | None:
     value = train.get("fp8")  # not written: off
     if value is None or value is False:
         return None
+    default = fp8_defaults()
     if value is True:
-        return {"recipe": DEFAULT_RECIPE, "min_features": DEFAULT_MIN_FEATURES}
+        return default
     if isinstance(value, str):
         if value.strip().lower() in RECIPES:
-            return {"recipe": value.strip().lower(), "min_features": DEFAULT_MIN_FEATURES}
+            return {"recipe": value.strip().lower(), "min_features": default["min_features"]}
         raise ConfigError(f"{where}.fp8 is {value!r}; the recipes are {' | '.join(RECIPES)}. Fix: fp8: "
-                          f"{{recipe: {DEFAULT_RECIPE}}} (or false for bf16).")
+                          f"{{recipe: {default['recipe']}}} (or false for bf16).")
     if not isinstance(value, Mapping):
         raise ConfigError(f"{where}.fp8 is {value!r}; it must be false, true, a recipe ({' | '.join(RECIPES)}) or "
                           f"a mapping {{recipe: <{'|'.join(RECIPES)}>, min_features: <int>}}.")
@@ -79,16 +85,16 @@ def fp8_settings(train: Mapping, where: str = "train") -> dict | None:
         raise ConfigError(f"{where}.fp8.{unknown[0]} is not an fp8 setting; it takes recipe and min_features. "
                           f"Fix: remove it.")
     recipe = value.get("recipe")
-    recipe = DEFAULT_RECIPE if recipe is None else str(recipe).strip().lower()
+    recipe = default["recipe"] if recipe is None else str(recipe).strip().lower()
     if recipe not in RECIPES:
         raise ConfigError(f"{where}.fp8.recipe is {value.get('recipe')!r}; it must be one of {', '.join(RECIPES)} "
-                          f"(null: {DEFAULT_RECIPE}).")
+                          f"(null: {default['recipe']}).")
     low = value.get("min_features")
     if low is None:
-        low = DEFAULT_MIN_FEATURES
+        low = default["min_features"]
     if isinstance(low, bool) or not isinstance(low, int) or low < 16:
         raise ConfigError(f"{where}.fp8.min_features must be an integer >= 16 (linears with fewer input or output "
-                          f"features stay bf16) or null ({DEFAULT_MIN_FEATURES}), got {value.get('min_features')!r}.")
+                          f"features stay bf16) or null ({default['min_features']}), got {value.get('min_features')!r}.")
     return {"recipe": recipe, "min_features": int(low)}
 
 
@@ -159,7 +165,7 @@ def require_fp8_runtime(recipe: str, where: str = "train.fp8") -> None:
                           f"or set {where}: false.")
 
 
-def fp8_module_filter(model: Any, min_features: int = DEFAULT_MIN_FEATURES) -> Callable[[Any, str], bool]:
+def fp8_module_filter(model: Any, min_features: int) -> Callable[[Any, str], bool]:
     """The ``module_filter_fn`` for ``convert_to_float8_training``: True for the ``nn.Linear`` layers of
     ``model`` that go to FP8.
 
@@ -197,7 +203,7 @@ def fp8_module_filter(model: Any, min_features: int = DEFAULT_MIN_FEATURES) -> C
     return convert
 
 
-def convert_model(model: Any, recipe: str = DEFAULT_RECIPE, min_features: int = DEFAULT_MIN_FEATURES) -> list[str]:
+def convert_model(model: Any, recipe: str, min_features: int) -> list[str]:
     """Swap ``model``'s eligible ``nn.Linear`` layers (:func:`fp8_module_filter`) for torchao ``Float8Linear``
     in place, with torchao's ``recipe`` (``Float8LinearConfig.from_recipe_name``).
 
@@ -253,8 +259,7 @@ def register() -> None:
     class Fp8Training(Callback):
         """Swap the model's linear layers for torchao Float8Linear at Event.INIT (:func:`convert_model`)."""
 
-        def __init__(self, recipe: str = DEFAULT_RECIPE, min_features: int = DEFAULT_MIN_FEATURES,
-                     where: str = "train.fp8") -> None:
+        def __init__(self, recipe: str, min_features: int, where: str = "train.fp8") -> None:
             require_fp8_runtime(recipe, where)
             self.recipe, self.min_features = recipe, int(min_features)
             self.converted: list[str] = []

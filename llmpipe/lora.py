@@ -22,6 +22,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from llmpipe.schema import node_at
 from llmpipe.settings import ConfigError, LoraSettings
 
 __all__ = ["MERGE_TOLERANCE", "adapter_param_count", "check_lora", "lora_settings", "merge_adapters",
@@ -102,7 +103,7 @@ def check_lora(lora: Mapping | None, arch: Mapping, where: str) -> None:
 
 def lora_settings(lora: Mapping | LoraSettings | None) -> dict | None:
     """The LoRA settings a finetune trains with, defaults filled in: ``{'r', 'alpha' (default 2 x r), 'dropout'
-    (default 0), 'target_modules' (sorted, unique)}``; None without LoRA. These are the finetune's identity (the
+    (default: the schema's ``x-default``, 0), 'target_modules' (sorted, unique)}``; None without LoRA. These are the finetune's identity (the
     order of ``target_modules`` and a default written out change nothing) and llm-foundry's ``peft_config``.
     ``lora``: the ``lora:`` mapping as written (identity) or the typed :class:`llmpipe.settings.LoraSettings`."""
     if isinstance(lora, LoraSettings):
@@ -110,8 +111,10 @@ def lora_settings(lora: Mapping | LoraSettings | None) -> dict | None:
     if not lora:
         return None
     r = int(lora["r"])
-    alpha = lora.get("alpha")
-    return {"r": r, "alpha": float(2 * r if alpha is None else alpha), "dropout": float(lora.get("dropout") or 0.0),
+    alpha, dropout = lora.get("alpha"), lora.get("dropout")
+    if dropout is None:  # not written: the schema's x-default
+        dropout = node_at("#/$defs/finetune")["properties"]["lora"]["properties"]["dropout"]["x-default"]
+    return {"r": r, "alpha": float(2 * r if alpha is None else alpha), "dropout": float(dropout),
             "target_modules": sorted(set(lora["target_modules"]))}
 
 

@@ -20,7 +20,7 @@ import llmpipe.fp8 as F  # noqa: E402
 from llmpipe.config import ConfigError, deep_merge, run_config, run_settings, validate_run  # noqa: E402
 from tests import test_fused_loss as TFL  # noqa: E402
 
-DEFAULT = F.DEFAULT_MIN_FEATURES
+DEFAULT = F.fp8_defaults()['min_features']   # the schema's x-default
 
 
 def _config(run: str, train: dict, **section) -> dict:
@@ -193,7 +193,7 @@ def test_filter_min_features_and_multiple_of_16():
     with pytest.raises(ValueError, match=r'converted no layer of ComposerMPTCausalLM.*min_features 129'):
         F.convert_model(small, 'tensorwise', min_features=129)   # every linear has 128 in or out features
     with pytest.raises(ValueError, match=r'converted no layer.*min_features 1024'):
-        F.convert_model(_tiny_mpt(expansion_ratio=4), 'tensorwise')   # the default keeps a tiny model bf16
+        F.convert_model(_tiny_mpt(expansion_ratio=4), 'tensorwise', DEFAULT)   # the default keeps a tiny model bf16
 
 
 def test_filter_keeps_the_output_layer_of_a_hugging_face_model():
@@ -221,7 +221,7 @@ def _fake_gpu(monkeypatch, capability, name='NVIDIA A100-SXM4-80GB'):
 def _build_callback(**kw):
     from llmfoundry.utils.builders import build_callback
     F.register()
-    return build_callback(F.CALLBACK_NAME, kwargs={'where': 'models.mpt-1b.train.fp8', **kw})
+    return build_callback(F.CALLBACK_NAME, kwargs={'where': 'models.mpt-1b.train.fp8', 'min_features': DEFAULT, **kw})
 
 
 def test_callback_fails_early_without_a_gpu():
