@@ -267,7 +267,7 @@ def test_each_run_generates_with_its_own_prompts_and_template():
     template is part of generation's identity."""
     from llmpipe.config import deep_merge
     from llmpipe.data.instructions import BUILTIN_TEMPLATE, builtin_instructions
-    from llmpipe.steps.generate import generate_identity, generate_settings
+    from llmpipe.steps.generate import generate_identity, generate_settings, run_generate_settings
 
     config = project_config()
     shipped = config["generate"]["prompts"]
@@ -279,6 +279,9 @@ def test_each_run_generates_with_its_own_prompts_and_template():
         "mpt-tiny-sft": (BUILTIN_TEMPLATE, "instruction_sets.python-docs-qa", shipped),
         "mpt-tiny-sft-lora": (BUILTIN_TEMPLATE, "instruction_sets.python-docs-qa", shipped),
         "mpt-7b-dolly": ("{prompt}", "instruction_sets.dolly_hhrlhf", shipped)}  # its prompts hold their format
+    typed = run_generate_settings(config, "mpt-tiny-sft")  # what the job takes: the same values, typed
+    assert (typed.template, typed.template_at, list(typed.prompts)) == (
+        BUILTIN_TEMPLATE, "instruction_sets.python-docs-qa", shipped)
     row = builtin_instructions(50)["train"][0]  # the training prompts: the same template around the question
     question = row["prompt"][len("Question: "):-len("\nAnswer:")]
     assert row["prompt"] == BUILTIN_TEMPLATE.replace("{prompt}", question)
