@@ -94,7 +94,7 @@ def _worker(rank: int, world: int, port: int, out_path: str, free_grads: bool) -
     from llmpipe.attention import mpt_attn_config
     cfg['model']['init_device'] = 'cpu'
     cfg['model']['attn_config'] = mpt_attn_config(cfg['model'].get('attn_config') or {}, 'sdpa')
-    seq, vocab = int(rc['data']['concat_tokens']), int(rc['arch']['vocab_size'])
+    seq, vocab = rc.data.concat_tokens, rc.arch.vocab_size
     synthetic = {'name': 'test_tokens', 'seq_len': seq, 'vocab_size': vocab, 'num_samples': 64}
     cfg['train_loader'] = {**synthetic, 'seed': 17}
     cfg['eval_loader'] = {**synthetic, 'seed': 18, 'label': 'val'}
