@@ -27,9 +27,9 @@ import sys
 import threading
 import time
 from typing import Any
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
-from llmpipe import job_failures
+from llmpipe import job_failures, schema
 from llmpipe.orphans import DieWithParent
 from llmpipe import progress as progress_record
 
@@ -72,9 +72,23 @@ def job_key(*parts: Any) -> str:
     return hashlib.sha1(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
+def setting(config: Mapping, section: str, key: str) -> Any:
+    """``<section>.<key>`` of ``config`` (``dispatch`` or ``slurm``) as written, else the schema's default: a job's
+    config may hold only some keys (``{"dispatch": {"executor": "local"}}``), the validated config holds them all.
+
+    Raises:
+        KeyError: the schema gives the key no default."""
+    values = config.get(section) or {}
+    if key in values:
+        return values[key]
+    node = schema.load()["properties"][section]  # a section's defaults: its own properties, else its $ref's
+    prop = node.get("properties", {}).get(key, {})
+    return (prop if "default" in prop else schema.node_at(node["$ref"])["properties"][key])["default"]
+
+
 def executor_kind(config: dict) -> str:
-    """``dispatch.executor`` of ``config``: ``local`` (the default), ``slurm`` or ``debug``."""
-    return (config.get("dispatch") or {}).get("executor", "local")
+    """``dispatch.executor`` of ``config``: ``local`` (the schema's default), ``slurm`` or ``debug``."""
+    return setting(config, "dispatch", "executor")
 
 
 def with_executor(config: dict, executor: str | None) -> dict:
@@ -162,11 +176,11 @@ def _logged_host(stderr_path) -> str:
 
 
 def _slurm_poll_s(config: dict) -> float:
-    return float((config.get("slurm") or {}).get("poll_s", 30))
+    return float(setting(config, "slurm", "poll_s"))
 
 
 def _record_path(config: dict, key: str) -> str:
-    d = (config.get("dispatch") or {}).get("state_dir", ".llmpipe/jobs")
+    d = setting(config, "dispatch", "state_dir")
     os.makedirs(d, exist_ok=True)
     return os.path.join(d, f"{key}.json")
 
@@ -318,9 +332,8 @@ def _local_jobs_die_with_us(jobs: Sequence[Any], what: str, log_file: str | None
             signal.signal(signal.SIGTERM, previous)
 
 
-def _wait(job, log_file: str | None, poll_s: float, what: str, slurm_poll_s: float = 30.0,
-          progress: Callable[[], str | None] | None = None, progress_path: str | None = None,
-          progress_s: float = 30.0) -> list:
+def _wait(job, log_file: str | None, poll_s: float, what: str, slurm_poll_s: float,
+          progress: Callable[[], str | None] | None, progress_path: str | None, progress_s: float) -> list:
     """Block until ``job`` ends; return the results of all its tasks. Raise StepFailed with state and log.
 
     Slurm jobs: sacct is asked at least every ``slurm_poll_s`` seconds (submitit's own watcher backs off to 10
@@ -513,8 +526,8 @@ def _wait_and_forget(job, config: dict, rec_path: str, log_dir: str, step: str, 
                      progress: Callable[[], str | None] | None) -> list:
     """:func:`_wait` for ``job`` (local jobs are cancelled if this process is interrupted); once it ended, remove
     its record and submitit's empty folder pattern."""
-    poll_s = float((config.get("dispatch") or {}).get("poll_s", 5))
-    progress_s = float((config.get("dispatch") or {}).get("progress_s", 30))
+    poll_s = float(setting(config, "dispatch", "poll_s"))
+    progress_s = float(setting(config, "dispatch", "progress_s"))
     try:
         with _local_jobs_die_with_us([job], step, log_file):
             return _wait(job, log_file, poll_s, step, _slurm_poll_s(config), progress,
@@ -594,7 +607,7 @@ def _wait_array(jobs: list, step: str, config: dict, log_file: str | None,
                 on_result: Callable | None) -> tuple[list, list[str]]:
     """Wait for every job of an array; (results in order, None for failed ones; failure texts). On Slurm each
     task's end is logged with its state, node and log."""
-    poll_s = float((config.get("dispatch") or {}).get("poll_s", 5))
+    poll_s = float(setting(config, "dispatch", "poll_s"))
     results: list = [None] * len(jobs)
     pending = set(range(len(jobs)))
     failures: list[str] = []

@@ -95,7 +95,7 @@ class StepContext:
                    log_dir=None if log_dir is None else os.path.join(config["results_dir"], "logs",
                                                                      f"{log_dir}.submitit"),
                    resources=dict(resources), key=dispatch.job_key(smk.rule, list(smk.output), list(smk.params)),
-                   executor=(config.get("dispatch") or {}).get("executor", "local"))
+                   executor=dispatch.executor_kind(config))
 
     def dispatch(self, fn: Callable, *args: Any, step: str, config: dict | None = None,
                  progress: Callable[[], str | None] | None = None,
