@@ -333,6 +333,10 @@ with torch.no_grad():
     alone = [model.generate(**tok(t, return_tensors="pt"), max_new_tokens=new, do_sample=False) for t in texts]
     scores = [model(**tok(t, return_tensors="pt")).logits[0] for t in texts]
 width = batch["input_ids"].shape[1]
+eos = tok.eos_token_id
+def upto_eos(ids):  # generation ends at EOS (generation_config.json); a batch pads the rows that ended
+    return ids[:ids.index(eos) + 1] if eos in ids else ids
+prompt = [tok(t, return_tensors="pt")["input_ids"].shape[1] for t in texts]
 pad_diff = max(float((padded[i][batch["attention_mask"][i].bool()] - scores[i]).abs().max())
                for i in range(len(texts)))
 pipe = transformers.pipeline("text-generation", model=folder, trust_remote_code=True, torch_dtype=torch.float32)
@@ -342,9 +346,10 @@ print(json.dumps({
     "pad_token_id": tok.pad_token_id, "eos_token_id": tok.eos_token_id, "padding_side": tok.padding_side,
     "tokens": len(tok), "embeddings": model.get_input_embeddings().weight.shape[0],
     "vocab_size": model.config.vocab_size, "padded_rows": batch["attention_mask"].sum(1).tolist(),
-    "batched_new": [generated[i, width:].tolist() for i in range(len(texts))],
-    "alone_new": [a[0, a.shape[1] - new:].tolist() for a in alone], "pad_max_abs_logit_diff": pad_diff,
-    "pipeline": piped, "pipeline_expected": texts[0] + tok.decode(alone[0][0, -new:], skip_special_tokens=True),
+    "batched_new": [upto_eos(generated[i, width:].tolist()) for i in range(len(texts))],
+    "alone_new": [upto_eos(a[0, n:].tolist()) for a, n in zip(alone, prompt)], "pad_max_abs_logit_diff": pad_diff,
+    "pipeline": piped,
+    "pipeline_expected": texts[0] + tok.decode(alone[0][0, prompt[0]:], skip_special_tokens=True),
     "generation_config": {"pad_token_id": model.generation_config.pad_token_id,
                           "eos_token_id": model.generation_config.eos_token_id},
 }))
