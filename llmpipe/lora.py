@@ -49,7 +49,7 @@ def mpt_linear_modules(arch: Mapping) -> dict[str, tuple[int, int]]:
     d, n_heads, n_layers = int(arch["d_model"]), int(arch["n_heads"]), int(arch["n_layers"])
     attn = arch.get("attn_config") or {}
     attn_type = str(attn.get("attn_type", "multihead_attention"))
-    kv = arch.get("kv_n_heads", arch.get("n_kv_heads"))
+    kv = arch.get("kv_n_heads") if arch.get("kv_n_heads") is not None else arch.get("n_kv_heads")
     if kv is None:
         kv = attn.get("kv_n_heads") if attn_type.endswith("grouped_query_attention") else (
             1 if attn_type.endswith("multiquery_attention") else n_heads)

@@ -156,8 +156,9 @@ def mpt_param_count(arch: Mapping) -> dict[str, int]:
     bias = not bool(arch.get('no_bias', False))
     attn_cfg = arch.get('attn_config') or {}
     attn_type = str(attn_cfg.get('attn_type', 'multihead_attention'))
-    if arch.get('kv_n_heads', arch.get('n_kv_heads')) is not None:
-        kv_heads = int(arch.get('kv_n_heads', arch.get('n_kv_heads')))
+    kv_written = arch.get('kv_n_heads') if arch.get('kv_n_heads') is not None else arch.get('n_kv_heads')
+    if kv_written is not None:   # MPT config.json's kv_n_heads, or our arch.n_kv_heads
+        kv_heads = int(kv_written)
     elif attn_type.endswith('grouped_query_attention'):
         kv_heads = int(attn_cfg['kv_n_heads'])
     elif attn_type.endswith('multiquery_attention'):
