@@ -31,7 +31,8 @@ from llmpipe.dispatch import check_executor, executor_kind
 from llmpipe.identity import identity_text
 from llmpipe.steps import RULES
 from llmpipe.steps import train as train_steps
-from llmpipe.steps.generate import generate_settings
+from llmpipe.stage_settings import EvalSettings
+from llmpipe.steps.generate import run_generate_settings
 
 
 class PreflightRefused(cfg.ConfigError):
@@ -256,14 +257,15 @@ class DagChecks:
         mem, n = placed["memory"], placed["gpus"]
         if step == "eval":
             tasks = eval_tasks.suite_items(config, rc["name"])
-            tokens, unknown = ip.eval_tokens(config["eval"], int(rc["data"]["concat_tokens"]), tasks)
+            evals = EvalSettings.from_section(config["eval"])
+            tokens, unknown = ip.eval_tokens(evals, int(rc["data"]["concat_tokens"]), tasks)
             basis = plan_mod.benchmark_basis(plan_mod.BENCHMARK_CSV)
             proj = ip.inference_time(rc, step, gpus=n, gpu_type=config["gpu_type"], basis=basis,
                                      eval_tokens=tokens, peak_overrides=config.get("gpu_peak_flops"))
             if proj and unknown:
                 proj["basis"] += f"; without {len(unknown)} of {len(tasks)} tasks, not fetched yet"
             return proj
-        g = generate_settings(config, rc["name"])  # the run's own prompts, when it has them
-        new = len(g["prompts"]) * int(g["max_new_tokens"])
+        g = run_generate_settings(config, rc["name"])  # the run's own prompts, when it has them
+        new = len(g.prompts) * g.max_new_tokens
         return ip.inference_time(rc, step, gpus=n, gpu_type=config["gpu_type"], basis=None, new_tokens=new,
                                  weights_gb=mem["weights_gb"] * n, overheads=overheads)

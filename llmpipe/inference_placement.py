@@ -114,20 +114,15 @@ def inference_time(rc: Mapping, step: str, *, gpus: int, gpu_type: str, basis: M
                                          f"{float(basis['mfu']):.3f} (benchmark) x {gpu_type} bf16 peak x {gpus}"}
 
 
-def eval_tokens(eval_settings: EvalSettings | Mapping, seq_len: int, tasks: list[tuple[str, int | None, int]]
+def eval_tokens(eval_settings: EvalSettings, seq_len: int, tasks: list[tuple[str, int | None, int]]
                 ) -> tuple[int, list[str]]:
     """Tokens one evaluation runs forward, and the tasks whose size is unknown before their data is fetched.
 
     ``val_batches x batch_size`` held-out sequences (none counted for ``-1``: the split's size is unknown before it
     is built) plus, for each task of the run's suite (``tasks``: :func:`llmpipe.eval_tasks.suite_items`), its items
     at each few-shot count, each as one full sequence: a lower bound for multiple-choice tasks, which run one
-    sequence per choice. ``eval_settings``: the ``eval:`` settings, typed or the validated section.
-
-    Raises:
-        KeyError: a section without ``batch_size`` or ``val_batches`` (an unvalidated config).
+    sequence per choice. ``eval_settings``: the run's typed ``eval:`` settings.
     """
-    if isinstance(eval_settings, Mapping):
-        eval_settings = EvalSettings.from_section(eval_settings)
     bs = eval_settings.batch_size
     val = max(0, eval_settings.val_batches) * bs
     icl = sum(items * shots for _, items, shots in tasks if items is not None)

@@ -548,10 +548,9 @@ def test_standard_files_are_counted_from_the_mirror_or_the_manifest(tmp_path):
     manifest.parent.mkdir(parents=True)
     manifest.write_text(json.dumps({"files": {rel: {"items": 7}}}))
     assert eval_tasks.suite_items(cfg, "mpt-tiny") == [("copa", 7, 2)]
-    tokens, unknown = eval_tokens({"batch_size": 4, "val_batches": 2}, 128, [("copa", 7, 2), ("x", None, 1)])
-    assert tokens == (2 * 4 + 7 * 2) * 128 and unknown == ["x"]
     from llmpipe.stage_settings import EvalSettings
-    assert eval_tokens(EvalSettings(batch_size=4, val_batches=2), 128, [("copa", 7, 2)])[0] == tokens
+    tokens, unknown = eval_tokens(EvalSettings(batch_size=4, val_batches=2), 128, [("copa", 7, 2), ("x", None, 1)])
+    assert tokens == (2 * 4 + 7 * 2) * 128 and unknown == ["x"]
 
 
 def write_tokenizer_folder(folder):

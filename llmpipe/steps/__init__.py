@@ -9,10 +9,9 @@ The flow, for every rule::
       -> ctx.dispatch(...) -> llmpipe.dispatch.run_step -> a submitit job (local, Slurm, or in-process for tests)
 
 The rule table is :data:`~llmpipe.steps.registry.RULES`: each step function is registered under its rule's name
-(:func:`~llmpipe.steps.registry.register`, a decorator in its stage module; the steps of train, convert, generate
-and evaluate are registered below) with its job's resources, the config path of those resources (for the Slurm
-preflight), its memory plan and whether its result is kept; the step's submitit folder is derived from the rule's
-``log:``. ``tests/test_steps.py`` checks that every rule with a script is registered and vice versa.
+(:func:`~llmpipe.steps.registry.register`, a decorator above the step function in its stage module) with its
+job's resources, the config path of those resources (for the Slurm preflight), its memory plan and whether its result
+is kept; the step's submitit folder is derived from the rule's ``log:``. ``tests/test_steps.py`` checks that every rule with a script is registered and vice versa.
 
 =======================  ===================================================================================
 module                   rules
@@ -54,23 +53,7 @@ from llmpipe.orphans import exit_when_snakemake_dies
 from llmpipe.steps import allreduce, convert, data, evaluate, generate, provenance, report, scaling, train
 from llmpipe.steps import lm_eval_harness
 from llmpipe.steps.context import StepContext, parse_params, wildcard_values
-from llmpipe.steps.registry import (KEPT_EVAL, KEPT_EXPORT, KEPT_GENERATION, RULES, Kept, Rule, register,
-                                    submitit_folder)
-
-# The steps of llmpipe/steps/{train,convert,generate,evaluate}.py, registered here with the same decorator the other
-# stage modules apply above their step functions.
-register("train", resources=train.training_resources, where="models.{run}.resources", plan="train")(train.train)
-register("finetune", resources=train.training_resources, where="finetunes.{run}.resources",
-         plan="train")(train.finetune)
-register("convert", resources=convert.convert_resources, where="convert.resources", plan="convert",
-         kept=KEPT_EXPORT)(convert.convert)
-register("generate", resources=generate.generate_resources, where="generate.resources", plan="generate",
-         kept=KEPT_GENERATION)(generate.generate)
-register("eval", resources=evaluate.eval_resources, where="eval.resources", plan="eval",
-         kept=KEPT_EVAL)(evaluate.evaluate)
-register("finetune_eval", resources=evaluate.eval_resources, where="eval.resources", plan="eval",
-         kept=KEPT_EVAL)(evaluate.finetune_eval)
-register("eval_task_data")(evaluate.eval_task_data)
+from llmpipe.steps.registry import RULES, Kept, Rule, submitit_folder
 
 #: The stage modules; importing them fills :data:`RULES`.
 STAGES = (data, train, convert, generate, evaluate, lm_eval_harness, scaling, allreduce, report)
@@ -190,8 +173,9 @@ def keep_result(ctx: StepContext, kept: Kept) -> str | None:
 
 
 def earlier_to_keep(ctx: StepContext, kept: Kept) -> int:
-    """``<kept.section>.earlier_identities_to_keep`` of the config (1 when unset)."""
-    return int((ctx.config.get(kept.section) or {}).get("earlier_identities_to_keep", 1))
+    """``<kept.section>.earlier_identities_to_keep`` of the config, else the schema's default
+    (:func:`llmpipe.dispatch.setting`)."""
+    return int(dispatch.setting(ctx.config, kept.section, "earlier_identities_to_keep"))
 
 
 def run_step(ctx: StepContext, rule: Rule) -> Any:

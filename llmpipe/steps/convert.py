@@ -7,6 +7,7 @@ import os
 from llmpipe.config import run_settings, step_resources
 from llmpipe.stage_settings import ConvertSettings
 from llmpipe.steps.context import StepContext, read_json
+from llmpipe.steps.registry import KEPT_EXPORT, register
 
 #: Bump when a change in our code changes the exported folder (reruns conversion and everything after it).
 VERSION = 3
@@ -35,6 +36,7 @@ def convert_resources(config: dict, wildcards) -> dict:
     return step_resources(config, "convert", wildcards.run)
 
 
+@register("convert", resources=convert_resources, where="convert.resources", plan="convert", kept=KEPT_EXPORT)
 def convert(ctx: StepContext) -> dict:
     """Rule ``convert``: export the final checkpoint to a Hugging Face folder (written aside, then renamed)."""
     from llmpipe.convert import convert_checkpoint

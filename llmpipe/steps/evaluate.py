@@ -13,6 +13,7 @@ from llmpipe import eval_tasks
 from llmpipe.config import run_config, run_settings, step_resources
 from llmpipe.stage_settings import EvalSettings
 from llmpipe.steps.context import StepContext
+from llmpipe.steps.registry import KEPT_EVAL, register
 from llmpipe.steps.data import instructions_identity
 
 #: Bump when a change in our code changes eval.json (reruns evaluation).
@@ -60,6 +61,7 @@ def icl_suite(ctx: StepContext) -> tuple[dict, dict[str, str]]:
     return {"name": name, "icl_tasks": s["icl_tasks"], "eval_gauntlet": s["eval_gauntlet"]}, files
 
 
+@register("eval_task_data")
 def eval_task_data(ctx: StepContext) -> dict:
     """Rule ``eval_task_data``: fetch (or copy from ``eval.task_data.local_dir``) the llm-foundry task files of
     a suite, here on the machine running Snakemake (compute nodes are often offline)."""
@@ -73,6 +75,7 @@ def eval_task_data(ctx: StepContext) -> dict:
     return {"task_data": td, "files": files}
 
 
+@register("eval", resources=eval_resources, where="eval.resources", plan="eval", kept=KEPT_EVAL)
 def evaluate(ctx: StepContext) -> dict:
     """Rule ``eval``: held-out loss, perplexity, token accuracy and ICL accuracy of the converted model."""
     from llmpipe.evaluate import evaluate as evaluate_model
@@ -87,6 +90,7 @@ def evaluate(ctx: StepContext) -> dict:
     return {"eval": ctx.config["eval"], "run": run_config(ctx.config, run), "resources": ctx.resources}
 
 
+@register("finetune_eval", resources=eval_resources, where="eval.resources", plan="eval", kept=KEPT_EVAL)
 def finetune_eval(ctx: StepContext) -> dict:
     """Rule ``finetune_eval``: held-out response-token metrics and ICL accuracy of the finetune's export."""
     from llmpipe.finetune import evaluate_finetune

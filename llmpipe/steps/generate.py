@@ -17,6 +17,7 @@ from llmpipe.config import ConfigError, is_finetune, run_config, step_resources,
 from llmpipe.data.instructions import PROMPT_FIELD, instruction_template
 from llmpipe.stage_settings import GenerateSettings
 from llmpipe.steps.context import StepContext
+from llmpipe.steps.registry import KEPT_GENERATION, register
 
 #: Bump when a change in our code changes generate.json (reruns generation).
 VERSION = 3
@@ -83,6 +84,8 @@ def generate_resources(config: dict, wildcards) -> dict:
     return step_resources(config, "generate", wildcards.run)
 
 
+@register("generate", resources=generate_resources, where="generate.resources", plan="generate",
+          kept=KEPT_GENERATION)
 def generate(ctx: StepContext) -> dict:
     """Rule ``generate``: the converted model answers the run's prompts (:func:`generate_settings`) -> generate.json.
 

@@ -16,6 +16,7 @@ from llmpipe.config import (SPEED_ONLY_FINETUNE_DATA_KEYS, SPEED_ONLY_TRAIN_KEYS
 from llmpipe.fp8 import fp8_settings
 from llmpipe.lora import lora_settings
 from llmpipe.steps.context import StepContext, read_json
+from llmpipe.steps.registry import register
 from llmpipe.steps.convert import weights_identity
 from llmpipe.steps.data import instructions_identity, mds_identity, tokenizer_identity
 from llmpipe import checkpoints as ckpt, dispatch, lease
@@ -208,11 +209,13 @@ def _train_run(ctx: StepContext, label: str) -> dict:
 
 # ------------------------------------------------------------------------------------------- steps
 
+@register("train", resources=training_resources, where="models.{run}.resources", plan="train")
 def train(ctx: StepContext) -> dict:
     """Rule ``train``: pretrain one run on ``nodes x tasks_per_node`` ranks; write train.json from rank 0."""
     return _train_run(ctx, "train")
 
 
+@register("finetune", resources=training_resources, where="finetunes.{run}.resources", plan="train")
 def finetune(ctx: StepContext) -> dict:
     """Rule ``finetune``: finetune on ``nodes x tasks_per_node`` ranks; write train.json from rank 0."""
     return _train_run(ctx, "finetune")
