@@ -251,6 +251,9 @@ class ArchSettings:
     max_seq_len: int
     #: Key/value heads of grouped-query attention (``n_kv_heads``, else ``attn_config.kv_n_heads``); None: n_heads.
     n_kv_heads: int | None = None
+    #: Whether :attr:`n_kv_heads` is ``attn_config.kv_n_heads``: llm-foundry's own key, which counts only under its
+    #: ``attn_type`` (grouped-query); ``arch.n_kv_heads`` turns grouped-query attention on by itself.
+    kv_in_attn_config: bool = False
     #: MLP width / d_model (``arch.expansion_ratio``).
     expansion_ratio: float
     #: No bias terms in linear layers and norms (``arch.no_bias``).
@@ -280,10 +283,11 @@ class ArchSettings:
 
     def as_dict(self) -> dict[str, Any]:
         """The shape as an ``arch:`` mapping (:mod:`llmpipe.mfu`'s and :mod:`llmpipe.plan`'s input): every field,
-        ``n_kv_heads`` only when set, ``attn_config`` a copy."""
+        ``n_kv_heads`` only when written as ``arch.n_kv_heads``, ``attn_config`` a copy (its ``kv_n_heads`` counts
+        as MPT counts it: under a grouped-query ``attn_type`` only)."""
         out = {k: getattr(self, k) for k in (*ARCH_REQUIRED, "expansion_ratio", "no_bias", "norm_type")}
         out["attn_config"] = dict(self.attn_config)
-        if self.n_kv_heads is not None:
+        if self.n_kv_heads is not None and not self.kv_in_attn_config:
             out["n_kv_heads"] = self.n_kv_heads
         return out
 
@@ -558,7 +562,7 @@ class RunSettings:
                               packing_ratio=data.get("packing_ratio"),
                               allow_pad_trimming=data.get("allow_pad_trimming")),
             arch=ArchSettings(where=arch_where, origins=arch_at, n_kv_heads=None if kv is None else whole(
-                kv, arch_at["n_kv_heads"]), expansion_ratio=arch["expansion_ratio"], no_bias=bool(arch["no_bias"]),
+                kv, arch_at["n_kv_heads"]), kv_in_attn_config=kv_key != "n_kv_heads", expansion_ratio=arch["expansion_ratio"], no_bias=bool(arch["no_bias"]),
                 norm_type=arch["norm_type"], attn_config=dict(arch.get("attn_config") or {}),
                 **{k: whole(arch[k], arch_at[k]) for k in ARCH_REQUIRED}),
             train=TrainSettings(where=sections["train"], origins=train_at, t_max=scheduler.kwargs.get("t_max"),

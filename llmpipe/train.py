@@ -97,7 +97,7 @@ def foundry_train_config(settings: RunSettings, *, data_dir: str | None, save_fo
         "loss_fn": train.loss_fn,
         "use_train_metrics": train.train_metrics,
     }
-    if arch.n_kv_heads is not None and arch.attn_config.get("kv_n_heads") != arch.n_kv_heads:
+    if arch.n_kv_heads is not None and not arch.kv_in_attn_config:
         model["attn_config"]["attn_type"] = "grouped_query_attention"  # written as arch.n_kv_heads
         model["attn_config"]["kv_n_heads"] = arch.n_kv_heads
     # our SDPA attention is an llm-foundry attention class selected through attn_type (see llmpipe.attention)

@@ -273,3 +273,32 @@ def test_prepared_tokenizer_checked_against_the_model(shipped):
 
 def test_lcm():
     assert lcm([8, 16, 24, 40]) == 240 and lcm([]) == 1
+
+
+def test_key_value_heads_count_where_mpt_counts_them(shipped):
+    """arch.n_kv_heads turns grouped-query attention on, also when attn_config repeats the count;
+    attn_config.kv_n_heads alone counts only under a grouped-query attn_type (MPT ignores it otherwise), so the
+    model built, its parameter count and its MFU agree with MPT."""
+    from llmpipe.config import run_config
+    from llmpipe.mfu import mpt_param_count
+    from llmpipe.schema import deep_merge
+    from llmpipe.train import foundry_train_config
+
+    def model(arch: dict) -> tuple[dict, dict, dict]:
+        config = deep_merge(shipped, {"models": {"mpt-1b": {"arch": arch}}})
+        settings = cfg.run_settings(config, "mpt-1b")
+        built = foundry_train_config(settings, data_dir=None, save_folder=None, world_size=1)["model"]
+        return built["attn_config"], settings.arch.as_dict(), run_config(config, "mpt-1b")["arch"]
+
+    for arch in ({"n_kv_heads": 4}, {"n_kv_heads": 4, "attn_config": {"kv_n_heads": 4}}):
+        attn, typed, _ = model(arch)
+        assert attn["attn_type"].endswith("grouped_query_attention") and attn["kv_n_heads"] == 4, arch
+        assert typed["n_kv_heads"] == 4
+    attn, typed, written = model({"attn_config": {"kv_n_heads": 4}})   # no grouped-query attn_type: multi-head
+    assert attn["attn_type"].endswith("multihead_attention") and "n_kv_heads" not in typed
+    assert mpt_param_count(typed) == mpt_param_count(written)
+    gqa = {"attn_config": {"kv_n_heads": 4, "attn_type": "grouped_query_attention"}}
+    attn, typed, written = model(gqa)
+    assert attn["attn_type"].endswith("grouped_query_attention") and attn["kv_n_heads"] == 4
+    assert mpt_param_count(typed) == mpt_param_count(written)
+    assert mpt_param_count(typed)["total"] < mpt_param_count(model({})[1])["total"]
