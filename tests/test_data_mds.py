@@ -16,6 +16,7 @@ from llmpipe.data.errors import DataError
 from llmpipe.data.mds_verify import verify_dataset
 from llmpipe.data.tokenizer import prepare_tokenizer
 from llmpipe.mds_dispatch import convert_dataset
+from llmpipe.schema import fill_defaults
 from llmpipe.unit_array import resolve_workers
 from tests.test_data_corpus import write_c4
 
@@ -26,10 +27,12 @@ DEBUG = {"dispatch": {"executor": "debug", "poll_s": 0.05},
 
 
 def cfg(tmp, **dp) -> dict:
+    """The debug config with ``data_prep`` values ``dp``, its other settings the schema's defaults (as a validated
+    config has them)."""
     c = json.loads(json.dumps(DEBUG))
     c["dispatch"]["state_dir"] = str(tmp / "state")
     c["data_prep"].update(dp)
-    return c
+    return fill_defaults(c)
 
 
 @pytest.fixture(scope="module")
@@ -312,6 +315,7 @@ def die(self):  # SIGKILL in the middle of finishing the first unit: shards writ
     os.kill(os.getpid(), signal.SIGKILL)
 TokenMDSWriter.finish = die
 from llmpipe.mds_dispatch import convert_dataset
+from llmpipe.schema import fill_defaults
 convert_dataset({man!r}, {tok_dir!r}, {C}, {EOS!r}, {str(out)!r}, config=json.loads({json.dumps(json.dumps(cfg(tmp_path)))}),
                 log_dir={str(tmp_path / 'logs')!r})
 """
@@ -446,6 +450,7 @@ def test_conversion_never_imports_torch_or_transformers(tok, corpus, tmp_path):
     code = f"""
 import json, sys
 from llmpipe.mds_dispatch import convert_dataset
+from llmpipe.schema import fill_defaults
 m = convert_dataset({man!r}, {tok_dir!r}, {C}, {EOS!r}, {str(tmp_path / 'ds')!r},
                     config=json.loads({json.dumps(json.dumps(cfg(tmp_path)))}), log_dir={str(tmp_path / 'logs')!r})
 assert m["splits"]["train"]["samples"] > 0

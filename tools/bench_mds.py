@@ -153,12 +153,14 @@ def _cpu_s() -> float:
 def run_ours(args: argparse.Namespace) -> dict:
     """(child) our convert_dataset with N workers; prints a JSON result line."""
     from llmpipe.mds_dispatch import convert_dataset
+    from llmpipe.schema import fill_defaults
 
     out = args.out_dir
     shutil.rmtree(out, ignore_errors=True)
-    cfg = {"dispatch": {"executor": "local", "state_dir": os.path.join(out + "-state"), "poll_s": 0.2},
-           "data_prep": {"compression": "zstd", "size_limit": 1 << 26, "workers": args.n},
-           "data_resources": {"time_min": 600}}
+    # the settings asked, the rest the schema's defaults (as a validated workflow config has them)
+    cfg = fill_defaults({"dispatch": {"executor": "local", "state_dir": os.path.join(out + "-state"), "poll_s": 0.2},
+                         "data_prep": {"compression": "zstd", "size_limit": 1 << 26, "workers": args.n},
+                         "data_resources": {"time_min": 600}})
     c0 = _cpu_s()
     e0 = time.time()
     t0 = time.perf_counter()
