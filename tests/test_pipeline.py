@@ -119,10 +119,15 @@ def test_reformatted_config_reruns_nothing(tiny_run, tmp_path):
 def test_failed_step_leaves_nothing_complete_and_rerun_fixes_only_it(tiny_run, tmp_path):
     wd = copy_run(tiny_run, tmp_path / "wd")
     (wd / "results/mpt-tiny/generate.json").unlink()
-    bad = snakemake(wd, "--cores", "2", "--config", "generate={'prompts': []}", check=False)
+    # a prompt longer than the tiny model's context, refused in the job (an empty list is refused by the dry run)
+    long = " ".join(["word"] * 400)
+    bad = snakemake(wd, "--cores", "2", "--config", f"generate={{'prompts': ['{long}'], 'long_prompts': 'fail'}}",
+                    check=False)
     assert bad.returncode != 0
-    assert "generate.prompts is empty" in bad.stdout + bad.stderr
+    said = bad.stdout + bad.stderr
+    assert "generate.prompts[0] ('word word" in said and "tokens; the model's context is 128 tokens" in said, said
     assert not (wd / "results/mpt-tiny/generate.json").exists()
+    assert (wd / "results/mpt-tiny/generate.partial.json").exists()  # the errors, beside; never the result file
     # the evaluation depends on the generation through ancient(), which spares only an existing file: with
     # generate.json gone, Snakemake reruns the evaluation after it (docs/evaluation.md)
     assert planned_jobs(snakemake(wd, "-n")) == {"generate": 1, "eval": 1, "all": 1}
