@@ -72,11 +72,13 @@ slurm-packages:
 
 # then the second lock's checks (test-torch211) whether or not the suite passed; `make`, not $(MAKE), so that
 # `make -n test` only prints this line instead of running it
+# -v: the log names the test that runs; --timeout-method=thread: a test stuck in C code (where Python's signal
+# handlers never run) still ends the session with every thread's stack, instead of holding CI until its limit
 test: install lm-eval slurm-packages
 	@if [ "$$(id -u)" = 0 ]; then export LLMPIPE_REQUIRE_SLURM=1; fi; \
 	export LLMPIPE_REQUIRE_LM_EVAL=1; \
 	trap 'bash .ci/slurm.sh cleanup >/dev/null 2>&1 || true' EXIT; \
-	$(PY) -m pytest -q -p no:cacheprovider --timeout 1800 --durations=40 tests; rc=$$?; \
+	$(PY) -m pytest -v -p no:cacheprovider --timeout 1200 --timeout-method=thread --durations=40 tests; rc=$$?; \
 	env -u LLMPIPE_REQUIRE_SLURM -u LLMPIPE_REQUIRE_LM_EVAL make --no-print-directory test-torch211 || rc=1; exit $$rc
 
 test-fast: install lm-eval

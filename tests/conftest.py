@@ -28,6 +28,24 @@ def project_config() -> dict:
 DIST_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "NODE_RANK", "MASTER_ADDR", "MASTER_PORT")
 
 
+#: process groups this session took out of torch.distributed but still references. Freeing a gloo group joins its
+#: worker threads while holding the GIL, and a worker that is still freeing a finished all-gather's tensors needs the
+#: GIL: a deadlock inside ``c10d::ProcessGroupGloo::~ProcessGroupGloo`` that no test timeout can interrupt. Kept
+#: until the interpreter exits, when the workers are long idle.
+_RETIRED_GROUPS: list = []
+
+
+def retire_process_groups() -> None:
+    """Undo torch.distributed's initialization in this process (``destroy_process_group``) while keeping its groups
+    referenced (:data:`_RETIRED_GROUPS`), so none is freed while its worker threads may still need the GIL. No-op
+    when torch.distributed is not imported or not initialized."""
+    dist = sys.modules.get("torch.distributed")
+    if dist is None or not dist.is_available() or not dist.is_initialized():
+        return
+    _RETIRED_GROUPS.extend(dist.distributed_c10d._world.pg_map)
+    dist.destroy_process_group()
+
+
 @pytest.fixture(autouse=True)
 def _restore_dist_env():
     saved = {k: os.environ.get(k) for k in DIST_VARS}
@@ -36,7 +54,7 @@ def _restore_dist_env():
     # and the variables go together (composer refuses an initialized group without NODE_RANK), so both are undone.
     dist = sys.modules.get("torch.distributed")
     if dist is not None and dist.is_available() and dist.is_initialized() and dist.get_world_size() == 1:
-        dist.destroy_process_group()
+        retire_process_groups()
     for k, v in saved.items():
         if v is None:
             os.environ.pop(k, None)

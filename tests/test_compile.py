@@ -15,6 +15,7 @@ pytest.importorskip('llmfoundry')
 
 from llmpipe.config import ConfigError, compile_settings, deep_merge, run_settings, validate_run  # noqa: E402
 from tests import test_fused_loss as TFL  # noqa: E402
+from tests.conftest import retire_process_groups  # noqa: E402
 
 
 def _counting_backend(runs: list, graphs: list | None = None):
@@ -205,8 +206,7 @@ def test_llm_foundry_train_with_compiled_blocks_matches_eager(tmp_path, monkeypa
         finally:
             trainer.close()
             torch._dynamo.reset()
-            if torch.distributed.is_initialized():   # train() made a process group from the env set above;
-                torch.distributed.destroy_process_group()   # later tests in this process must not inherit it
+            retire_process_groups()   # train() made a process group from the env set above; later tests must not inherit it
 
     # a named backend that counts graph runs: proves the callback's options reach torch.compile
     graph_runs = []

@@ -26,7 +26,7 @@ from llmfoundry.models.mpt.modeling_mpt import compute_loss_from_logits  # noqa:
 
 import llmpipe.attention as A  # noqa: E402
 from llmpipe import fused_loss as FL  # noqa: E402
-from tests.conftest import REPO  # noqa: E402, project_config
+from tests.conftest import REPO, retire_process_groups  # noqa: E402
 
 V, D = 101, 24
 
@@ -672,8 +672,7 @@ def _train_tiny(bench, variant: dict, steps: int, tok_dir: str) -> tuple[list, d
         return losses, {'params': params, 'class': type(model).__name__}
     finally:
         trainer.close()
-        if torch.distributed.is_initialized():   # train() made a process group from the test's env variables;
-            torch.distributed.destroy_process_group()   # later tests in this process must not inherit it
+        retire_process_groups()   # train() made a process group from the env variables; later tests must not inherit it
 
 
 def test_llm_foundry_train_with_the_fused_model_matches_stock(tmp_path, monkeypatch):
