@@ -41,6 +41,6 @@ _STARTED = time.time()
 
 
 onsuccess:
-    from llmpipe.chain_summary import print_summary
+    from llmpipe.report.chain_summary import print_summary
 
     print_summary(RESULTS, since=_STARTED)  # each changed run's loss, held-out loss, gauntlet average, folder

@@ -1,7 +1,7 @@
 # What the rules/*.smk files take from the config: its validation, then each rule's params (step identity), resources
 # and input paths, one section per stage; those files hold only rules (snakemake --lint) and this one none. What the
 # workflow checks and says while the DAG is built (Slurm preflight, memory and time plans, notes) is
-# llmpipe/dag_checks.py; every rule's script is scripts/run_rule.py, running the step registered under the rule's
+# llmpipe/plan/dag_checks.py; every rule's script is scripts/run_rule.py, running the step registered under the rule's
 # name (llmpipe/steps/registry.py). No heavy imports: `snakemake -n` must not import torch.
 import inspect
 import re
@@ -17,29 +17,30 @@ llmpipe.use_only_this_copy(workflow.basedir)
 from snakemake.exceptions import ResourceValidationError
 from snakemake.utils import validate
 
-from llmpipe import allreduce as allreduce_mod
-from llmpipe import config as cfg
-from llmpipe import eval_tasks
-from llmpipe import report as report_mod
-from llmpipe import scaling as scaling_mod
-from llmpipe import schema
-from llmpipe.dag_checks import DagChecks, PreflightRefused
-from llmpipe.dispatch import check_executor
-from llmpipe.identity import identity_text
+from llmpipe.bench import allreduce_bw as allreduce_mod
+from llmpipe.config import runs as cfg
+from llmpipe.config.settings import ConfigError
+from llmpipe.evaluation import suites as eval_tasks
+from llmpipe.report import tables as report_mod
+from llmpipe.bench import scaling_study as scaling_mod
+from llmpipe.config import schema
+from llmpipe.plan.dag_checks import DagChecks, PreflightRefused
+from llmpipe.dispatch.jobs import check_executor
+from llmpipe.config.identity import identity_text
 from llmpipe.steps import allreduce as allreduce_steps
 from llmpipe.steps import convert as convert_steps
-from llmpipe.steps import data as data_steps
+from llmpipe.steps import prepare as data_steps
 from llmpipe.steps import evaluate as eval_steps
 from llmpipe.steps import generate as generate_steps
 from llmpipe.steps import lm_eval_harness as lm_eval_steps
 from llmpipe.steps import scaling as scaling_steps
-from llmpipe.steps import train as train_steps
+from llmpipe.steps import training as train_steps
 
 # The config against schemas/config.schema.yaml: --config values typed as in a YAML file, then an unknown key or a
 # wrong value stops here naming its path and the fix (ConfigError); validate() fills the settings' defaults.
 try:
     schema.prepare(config)
-except cfg.ConfigError as exc:  # name the user's file (or --config) the wrong value is written in
+except ConfigError as exc:  # name the user's file (or --config) the wrong value is written in
     given = [str(f) for f in workflow.config_settings.configfiles]  # --configfile: over the Snakefile's own
     files = [str(f) for f in workflow.configfiles if str(f) not in given] + given
     raise schema.with_origin(exc, files, workflow.config_settings.config) from None
@@ -47,7 +48,7 @@ validate(config, str(schema.SCHEMA_PATH))
 
 RESULTS = config["results_dir"]
 LOGS = f"{RESULTS}/logs"
-# The DAG-time checks, each done once (llmpipe.dag_checks): settings no rule owns, then notes on live jobs and lost
+# The DAG-time checks, each done once (llmpipe.plan.dag_checks): settings no rule owns, then notes on live jobs and lost
 # trainings; each rule's resources below go through CHECKS.resources (preflight and plans).
 CHECKS = DagChecks(config, main_process=workflow.is_main_process)
 CHECKS.check_settings()
@@ -72,7 +73,7 @@ wildcard_constraints:
 
 
 def identity(step_identity, check=None):
-    """A rule's ``params: identity=``: the canonical text (llmpipe.identity.identity_text) of
+    """A rule's ``params: identity=``: the canonical text (llmpipe.config.identity.identity_text) of
     ``step_identity(config, ...)``, a step module's identity function, whose other parameters are the rule's
     wildcards of the same names (typed as annotated: ``concat: int``). ``check(config, ...)``, with the same
     arguments, runs first and names a wrong setting (ConfigError). Snakemake reruns a step when the text changes."""
@@ -90,7 +91,7 @@ def identity(step_identity, check=None):
 def res(rule, key):
     """Resource ``key`` of the job the registered step dispatches (step named by its rule), as a value of Snakemake's
     resources (shown by the dry run; never a rerun trigger), checked while the DAG is built
-    (llmpipe.dag_checks.DagChecks.resources)."""
+    (llmpipe.plan.dag_checks.DagChecks.resources)."""
 
     def get(wildcards):
         try:
@@ -103,7 +104,7 @@ def res(rule, key):
 
 def threads(rule):
     """The threads of a dispatching rule, i.e. its job's CPUs when the job runs here and none when the rule only
-    waits on Slurm (llmpipe.dag_checks.DagChecks.dispatch_threads)."""
+    waits on Slurm (llmpipe.plan.dag_checks.DagChecks.dispatch_threads)."""
 
     def get(wildcards):
         return CHECKS.dispatch_threads(rule, wildcards)
@@ -135,7 +136,7 @@ def tokenizer_manifest_of_run(wildcards):
 
 def icl_task_files(wildcards):
     """The ICL task files of the run's suite that are inputs: those the project builds and local ones (the suite
-    is checked here, in the dry run too: llmpipe.eval_tasks.check_suite); llm-foundry's standard files come
+    is checked here, in the dry run too: llmpipe.evaluation.suites.check_suite); llm-foundry's standard files come
     with eval_task_data_input. A finetune's are built from its ICL corpus (the base run's by default)."""
     corpus = run_cfg(wildcards)["data"]["corpus"]
     name, suite = eval_tasks.check_suite(config, wildcards.run)
@@ -239,7 +240,7 @@ def allreduce_gate_inputs(wildcards):
     check's per-GPU lines there."""
     nodes = allreduce_mod.gate_nodes(config, wildcards.run, getattr(wildcards, "nodes", None))
     if nodes is None:
-        raise cfg.ConfigError(
+        raise ConfigError(
             f"no all-reduce gate for {wildcards.run}: allreduce.gate is off or the training has a "
             f"single rank. Fix: set allreduce.gate: {{size_bytes: ..., min_busbw_gbps: ...}}."
         )

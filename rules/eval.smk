@@ -1,5 +1,5 @@
 # Evaluation on unseen data: held-out LM metrics on the val split and in-context-learning accuracy on every item of
-# the run's ICL suite (llmpipe/eval_tasks.py), whose standard task files are fetched once, beforehand.
+# the run's ICL suite (llmpipe/evaluation/suites.py), whose standard task files are fetched once, beforehand.
 
 
 rule eval_task_data:

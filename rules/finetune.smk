@@ -1,6 +1,6 @@
 # Supervised finetuning (finetunes: in the config): instruction set -> finetune -> the shared convert and generate
-# rules -> evaluation on the held-out split. Logic in llmpipe/finetune.py and llmpipe/data/instructions.py; the
-# inputs and the FINETUNE_RUN run-name pattern in rules/common.smk, the steps in llmpipe/steps/train.py and evaluate.py.
+# rules -> evaluation on the held-out split. Logic in llmpipe/train/finetune.py and llmpipe/data/instructions.py; the
+# inputs and the FINETUNE_RUN run-name pattern in rules/common.smk, the steps in llmpipe/steps/training.py and evaluate.py.
 #   snakemake results/mpt-tiny-sft/eval.json           # offline: our tiny model on the builtin Python-docs Q&A
 #   snakemake -n results/mpt-7b-dolly/eval.json        # the plan (and batch divisibility check) of MPT-7B on Dolly
 #

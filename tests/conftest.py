@@ -17,8 +17,8 @@ SNAKEMAKE = [sys.executable, "-m", "snakemake"]
 
 def project_config() -> dict:
     """config/config.yaml as a workflow run sees it: typed, checked, the schema's defaults filled in
-    (:func:`llmpipe.schema.load_config`)."""
-    from llmpipe.schema import load_config
+    (:func:`llmpipe.config.schema.load_config`)."""
+    from llmpipe.config.schema import load_config
 
     return load_config(REPO / "config" / "config.yaml")
 

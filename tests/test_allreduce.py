@@ -10,8 +10,8 @@ import os
 import pandas as pd
 import pytest
 
-from llmpipe import allreduce
-from llmpipe.config import ConfigError
+from llmpipe.bench import allreduce_bw as allreduce
+from llmpipe.config.settings import ConfigError
 from tests.conftest import REPO, planned_jobs, snakemake
 
 MB = 2**20

@@ -1,6 +1,7 @@
 """The package's shape, as README "Layout" describes it: no import cycles inside llmpipe/ (function-level imports
-included), no private name of one module used by another, no module over MAX_LINES lines, and library code that
-never imports Snakemake."""
+included), no private name of one module used by another, no module over MAX_LINES lines, no module name twice, one
+home for each error type, every module listed in README "Layout", typed settings without ``.get`` fallbacks, and
+library code that never imports Snakemake."""
 
 from __future__ import annotations
 
@@ -91,6 +92,84 @@ def test_no_module_over_max_lines():
     assert not long, f"modules over {MAX_LINES} lines: {long}"
 
 
+def test_no_module_name_twice():
+    """Each module and subpackage name occurs once in the package (``llmpipe.steps.training`` beside
+    ``llmpipe.train.pretrain``, never two ``train`` modules), so a name in a traceback or a log finds one file."""
+    names = [p.stem for p in PACKAGE.rglob("*.py") if p.name != "__init__.py"]
+    names += [p.name for p in PACKAGE.rglob("*") if p.is_dir() and (p / "__init__.py").exists()]
+    twice = sorted({n for n in names if names.count(n) > 1})
+    assert not twice, f"module or subpackage names used twice in llmpipe/: {twice}"
+
+
+def test_readme_layout_lists_every_module_once():
+    """README "Layout" names each module of llmpipe/ on a line of its own, under its subpackage."""
+    import re
+
+    block = (REPO / "README.md").read_text().split("\nllmpipe/ ", 1)[1].split("\nscripts/ ", 1)[0]
+    listed, pkg = [], ""
+    for line in block.splitlines():
+        if m := re.match(r"^  (\w+)/", line):
+            pkg = m.group(1) + "/"
+        elif m := re.match(r"^  (\w+\.py) ", line):
+            listed.append(m.group(1))
+        elif m := re.match(r"^    (\w+\.py) ", line):
+            listed.append(pkg + m.group(1))
+    files = sorted(str(p.relative_to(PACKAGE)) for p in PACKAGE.rglob("*.py")
+                   if p.name != "__init__.py" or p.parent == PACKAGE)
+    assert sorted(listed) == files, (sorted(set(files) - set(listed)), sorted(set(listed) - set(files)))
+
+
+#: Files outside llmpipe/ that import the package's error types.
+IMPORTERS = ("rules", "scripts", "tools", "tests", "Snakefile")
+
+
+def error_homes() -> dict[str, str]:
+    """Exception classes defined in llmpipe/ -> the module that defines them (classes whose bases end in Error,
+    Exception, Failed or Refused, or are another such class of the package)."""
+    homes: dict[str, str] = {}
+    for _ in range(3):   # a class derived from one of the package's own errors, defined in another module
+        for mod, path in modules().items():
+            for node in ast.walk(ast.parse(path.read_text())):
+                if isinstance(node, ast.ClassDef) and any(
+                        (b.attr if isinstance(b, ast.Attribute) else getattr(b, "id", "")).endswith(
+                            ("Error", "Exception", "Failed", "Refused")) or getattr(b, "id", "") in homes
+                        for b in node.bases):
+                    homes[node.name] = mod
+    return homes
+
+
+def test_each_error_type_has_one_home():
+    """Every import of one of the package's exception classes names the module that defines it (no re-export), and
+    no module reaches one through another module's namespace (``cfg.ConfigError``)."""
+    homes = error_homes()
+    assert {"ConfigError", "StepFailed", "DataError", "TaskDataError", "LeaseHeld"} <= set(homes), homes
+    files = [*PACKAGE.rglob("*.py")]
+    for name in IMPORTERS:
+        path = REPO / name
+        files += sorted(p for p in path.rglob("*") if p.suffix in (".py", ".smk")) if path.is_dir() else [path]
+    wrong = []
+    for path in files:
+        text = path.read_text()
+        try:
+            tree = ast.parse(text)
+        except SyntaxError:   # a .smk file: its Python import lines only
+            tree = ast.parse("\n".join(line for line in text.splitlines() if line.startswith(("from ", "import "))))
+        aliases = {}   # local name -> the llmpipe module it is bound to
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("llmpipe"):
+                wrong += [f"{path.relative_to(REPO)}:{node.lineno} imports {a.name} from {node.module}"
+                          for a in node.names if a.name in homes and homes[a.name] != node.module]
+                aliases.update({a.asname or a.name: f"{node.module}.{a.name}" for a in node.names})
+            elif isinstance(node, ast.Import):
+                aliases.update({a.asname: a.name for a in node.names if a.asname and a.name.startswith("llmpipe")})
+        for node in ast.walk(tree):
+            if (isinstance(node, ast.Attribute) and node.attr in homes and isinstance(node.value, ast.Name)
+                    and aliases.get(node.value.id, homes[node.attr]) != homes[node.attr]):
+                wrong += [f"{path.relative_to(REPO)}:{node.lineno} uses {node.attr} through "
+                          f"{aliases[node.value.id]} ({node.value.id}.{node.attr})"]
+    assert not wrong, "\n".join(wrong)
+
+
 def test_library_code_never_imports_snakemake():
     bad = [f"{p.relative_to(REPO)}:{node.lineno}" for p in modules().values()
            for node in ast.walk(ast.parse(p.read_text()))
@@ -100,9 +179,10 @@ def test_library_code_never_imports_snakemake():
 
 
 #: Library modules (data, model, training, export, evaluation, generation): they take a run's typed settings
-#: (training and export: :class:`llmpipe.settings.RunSettings`) and the other values they need as arguments; only
+#: (training and export: :class:`llmpipe.config.settings.RunSettings`) and the other values they need as arguments; only
 #: ``llmpipe/steps/`` reads the workflow config.
-LIBRARY_MODULES = ("train.py", "finetune.py", "convert.py", "evaluate.py", "generate.py", "data")
+LIBRARY_MODULES = ("train/pretrain.py", "train/finetune.py", "hf/export.py", "evaluation/icl_eval.py",
+                   "evaluation/generation.py", "data")
 
 
 def library_files() -> list[Path]:
@@ -132,13 +212,14 @@ def test_library_functions_do_not_take_the_workflow_config():
 
 def test_training_export_and_step_work_take_the_typed_settings():
     """Training, finetuning and conversion, and the training steps' work, take a run's typed settings
-    (:class:`llmpipe.settings.RunSettings`, built once by :func:`llmpipe.config.run_settings`): a parameter annotated
+    (:class:`llmpipe.config.settings.RunSettings`, built once by :func:`llmpipe.config.runs.run_settings`): a parameter annotated
     with that class, and none named ``rc`` / ``run_cfg`` or a ``config`` / ``settings`` annotated as a dict."""
     import typing
 
-    from llmpipe import convert, finetune, throughput, train
-    from llmpipe.settings import RunSettings
-    from llmpipe.steps import train as train_step
+    from llmpipe.hf import export as convert
+    from llmpipe.train import finetune, throughput, pretrain as train
+    from llmpipe.config.settings import RunSettings
+    from llmpipe.steps import training as train_step
 
     takers = [train.TrainTask.__init__, finetune.FinetuneTask.__init__, train.foundry_train_config, train.uses_fsdp,
               train.summarize, finetune.foundry_finetune_config, finetune.finetuning_loader,
@@ -162,14 +243,17 @@ def test_training_export_and_step_work_take_the_typed_settings():
 
 def test_export_generation_and_evaluation_take_their_typed_settings():
     """Export, generation and evaluation (and a finetune's evaluation) take the typed settings of their stage
-    (:mod:`llmpipe.stage_settings`) and, where they need the run's, :class:`llmpipe.settings.RunSettings`: one
+    (:mod:`llmpipe.config.stage_settings`) and, where they need the run's, :class:`llmpipe.config.settings.RunSettings`: one
     parameter annotated with each class, none annotated as a dict or Mapping; the steps build them with one
     constructor each (annotated to return the class)."""
     import typing
 
-    from llmpipe import config, convert, evaluate, finetune, generate
-    from llmpipe.settings import RunSettings
-    from llmpipe.stage_settings import ConvertSettings, EvalSettings, GenerateSettings
+    from llmpipe.config import runs as config
+    from llmpipe.hf import export as convert
+    from llmpipe.evaluation import icl_eval as evaluate, generation as generate
+    from llmpipe.train import finetune
+    from llmpipe.config.settings import RunSettings
+    from llmpipe.config.stage_settings import ConvertSettings, EvalSettings, GenerateSettings
     from llmpipe.steps import generate as generate_step
 
     takers = {convert.convert_checkpoint: (RunSettings, ConvertSettings), generate.generate: (GenerateSettings,),
@@ -200,15 +284,15 @@ SETTINGS_NAMES = frozenset({"rc", "train", "arch", "data", "opt", "sched", "sett
                             "ecfg", "gen_cfg", "eval_settings"})
 #: ``.get`` calls with a default on values of those names that are not our settings: (file, key) -> why.
 NOT_SETTINGS = {
-    ("llmpipe/attention.py", "attn_type"): "llm-foundry's MPT attn_config as MPT reads it (MPT's own default)",
-    ("llmpipe/convert.py", "attn_type"): "the exported Hugging Face model's config (MPT's own default)",
-    ("llmpipe/chain_summary.py", "steps"): "a train.json record (a job's result), shown as '?' when absent",
-    ("llmpipe/mfu.py", "learned_pos_emb"): "an MPT config mapping (MPTConfig's default), also a hub model's",
-    ("llmpipe/mfu.py", "tie_word_embeddings"): "an MPT config mapping (MPTConfig's default), also a hub model's",
+    ("llmpipe/model/attention.py", "attn_type"): "llm-foundry's MPT attn_config as MPT reads it (MPT's own default)",
+    ("llmpipe/hf/export.py", "attn_type"): "the exported Hugging Face model's config (MPT's own default)",
+    ("llmpipe/report/chain_summary.py", "steps"): "a train.json record (a job's result), shown as '?' when absent",
+    ("llmpipe/model/mfu.py", "learned_pos_emb"): "an MPT config mapping (MPTConfig's default), also a hub model's",
+    ("llmpipe/model/mfu.py", "tie_word_embeddings"): "an MPT config mapping (MPTConfig's default), also a hub model's",
 }
 #: Fallbacks not yet moved to typed settings (remaining work; none may be added): (file, key).
 NOT_YET_TYPED = frozenset({
-    ("llmpipe/lora.py", "expansion_ratio"), ("llmpipe/mfu.py", "expansion_ratio"), ("llmpipe/mfu.py", "no_bias"),
+    ("llmpipe/train/lora.py", "expansion_ratio"), ("llmpipe/model/mfu.py", "expansion_ratio"), ("llmpipe/model/mfu.py", "no_bias"),
 })
 
 

@@ -1,4 +1,4 @@
-"""llmpipe.attention (SDPA) against llm-foundry's reference attention (``attn_impl: torch``), on the CPU in float32.
+"""llmpipe.model.attention (SDPA) against llm-foundry's reference attention (``attn_impl: torch``), on the CPU in float32.
 
 Each case draws fresh random inputs and compares outputs and the gradients w.r.t. query, key, value (and the
 returned KV cache) with ``scaled_multihead_dot_product_attention``; a tiny MPT built with the SDPA attention class
@@ -20,7 +20,7 @@ from llmfoundry.models.layers.attention import (  # noqa: E402
     scaled_multihead_dot_product_attention as reference,
 )
 
-import llmpipe.attention as A  # noqa: E402
+import llmpipe.model.attention as A  # noqa: E402
 
 ATOL = 2e-5
 RTOL = 1e-5

@@ -1,4 +1,4 @@
-"""The checkpoint folder (llmpipe.checkpoints): one folder per training identity, complete checkpoints only,
+"""The checkpoint folder (llmpipe.train.checkpoints): one folder per training identity, complete checkpoints only,
 retention over every job's saves, damaged checkpoints moved aside, weights read from sharded checkpoints."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import time
 import pytest
 import torch
 
-from llmpipe import checkpoints as ckpt
+from llmpipe.train import checkpoints as ckpt
 
 
 def touch(path, text="x"):

@@ -1,5 +1,5 @@
-"""The train setting ``compile`` (llmpipe.config.compile_settings) and per-block compilation
-(llmpipe.speedups.compile_blocks / the ``llmpipe_compile_blocks`` callback), on the CPU.
+"""The train setting ``compile`` (llmpipe.config.runs.compile_settings) and per-block compilation
+(llmpipe.train.speedups.compile_blocks / the ``llmpipe_compile_blocks`` callback), on the CPU.
 
 torch.compile runs with the ``aot_eager`` backend here (dynamo + AOT autograd, no C++ toolchain or GPU); what is
 checked is that the blocks really run through dynamo, that names and checkpoints stay those of the eager model,
@@ -13,7 +13,8 @@ import pytest
 torch = pytest.importorskip('torch')
 pytest.importorskip('llmfoundry')
 
-from llmpipe.config import ConfigError, compile_settings, deep_merge, run_settings, validate_run  # noqa: E402
+from llmpipe.config.runs import compile_settings, deep_merge, run_settings, validate_run  # noqa: E402
+from llmpipe.config.settings import ConfigError  # noqa: E402
 from tests import test_fused_loss as TFL  # noqa: E402
 from tests.conftest import retire_process_groups  # noqa: E402
 
@@ -56,7 +57,7 @@ def test_compile_settings(value, want):
 def test_bad_compile_setting_is_a_config_error(value, key):
     """At plan time, naming the setting (and the key under it), for models and finetunes; also when the
     llm-foundry config of a finetune is built (the run-time path names the finetune, not a model)."""
-    from llmpipe.finetune import foundry_finetune_config
+    from llmpipe.train.finetune import foundry_finetune_config
     config = deep_merge(TFL._project_config(), {'models': {'mpt-125m': {'train': {'compile': value}}}})
     with pytest.raises(ConfigError, match=r'models\.mpt-125m\.train\.compile' + key.replace('.', r'\.')):
         validate_run(config, 'mpt-125m')
@@ -69,8 +70,8 @@ def test_bad_compile_setting_is_a_config_error(value, key):
 
 
 def test_train_and_finetune_configs_carry_the_compile_scope():
-    from llmpipe.finetune import foundry_finetune_config
-    from llmpipe.train import foundry_train_config
+    from llmpipe.train.finetune import foundry_finetune_config
+    from llmpipe.train.pretrain import foundry_train_config
     config = TFL._project_config()
 
     def built(cfg, run='mpt-125m'):
@@ -83,7 +84,7 @@ def test_train_and_finetune_configs_carry_the_compile_scope():
     assert 'compile_config' not in cfg and cfg['callbacks']['llmpipe_compile_blocks'] == {}
     opts = deep_merge(config, {'models': {'mpt-125m': {'train': {'compile': {'scope': 'blocks', 'mode': 'max-autotune'}}}}})
     assert built(opts)['callbacks']['llmpipe_compile_blocks'] == {'mode': 'max-autotune'}
-    from llmpipe.schema import coerce   # snakemake --config passes 'False'; rules/common.smk types it
+    from llmpipe.config.schema import coerce   # snakemake --config passes 'False'; rules/common.smk types it
     off = coerce(deep_merge(config, {'models': {'mpt-125m': {'train': {'compile': 'False'}}}}))
     cfg = built(off)
     assert 'compile_config' not in cfg and 'llmpipe_compile_blocks' not in cfg['callbacks']
@@ -94,8 +95,8 @@ def test_train_and_finetune_configs_carry_the_compile_scope():
 
 
 def test_compile_is_speed_only():
-    from llmpipe.config import SPEED_ONLY_TRAIN_KEYS
-    from llmpipe.steps.train import train_identity
+    from llmpipe.config.runs import SPEED_ONLY_TRAIN_KEYS
+    from llmpipe.steps.training import train_identity
     assert 'compile' in SPEED_ONLY_TRAIN_KEYS
     config = TFL._project_config()
     other = deep_merge(config, {'models': {'mpt-125m': {'train': {'compile': 'blocks'}}}})
@@ -107,7 +108,7 @@ def test_compile_blocks_runs_the_blocks_through_dynamo_with_eager_names_and_resu
     gradients equal the eager stock model's."""
     import torch._dynamo
 
-    from llmpipe import speedups
+    from llmpipe.train import speedups
     torch._dynamo.reset()
     stock, fused = TFL._models(fused_loss_chunk_size=7)
     names = list(fused.state_dict())
@@ -142,7 +143,7 @@ def test_compile_blocks_finds_the_blocks_of_an_exported_checkpoint(tmp_path):
     from llmfoundry.utils.huggingface_hub_utils import edit_files_for_hf_compatibility
     from transformers import AutoModelForCausalLM
 
-    from llmpipe import speedups
+    from llmpipe.train import speedups
     out = str(tmp_path / 'hf')
     model = MPTForCausalLM(MPTConfig(d_model=32, n_heads=4, n_layers=2, expansion_ratio=2, max_seq_len=32,
                                      vocab_size=64, attn_config={'attn_impl': 'torch'}))
@@ -166,7 +167,7 @@ def test_compile_blocks_finds_the_blocks_of_an_exported_checkpoint(tmp_path):
 
 
 def test_compile_blocks_refuses_a_model_without_mpt_blocks():
-    from llmpipe import speedups
+    from llmpipe.train import speedups
     with pytest.raises(ValueError, match='no MPT transformer block'):
         speedups.compile_blocks(torch.nn.Sequential(torch.nn.Linear(2, 2)))
 
@@ -178,7 +179,7 @@ def test_llm_foundry_train_with_compiled_blocks_matches_eager(tmp_path, monkeypa
     from llmfoundry.command_utils import train
     from omegaconf import OmegaConf
 
-    from llmpipe.train import register_extensions
+    from llmpipe.train.pretrain import register_extensions
     for k, v in {'RANK': '0', 'WORLD_SIZE': '1', 'LOCAL_RANK': '0', 'LOCAL_WORLD_SIZE': '1', 'NODE_RANK': '0',
                  'MASTER_ADDR': '127.0.0.1', 'MASTER_PORT': str(TFL._free_port())}.items():
         monkeypatch.setenv(k, v)
@@ -249,7 +250,7 @@ def _fsdp_compiled_blocks_worker(rank: int, world: int, port: int, out_path: str
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
     from torch.distributed.fsdp.wrap import lambda_auto_wrap_policy
 
-    from llmpipe import speedups
+    from llmpipe.train import speedups
     os.environ.update(MASTER_ADDR='127.0.0.1', MASTER_PORT=str(port))
     # a bounded timeout: a rank that fails leaves the other in a collective for 5 minutes, not gloo's 30
     dist.init_process_group('gloo', rank=rank, world_size=world, timeout=datetime.timedelta(minutes=5))

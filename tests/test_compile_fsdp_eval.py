@@ -5,7 +5,7 @@ With FSDP's mixed precision the parameters a forward sees are bf16 views of the 
 gradients the last training step left on them are fp32 (the sharded gradient). torch.compile's tracing of the eval
 forward copies each parameter's gradient onto a fake tensor, which torch >= 2.9 refuses ("attempting to assign a
 gradient with dtype 'float' to a tensor with grad_dtype 'BFloat16'"), so the training died at its first evaluation.
-:mod:`llmpipe.fsdp`'s ``llmpipe_free_grads_before_eval`` callback drops the gradients before composer's evaluation
+:mod:`llmpipe.train.fsdp`'s ``llmpipe_free_grads_before_eval`` callback drops the gradients before composer's evaluation
 (composer drops them itself before the next training batch). This test runs the whole llm-foundry ``train()``: 4
 batches, an evaluation after batches 2 and 4, and checks that both evaluations ran through the compiled model.
 On torch 2.7 (the default lock) the error cannot occur; CI runs this test on the torch 2.11 lock as well
@@ -57,9 +57,9 @@ def _worker(rank: int, world: int, port: int, out_path: str, free_grads: bool) -
 
     import dataclasses
 
-    from llmpipe.config import deep_merge, run_config, run_settings
-    from llmpipe.fsdp import FREE_GRADS_CALLBACK, fsdp_on_cpu
-    from llmpipe.train import foundry_train_config, register_extensions
+    from llmpipe.config.runs import deep_merge, run_config, run_settings
+    from llmpipe.train.fsdp import FREE_GRADS_CALLBACK, fsdp_on_cpu
+    from llmpipe.train.pretrain import foundry_train_config, register_extensions
 
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
                       NODE_RANK='0', MASTER_ADDR='127.0.0.1', MASTER_PORT=str(port))
@@ -91,7 +91,7 @@ def _worker(rank: int, world: int, port: int, out_path: str, free_grads: bool) -
     assert (FREE_GRADS_CALLBACK in cfg['callbacks']) is True
     if not free_grads:
         cfg['callbacks'].pop(FREE_GRADS_CALLBACK)
-    from llmpipe.attention import mpt_attn_config
+    from llmpipe.model.attention import mpt_attn_config
     cfg['model']['init_device'] = 'cpu'
     cfg['model']['attn_config'] = mpt_attn_config(cfg['model'].get('attn_config') or {}, 'sdpa')
     seq, vocab = rc.data.concat_tokens, rc.arch.vocab_size

@@ -7,8 +7,9 @@ import stat
 
 import pytest
 
-from llmpipe import schema
-from llmpipe.config import ConfigError, deep_merge
+from llmpipe.config import schema
+from llmpipe.config.runs import deep_merge
+from llmpipe.config.settings import ConfigError
 
 from tests.conftest import REPO, snakemake
 
@@ -64,7 +65,7 @@ def test_tokenizer_without_eos_text(workdir):
 
 def test_tokenizer_eos_text_null_from_the_command_line():
     """``--config`` hands a nested ``null`` over as the string 'null', which became the literal end-of-text text."""
-    from llmpipe.config import validate_tokenizer
+    from llmpipe.config.runs import validate_tokenizer
 
     config = _raw_config()
     config["tokenizers"]["bpe-builtin-docs"]["eos_text"] = "null"
@@ -125,7 +126,7 @@ def schema_error(override: dict) -> str:
 def test_every_shipped_model_and_finetune_passes_validation():
     """The defaults in config/config.yaml must plan: each run's microbatch divides its per-device batch, etc.
     (mpt-760m once shipped microbatch 12 with a per-device batch of 32 and failed its own dry run)."""
-    from llmpipe.config import known_runs, validate_run
+    from llmpipe.config.runs import known_runs, validate_run
 
     config = _shipped_config()
     runs = known_runs(config)
@@ -335,7 +336,7 @@ def test_schema_names_the_setting_and_the_fix(override, expected):
 
 def test_optimizer_keys_are_checked_against_the_named_class():
     """The schema closes optimizer/scheduler to every class's keys; the merged run's keys must be its class's."""
-    from llmpipe.config import validate_run
+    from llmpipe.config.runs import validate_run
 
     config = cfg_with({"models": {"mpt-125m": {"train": {"optimizer": {"outlier_threshold": 10.0}}}}})
     with pytest.raises(ConfigError, match=r"^models\.mpt-125m\.train\.optimizer\.outlier_threshold is not a "
@@ -371,7 +372,7 @@ RUN_ERRORS = [
 def test_run_checks_name_the_setting_and_the_fix(run, override, expected):
     """Values the schema cannot check alone (they depend on another setting or on the file system) fail the run's
     check (the dry run: rules/common.smk validates every planned run), naming where they are written."""
-    from llmpipe.config import validate_run
+    from llmpipe.config.runs import validate_run
 
     with pytest.raises(ConfigError, match=expected) as err:
         validate_run(cfg_with(override), run)
@@ -593,7 +594,7 @@ def test_every_default_in_the_schema_is_valid():
 
 def test_speed_only_settings_are_marked_in_the_schema():
     """Step identity leaves out exactly the settings the schema marks x-speed-only."""
-    from llmpipe.config import SPEED_ONLY_FINETUNE_DATA_KEYS, SPEED_ONLY_TRAIN_KEYS
+    from llmpipe.config.runs import SPEED_ONLY_FINETUNE_DATA_KEYS, SPEED_ONLY_TRAIN_KEYS
 
     assert SPEED_ONLY_TRAIN_KEYS == {
         "microbatch_size", "eval_microbatch_size", "attn_impl", "fsdp", "compile", "num_workers",
@@ -611,7 +612,7 @@ def test_config_strings_from_the_command_line_read_as_yaml():
     """`snakemake --config` hands nested values over as strings: each is read as a YAML file would have it where the
     schema wants a number, integer, true/false or null ('False' must switch compile off; a learning rate '1e-3' is a
     float); text stays text."""
-    from llmpipe.config import run_config
+    from llmpipe.config.runs import run_config
 
     config = deep_merge(_raw_config(), {"models": {"mpt-tiny": {"train": {
         "compile": "False", "train_metrics": "true", "fsdp": "null", "seed": "17", "grad_clip_norm": "0.5",
@@ -628,7 +629,7 @@ def test_config_strings_from_the_command_line_read_as_yaml():
 def test_restating_a_value_from_the_command_line_keeps_the_identity():
     """``--config`` with ``seed: 17`` (arriving as '17') restates the shipped value: the training's identity text,
     hence its Snakemake params, is unchanged and nothing retrains."""
-    from llmpipe.steps.train import train_identity
+    from llmpipe.steps.training import train_identity
 
     base = _shipped_config()
     restated = schema.resolve(deep_merge(_raw_config(), {"models": {"mpt-tiny": {"train": {"seed": "17"}}}}))
@@ -694,8 +695,9 @@ def test_empty_settings_sections_mean_the_defaults(section, value):
 def test_null_strings_from_the_command_line_mean_null():
     """``--config 'step_resources=null'`` and friends arrive as the string 'null'; they mean the defaults, as a YAML
     null does, instead of crashing in the code that reads them."""
-    from llmpipe import allreduce, report, scaling
-    from llmpipe.config import step_resources, validate_run
+    from llmpipe.bench import allreduce_bw as allreduce, scaling_study as scaling
+    from llmpipe.report import tables as report
+    from llmpipe.config.runs import step_resources, validate_run
 
     base = _shipped_config()
     c = schema.resolve(deep_merge(_raw_config(), {"models": {"mpt-tiny": {"step_resources": "null"}}}))
@@ -718,7 +720,7 @@ def test_null_strings_from_the_command_line_mean_null():
 def test_a_run_section_written_empty_means_what_it_inherits(section):
     """``models: {mpt-125m: {train: }}`` in a YAML file is None: as if the section were not written (the model
     inherits model_defaults'), as ``models.mpt-125m: null`` already is."""
-    from llmpipe.config import run_config, validate_run
+    from llmpipe.config.runs import run_config, validate_run
 
     config = _raw_config()
     config["models"]["mpt-125m"][section] = None
@@ -759,7 +761,7 @@ def test_local_run_refuses_multi_node_training_before_anything_runs(workdir):
 
 def test_local_executor_never_runs_a_multi_node_step_on_one_node(tmp_path):
     """The backstop in dispatch: the local executor refuses resources of 2 nodes instead of running one."""
-    from llmpipe import dispatch
+    from llmpipe.dispatch import jobs as dispatch
     with pytest.raises(ConfigError, match=r"step x needs 2 nodes but dispatch.executor is 'local'"):
         dispatch.make_executor({"dispatch": {"executor": "local"}}, {"nodes": 2, "tasks_per_node": 1}, str(tmp_path),
                                "x")
@@ -769,7 +771,7 @@ def test_local_executor_never_runs_a_multi_node_step_on_one_node(tmp_path):
 def test_misspelled_slurm_setting_of_a_step_or_container():
     """Per-step ``resources.slurm`` and ``slurm.container`` keys are checked when a step's Slurm settings are built
     (before sbatch)."""
-    from llmpipe.slurm import site_config
+    from llmpipe.dispatch.slurm import site_config
 
     with pytest.raises(ConfigError, match=r"resources\.slurm\.qoss is not a Slurm site setting .*did you mean qos\?"):
         site_config({}, {"slurm": {"qoss": "high"}})
@@ -780,7 +782,7 @@ def test_misspelled_slurm_setting_of_a_step_or_container():
 
 
 def test_eos_text_that_is_not_text():
-    from llmpipe.config import validate_tokenizer
+    from llmpipe.config.runs import validate_tokenizer
 
     config = _shipped_config()
     config["tokenizers"]["bpe-builtin-docs"]["eos_text"] = 5

@@ -9,7 +9,7 @@ import sys
 import pytest
 import torch
 
-from llmpipe.config import run_settings
+from llmpipe.config.runs import run_settings
 from tests.conftest import project_config
 from tests.test_export import WITHOUT_FOUNDRY, usual_calls
 
@@ -31,7 +31,7 @@ def composer_logits(config: dict, run: str, ckpt: str, ids: torch.Tensor) -> tor
     """Logits of the composer model (llm-foundry's ComposerMPTCausalLM) restored from the training checkpoint."""
     from llmfoundry.utils.builders import build_composer_model
 
-    from llmpipe.train import foundry_train_config
+    from llmpipe.train.pretrain import foundry_train_config
     cfg = foundry_train_config(run_settings(config, run), data_dir=None, save_folder=None, world_size=1)
     model_cfg = dict(cfg["model"])
     name = model_cfg.pop("name")
@@ -46,8 +46,8 @@ def composer_logits(config: dict, run: str, ckpt: str, ids: torch.Tensor) -> tor
 
 @pytest.mark.parametrize("dtype,tol", [("float32", 1e-4), ("bfloat16", None)])
 def test_export_matches_composer_logits(tiny_run, tmp_path, dtype, tol):
-    from llmpipe.convert import convert_checkpoint
-    from llmpipe.stage_settings import ConvertSettings
+    from llmpipe.hf.export import convert_checkpoint
+    from llmpipe.config.stage_settings import ConvertSettings
 
     config = project_config()
     train = json.loads((tiny_run / "results/mpt-tiny/train.json").read_text())

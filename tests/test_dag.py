@@ -71,7 +71,7 @@ def test_slurm_plan_rules_wait_without_local_cores(workdir, no_torch):
 def test_thread_env_of_slurm_waiting_rules_is_made_valid(monkeypatch):
     """Snakemake exports OMP_NUM_THREADS=0 (and the BLAS variants) for threads: 0; the rule script and the Slurm
     job it submits (sbatch exports the environment) get 1 instead; other values stay."""
-    from llmpipe import dispatch
+    from llmpipe.dispatch import jobs as dispatch
     monkeypatch.setenv("OMP_NUM_THREADS", "0")
     monkeypatch.setenv("MKL_NUM_THREADS", "0")
     monkeypatch.setenv("OPENBLAS_NUM_THREADS", "4")

@@ -1,4 +1,4 @@
-"""llmpipe.dag_checks: what the workflow checks and says while the DAG is built, each check once per request or run
+"""llmpipe.plan.dag_checks: what the workflow checks and says while the DAG is built, each check once per request or run
 (the dry runs of tests/test_plan.py and the Slurm tests see the same through Snakemake)."""
 
 from __future__ import annotations
@@ -7,9 +7,10 @@ import types
 
 import pytest
 
-from llmpipe import slurm
-from llmpipe.config import ConfigError, deep_merge, step_resources
-from llmpipe.dag_checks import DagChecks, PreflightRefused
+from llmpipe.dispatch import slurm
+from llmpipe.config.runs import deep_merge, step_resources
+from llmpipe.config.settings import ConfigError
+from llmpipe.plan.dag_checks import DagChecks, PreflightRefused
 from tests.conftest import project_config
 
 

@@ -11,7 +11,7 @@ import threading
 
 import pytest
 
-from llmpipe.config import ConfigError
+from llmpipe.config.settings import ConfigError
 from llmpipe.data.corpus import c4_filename, prepare_corpus, scan_file
 from llmpipe.data.errors import DataError
 

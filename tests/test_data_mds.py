@@ -15,9 +15,9 @@ from llmpipe.data.corpus import builtin_documents, prepare_corpus
 from llmpipe.data.errors import DataError
 from llmpipe.data.mds_verify import verify_dataset
 from llmpipe.data.tokenizer import prepare_tokenizer
-from llmpipe.mds_dispatch import convert_dataset
-from llmpipe.schema import fill_defaults
-from llmpipe.unit_array import resolve_workers
+from llmpipe.steps.mds_units import convert_dataset
+from llmpipe.config.schema import fill_defaults
+from llmpipe.dispatch.unit_array import resolve_workers
 from tests.test_data_corpus import write_c4
 
 EOS = "<|endoftext|>"
@@ -314,8 +314,8 @@ def die(self):  # SIGKILL in the middle of finishing the first unit: shards writ
     self._flush()
     os.kill(os.getpid(), signal.SIGKILL)
 TokenMDSWriter.finish = die
-from llmpipe.mds_dispatch import convert_dataset
-from llmpipe.schema import fill_defaults
+from llmpipe.steps.mds_units import convert_dataset
+from llmpipe.config.schema import fill_defaults
 convert_dataset({man!r}, {tok_dir!r}, {C}, {EOS!r}, {str(out)!r}, config=json.loads({json.dumps(json.dumps(cfg(tmp_path)))}),
                 log_dir={str(tmp_path / 'logs')!r})
 """
@@ -449,8 +449,8 @@ def test_conversion_never_imports_torch_or_transformers(tok, corpus, tmp_path):
     man, _ = corpus
     code = f"""
 import json, sys
-from llmpipe.mds_dispatch import convert_dataset
-from llmpipe.schema import fill_defaults
+from llmpipe.steps.mds_units import convert_dataset
+from llmpipe.config.schema import fill_defaults
 m = convert_dataset({man!r}, {tok_dir!r}, {C}, {EOS!r}, {str(tmp_path / 'ds')!r},
                     config=json.loads({json.dumps(json.dumps(cfg(tmp_path)))}), log_dir={str(tmp_path / 'logs')!r})
 assert m["splits"]["train"]["samples"] > 0
@@ -531,7 +531,7 @@ def test_verify_checks_the_uncompressed_shard_training_reads(tok, converted, tmp
 
 def test_compression_and_size_limit_settings(tok, corpus, tmp_path):
     """Only spellings streaming can read are accepted (before anything runs); size_limit 0 = one shard per unit."""
-    from llmpipe.config import ConfigError
+    from llmpipe.config.settings import ConfigError
 
     tok_dir, _ = tok
     man, _ = corpus

@@ -100,7 +100,7 @@ def test_writer_does_not_import_torch():
             "import tempfile\n"
             "w = TokenMDSWriter(tempfile.mkdtemp(), 8, 'zstd'); w.write(np.zeros((3, 8), np.int32)); w.finish()\n"
             "from llmpipe.data import mds\n"
-            "import llmpipe.unit_array\n"
+            "import llmpipe.dispatch.unit_array\n"
             "heavy = [m for m in ('torch', 'transformers', 'streaming') if m in sys.modules]\n"
             "assert not heavy, heavy\n")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)

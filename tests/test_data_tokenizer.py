@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from llmpipe.config import ConfigError
+from llmpipe.config.settings import ConfigError
 from llmpipe.data.corpus import builtin_documents, prepare_corpus
 from llmpipe.data.errors import DataError
 from llmpipe.data.tokenizer import prepare_tokenizer

@@ -14,8 +14,8 @@ import time
 import cloudpickle
 import pytest
 
-from llmpipe import job_failures
-from llmpipe.dispatch import StepFailed, run_step
+from llmpipe.dispatch import job_failures
+from llmpipe.dispatch.jobs import StepFailed, run_step
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])  # the job runs these functions without importing us
 
@@ -106,7 +106,7 @@ def test_headline_skips_shutdown_noise():
 
 def test_the_node_of_a_finished_array_task_is_read_from_its_log_when_slurm_forgot_it(tmp_path):
     """Slurm may drop a finished array task before its node is asked for; submitit's own first log line names it."""
-    from llmpipe.dispatch import _logged_host
+    from llmpipe.dispatch.jobs import _logged_host
 
     out = tmp_path / "20_1_0_log.out"
     out.write_text("submitit INFO (2026-12-01 20:53:38,182) - Starting with JobEnvironment(job_id=20_1, hostname=n2, "

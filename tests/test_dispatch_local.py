@@ -21,7 +21,7 @@ from tests.conftest import REPO
 STEP = textwrap.dedent("""
     import os, sys, time
     sys.path.insert(0, {repo!r})
-    from llmpipe import dispatch
+    from llmpipe.dispatch import jobs as dispatch
 
     def sleeper(i):
         with open(os.path.join({tmp!r}, f"worker-{{i}}.pid"), "w") as fh:
@@ -92,7 +92,7 @@ def _double(i: int) -> int:
 def test_no_literal_job_id_folder_is_left_in_the_log_dir(tmp_path):
     """submitit takes its folder pattern ``logs/%j`` literally for staging (and its local controller creates it);
     after the jobs, the log folder holds only the jobs' own folders."""
-    from llmpipe import dispatch
+    from llmpipe.dispatch import jobs as dispatch
 
     config = {"dispatch": {"executor": "local", "state_dir": str(tmp_path / "state"), "poll_s": 0.2}}
     logs = tmp_path / "logs"
@@ -106,7 +106,7 @@ def test_no_literal_job_id_folder_is_left_in_the_log_dir(tmp_path):
 
 
 def test_no_literal_job_id_folder_after_a_failed_step(tmp_path):
-    from llmpipe import dispatch
+    from llmpipe.dispatch import jobs as dispatch
 
     config = {"dispatch": {"executor": "local", "state_dir": str(tmp_path / "state"), "poll_s": 0.2}}
     with pytest.raises(dispatch.StepFailed):
@@ -119,7 +119,7 @@ def test_no_literal_job_id_folder_after_a_failed_step(tmp_path):
 def test_a_job_slurm_still_lists_as_running_is_reattached_not_resubmitted(tmp_path, monkeypatch):
     """A killed Snakemake left a Slurm job whose result is already written (submitit calls it done) while Slurm
     still shows RUNNING: the rerun re-attaches and waits for it; it never submits a second copy."""
-    from llmpipe import dispatch
+    from llmpipe.dispatch import jobs as dispatch
 
     class FinishingJob:
         job_id, state, num_tasks = "27", "RUNNING", 1
@@ -146,7 +146,7 @@ def test_dry_run_names_the_live_jobs_of_another_driver(tmp_path):
     script = textwrap.dedent(f"""
         import sys, time
         sys.path.insert(0, {str(REPO)!r})
-        from llmpipe.dispatch import run_step
+        from llmpipe.dispatch.jobs import run_step
         cfg = {{"dispatch": {{"executor": "local", "state_dir": ".llmpipe/jobs", "poll_s": 0.2}}}}
         run_step(time.sleep, 60, step="train mpt-tiny", resources={{"time_min": 5}}, config=cfg,
                  log_dir="logs", key="k")

@@ -15,9 +15,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from llmpipe import eval_tasks
-from llmpipe.eval_data import TaskDataError, fetch_task_files
-from llmpipe.settings import ConfigError
+from llmpipe.evaluation import suites as eval_tasks
+from llmpipe.evaluation.task_data import TaskDataError, fetch_task_files
+from llmpipe.config.settings import ConfigError
 from tests.conftest import project_config, snakemake
 from tests.helpers.repeat_model import DIM, SCALE, SPECIAL, WORDS, write_repeat_model
 
@@ -85,9 +85,9 @@ def test_standin_suite_is_scored_as_hand_computed(tmp_path, monkeypatch):
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "NODE_RANK", "MASTER_ADDR", "MASTER_PORT"):
         monkeypatch.delenv(key, raising=False)
 
-    from llmpipe.config import run_settings
-    from llmpipe.evaluate import evaluate
-    from llmpipe.stage_settings import EvalSettings
+    from llmpipe.config.runs import run_settings
+    from llmpipe.evaluation.icl_eval import evaluate
+    from llmpipe.config.stage_settings import EvalSettings
 
     model = write_repeat_model(str(tmp_path / "model"))
     with MDSWriter(out=str(tmp_path / "mds" / "val"), columns={"text": "str"}) as w:
@@ -221,7 +221,7 @@ def words(n, start=0):
 def test_item_tokens_and_cuts_as_hand_counted():
     """Token counts per item and the items cut to fit an 8-token context, for each task type, counted by hand
     (one token per word; llm-foundry adds a leading space to answers, which the tokenizer ignores)."""
-    from llmpipe.icl_tokens import Encoder, context_fit, item_tokens
+    from llmpipe.evaluation.icl_tokens import Encoder, context_fit, item_tokens
 
     core = word_tokenizer()
     enc = Encoder(lambda texts, special: [e.ids for e in core.encode_batch(texts, add_special_tokens=special)], 0)
@@ -279,7 +279,7 @@ def test_item_tokens_match_llm_foundry_datasets(tmp_path):
     import llmfoundry.eval.datasets  # noqa: F401 - registers the task types
     from llmfoundry.eval.datasets import get_icl_task_dataloader
     from llmpipe.data.tokenizer import train_bpe
-    from llmpipe.icl_tokens import Encoder, context_fit, item_tokens, read_items
+    from llmpipe.evaluation.icl_tokens import Encoder, context_fit, item_tokens, read_items
 
     rnd = random.Random(3)
 
@@ -312,7 +312,7 @@ def test_item_tokens_match_llm_foundry_datasets(tmp_path):
     ]
     # the defaults the counts assume are those of llm-foundry's dataset classes
     from llmfoundry.registry import icl_datasets
-    from llmpipe.icl_tokens import COMMON_DEFAULTS, TYPE_DEFAULTS
+    from llmpipe.evaluation.icl_tokens import COMMON_DEFAULTS, TYPE_DEFAULTS
     for ttype, own in TYPE_DEFAULTS.items():
         params = inspect.signature(icl_datasets.get(ttype)).parameters
         for key, value in {**COMMON_DEFAULTS, **own}.items():
@@ -524,7 +524,7 @@ def test_local_task_data_folder_is_checked(tmp_path):
 def test_standard_files_are_counted_from_the_mirror_or_the_manifest(tmp_path):
     """A standard file's items are known in the dry run when it is in the local mirror or an earlier fetch's
     manifest: subsets and shot counts are checked against them, and the evaluation's time plan counts them."""
-    from llmpipe.inference_placement import eval_tokens
+    from llmpipe.plan.inference_placement import eval_tokens
 
     rel = "eval/local_data/commonsense_reasoning/copa.jsonl"
     (tmp_path / "mirror" / rel).parent.mkdir(parents=True)
@@ -548,7 +548,7 @@ def test_standard_files_are_counted_from_the_mirror_or_the_manifest(tmp_path):
     manifest.parent.mkdir(parents=True)
     manifest.write_text(json.dumps({"files": {rel: {"items": 7}}}))
     assert eval_tasks.suite_items(cfg, "mpt-tiny") == [("copa", 7, 2)]
-    from llmpipe.stage_settings import EvalSettings
+    from llmpipe.config.stage_settings import EvalSettings
     tokens, unknown = eval_tokens(EvalSettings(batch_size=4, val_batches=2), 128, [("copa", 7, 2), ("x", None, 1)])
     assert tokens == (2 * 4 + 7 * 2) * 128 and unknown == ["x"]
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from llmpipe.config import run_settings
+from llmpipe.config.runs import run_settings
 from tests.conftest import project_config
 
 #: Prompts that fit mpt-tiny's context (128 tokens) with room for the new tokens.
@@ -40,8 +40,8 @@ def random_checkpoint(rc: dict, path: Path) -> str:
     import torch
     from llmfoundry.models.mpt import MPTConfig, MPTForCausalLM
 
-    from llmpipe.convert import mpt_config_dict
-    from llmpipe.train import register_extensions
+    from llmpipe.hf.export import mpt_config_dict
+    from llmpipe.train.pretrain import register_extensions
 
     register_extensions()
     torch.manual_seed(0)
@@ -52,8 +52,8 @@ def random_checkpoint(rc: dict, path: Path) -> str:
 
 def export(tmp: Path, umask: int) -> Path:
     """Convert a random mpt-tiny checkpoint under ``umask``; return the export folder."""
-    from llmpipe.convert import convert_checkpoint
-    from llmpipe.stage_settings import ConvertSettings
+    from llmpipe.hf.export import convert_checkpoint
+    from llmpipe.config.stage_settings import ConvertSettings
 
     rc = run_settings(project_config(), "mpt-tiny")
     out = tmp / "hf"
@@ -107,7 +107,7 @@ def settings(**over) -> dict:
 def typed(**over):
     """:func:`settings` over the shipped ``generate:`` section, typed as the generation job takes it (no template:
     the prompt alone, as a pretraining run generates)."""
-    from llmpipe.stage_settings import GenerateSettings
+    from llmpipe.config.stage_settings import GenerateSettings
 
     return GenerateSettings.from_section({**project_config()["generate"], "template": "{prompt}", **settings(**over)})
 
@@ -115,7 +115,7 @@ def typed(**over):
 def test_a_prompt_longer_than_the_context_is_truncated_from_the_left(tiny_export):
     """The long prompt keeps its last tokens and leaves room for max_new_tokens; the short prompts' completions are
     those they get alone."""
-    from llmpipe.generate import generate
+    from llmpipe.evaluation.generation import generate
 
     got = generate(str(tiny_export), typed())
     assert got["context_tokens"] == 128 and [o["prompt"] for o in got["outputs"]] == [SHORT[0], LONG, SHORT[1]]
@@ -129,7 +129,7 @@ def test_a_prompt_longer_than_the_context_is_truncated_from_the_left(tiny_export
 
 
 def test_new_tokens_beyond_the_context_keep_half_the_context_for_the_prompt():
-    from llmpipe.generate import prompt_budget
+    from llmpipe.evaluation.generation import prompt_budget
 
     assert prompt_budget(12, 128, 256) == (12, 116)  # mpt-tiny's defaults: the prompt whole, 116 new tokens
     assert prompt_budget(400, 128, 256) == (64, 64)
@@ -140,7 +140,7 @@ def test_new_tokens_beyond_the_context_keep_half_the_context_for_the_prompt():
 def step_context(export: Path, tmp_path: Path, generate: dict, run: str = "mpt-tiny"):
     """A rule ``generate`` context for ``run`` on ``export`` with the shipped config and ``generate`` over its
     ``generate:`` section, the job run in this process; returns ``(ctx, generate.json path)``."""
-    from llmpipe.config import deep_merge
+    from llmpipe.config.runs import deep_merge
 
     out = tmp_path / run / "generate.json"
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -155,7 +155,7 @@ def step_context(export: Path, tmp_path: Path, generate: dict, run: str = "mpt-t
 def test_strict_mode_fails_naming_the_prompt_and_keeps_the_other_completions(tiny_export, tmp_path):
     """generate.long_prompts: fail: the step fails naming the prompt and the context length, generate.json is not
     written, and the other prompts' completions are in generate.partial.json."""
-    from llmpipe.config import ConfigError
+    from llmpipe.config.settings import ConfigError
     from llmpipe.steps import generate as step
 
     ctx, out = step_context(tiny_export, tmp_path, settings(long_prompts="fail"))
@@ -172,14 +172,14 @@ def test_strict_mode_fails_naming_the_prompt_and_keeps_the_other_completions(tin
 
 
 def test_generation_through_the_placement_gives_the_tokens_of_a_plain_greedy_generate(tiny_export):
-    """On a host without a GPU the placement (llmpipe.inference_placement.generation_placement, the code that spreads
+    """On a host without a GPU the placement (llmpipe.plan.inference_placement.generation_placement, the code that spreads
     a large model over a node's GPUs) puts every weight on the CPU, whatever GPU count the job asked for, and the
     answers are token for token those of the model loaded whole and generating greedily with transformers."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from llmpipe.generate import generate
-    from llmpipe.inference_placement import generation_placement
+    from llmpipe.evaluation.generation import generate
+    from llmpipe.plan.inference_placement import generation_placement
 
     if torch.cuda.is_available():
         pytest.skip("checks the CPU placement")
@@ -203,7 +203,7 @@ def test_each_prompt_is_sent_in_the_template_and_the_text_sent_is_recorded(tiny_
     """The model continues the template applied to the prompt, token for token what it does given that text bare;
     generate.json records the text; without a template the text is the prompt itself."""
     from llmpipe.data.instructions import BUILTIN_TEMPLATE, apply_template
-    from llmpipe.generate import generate
+    from llmpipe.evaluation.generation import generate
 
     got = generate(str(tiny_export), typed(prompts=SHORT, template=BUILTIN_TEMPLATE))
     texts = [apply_template(BUILTIN_TEMPLATE, p) for p in SHORT]
@@ -224,7 +224,7 @@ def test_a_prompt_that_fails_is_recorded_for_it_and_the_others_are_answered(tiny
     completions, and the step fails naming the prompt (ConfigError for a prompt, RuntimeError for a raise)."""
     import transformers
 
-    from llmpipe.config import ConfigError
+    from llmpipe.config.settings import ConfigError
     from llmpipe.steps import generate as step
 
     ctx, out = step_context(tiny_export, tmp_path, settings(prompts=[SHORT[0], "", 3, SHORT[1]]))
@@ -265,7 +265,7 @@ def test_each_run_generates_with_its_own_prompts_and_template():
     """Pretraining runs send the prompt alone, finetunes their instruction set's format (the template the builtin
     set's training prompts are built with); a run's own generate: section, then the global template, win; the
     template is part of generation's identity."""
-    from llmpipe.config import deep_merge
+    from llmpipe.config.runs import deep_merge
     from llmpipe.data.instructions import BUILTIN_TEMPLATE, builtin_instructions
     from llmpipe.steps.generate import generate_identity, generate_settings, run_generate_settings
 

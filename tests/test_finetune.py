@@ -139,8 +139,8 @@ LORA_30B = {"r": 16, "target_modules": ["Wqkv", "out_proj"]}  # MPT-30B-Instruct
 def test_dry_run_plans_hub_finetune_with_resources(workdir, run, nodes, extra):
     """The 7B and 30B finetunes, full and LoRA, plan their jobs with their resources, memory and time, without
     importing torch."""
-    from llmpipe import config as cfg
-    from llmpipe import plan
+    from llmpipe.config import runs as cfg
+    from llmpipe.plan import memory_time as plan
 
     blocked = workdir / "blocked"
     blocked.mkdir()
@@ -162,7 +162,7 @@ def test_dry_run_plans_hub_finetune_with_resources(workdir, run, nodes, extra):
     block = out[out.index("rule finetune:"):]
     block = block[: block.index("\n\n")] if "\n\n" in block else block
     assert f"nodes={nodes}," in block and "gpus_per_node=8" in block and "runtime=1440" in block, block
-    # the memory and time plan of the finetune (llmpipe.plan), as for pretraining; LoRA: adapters trained only
+    # the memory and time plan of the finetune (llmpipe.plan.memory_time), as for pretraining; LoRA: adapters trained only
     out = proc.stdout + proc.stderr
     config = load_config()
     if extra:
@@ -197,22 +197,23 @@ def test_dry_run_names_batch_not_divisible_at_some_node_count(workdir, run, gbs,
 
 
 def test_config_errors_of_finetunes():
-    from llmpipe import config as cfg
-    from llmpipe.steps.train import train_identity
+    from llmpipe.config import runs as cfg
+    from llmpipe.config.settings import ConfigError
+    from llmpipe.steps.training import train_identity
     base = load_config()
-    with pytest.raises(cfg.ConfigError, match="base must name exactly one of"):
+    with pytest.raises(ConfigError, match="base must name exactly one of"):
         cfg.validate_run(cfg.deep_merge(base, {"finetunes": {SFT: {"base": {"hub": "mosaicml/mpt-7b"}}}}), SFT)
-    with pytest.raises(cfg.ConfigError, match="base.run is 'mpt-9b'"):
+    with pytest.raises(ConfigError, match="base.run is 'mpt-9b'"):
         cfg.validate_run(cfg.deep_merge(base, {"finetunes": {SFT: {"base": {"run": "mpt-9b"}}}}), SFT)
-    with pytest.raises(cfg.ConfigError, match=rf"^finetunes\.{SFT}\.data\.instructions is 'alpaca', which is not "
+    with pytest.raises(ConfigError, match=rf"^finetunes\.{SFT}\.data\.instructions is 'alpaca', which is not "
                                               r"defined under `instruction_sets:`"):
         cfg.validate_run(cfg.deep_merge(base, {"finetunes": {SFT: {"data": {"instructions": "alpaca"}}}}), SFT)
-    with pytest.raises(cfg.ConfigError, match=r"^finetune_defaults\.data\.instructions is 'python-docs-q', "
+    with pytest.raises(ConfigError, match=r"^finetune_defaults\.data\.instructions is 'python-docs-q', "
                                               r".*did you mean python-docs-qa\?"):
         typo = cfg.deep_merge(base, {"finetune_defaults": {"data": {"instructions": "python-docs-q"}}})
         del typo["finetunes"][SFT]["data"]["instructions"]  # inherited from finetune_defaults
         cfg.validate_run(typo, SFT)
-    with pytest.raises(cfg.ConfigError, match=r"max_seq_len \(4096\) is larger than the base"):
+    with pytest.raises(ConfigError, match=r"max_seq_len \(4096\) is larger than the base"):
         cfg.validate_run(cfg.deep_merge(base, {"finetunes": {"mpt-7b-dolly": {"data": {"max_seq_len": 4096}}}}),
                          "mpt-7b-dolly")
     rc = cfg.validate_run(base, "mpt-7b-dolly")
@@ -263,9 +264,9 @@ def test_hub_finetune_data_and_config_on_standin_rows(tmp_path, run, iset, with_
     import torch
     from omegaconf import OmegaConf
 
-    from llmpipe import config as cfg
+    from llmpipe.config import runs as cfg
     from llmpipe.data.instructions import prepare_instructions, write_standin
-    from llmpipe.finetune import build_dataloader, foundry_finetune_config, require_peft
+    from llmpipe.train.finetune import build_dataloader, foundry_finetune_config, require_peft
 
     monkeypatch.chdir(tmp_path)  # llm-foundry writes signal files into the working folder
     monkeypatch.setenv("MAX_NUM_PROC", "1")
@@ -317,8 +318,8 @@ def test_hub_finetune_data_and_config_on_standin_rows(tmp_path, run, iset, with_
 
 
 def test_lora_config_and_peft_requirement():
-    from llmpipe import config as cfg
-    from llmpipe.finetune import foundry_finetune_config, require_peft
+    from llmpipe.config import runs as cfg
+    from llmpipe.train.finetune import foundry_finetune_config, require_peft
 
     config = load_config()
     pytest.importorskip("llmfoundry")

@@ -1,4 +1,4 @@
-"""The train setting ``fp8`` (llmpipe.fp8: torchao float8 training), on the CPU: its validation at plan time, its
+"""The train setting ``fp8`` (llmpipe.train.fp8: torchao float8 training), on the CPU: its validation at plan time, its
 place in the training identity, the llm-foundry config that carries it (pretraining and finetuning), which layers
 of a tiny MPT the filter converts, and the clear error where the stack cannot run it (no torchao, no FP8 GPU).
 
@@ -16,8 +16,9 @@ torch = pytest.importorskip('torch')
 pytest.importorskip('llmfoundry')
 pytest.importorskip('torchao')
 
-import llmpipe.fp8 as F  # noqa: E402
-from llmpipe.config import ConfigError, deep_merge, run_config, run_settings, validate_run  # noqa: E402
+import llmpipe.train.fp8 as F  # noqa: E402
+from llmpipe.config.runs import deep_merge, run_config, run_settings, validate_run  # noqa: E402
+from llmpipe.config.settings import ConfigError  # noqa: E402
 from tests import test_fused_loss as TFL  # noqa: E402
 
 DEFAULT = F.fp8_defaults()['min_features']   # the schema's x-default
@@ -103,8 +104,8 @@ def test_schema_refuses_a_wrong_fp8_value():
 def test_fp8_is_part_of_the_training_identity():
     """FP8 changes the numbers: it is no speed-only setting, and turning it on (or changing the recipe or the layers
     it covers) retrains; the spellings of off, and of one recipe, name one training each."""
-    from llmpipe.config import SPEED_ONLY_TRAIN_KEYS
-    from llmpipe.steps.train import train_identity
+    from llmpipe.config.runs import SPEED_ONLY_TRAIN_KEYS
+    from llmpipe.steps.training import train_identity
     assert 'fp8' not in SPEED_ONLY_TRAIN_KEYS
     for run in ('mpt-125m', 'mpt-tiny-sft'):
         def ident(value, _run=run):
@@ -118,7 +119,7 @@ def test_fp8_is_part_of_the_training_identity():
 
 
 def test_finetune_identity_follows_the_base_models_fp8():
-    from llmpipe.steps.train import train_identity
+    from llmpipe.steps.training import train_identity
     base = train_identity(TFL._project_config(), 'mpt-tiny-sft')
     fp8_base = _config('mpt-tiny', {'fp8': True})
     assert train_identity(fp8_base, 'mpt-tiny-sft') != base
@@ -129,8 +130,8 @@ def test_finetune_identity_follows_the_base_models_fp8():
 def test_train_and_finetune_configs_carry_the_fp8_callback():
     """The callback goes first (before compile_blocks and the run monitor), with the recipe, the size limit and the
     setting's path for messages; none when off."""
-    from llmpipe.finetune import foundry_finetune_config
-    from llmpipe.train import foundry_train_config
+    from llmpipe.train.finetune import foundry_finetune_config
+    from llmpipe.train.pretrain import foundry_train_config
 
     def built(cfg, run='mpt-125m'):
         return foundry_train_config(run_settings(cfg, run), data_dir=None, save_folder=None, world_size=1)

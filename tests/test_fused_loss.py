@@ -1,4 +1,4 @@
-"""llmpipe.fused_loss (chunked linear + cross-entropy) against llm-foundry's own loss path, on the CPU.
+"""llmpipe.model.fused_loss (chunked linear + cross-entropy) against llm-foundry's own loss path, on the CPU.
 
 The reference is llm-foundry's ``compute_loss_from_logits`` with the ``torch_crossentropy`` loss of
 ``ComposerMPTCausalLM`` (full logits, per-token losses summed and divided by the count of non-ignored targets): the
@@ -24,8 +24,8 @@ pytest.importorskip('llmfoundry')
 from llmfoundry.models.mpt import ComposerMPTCausalLM, MPTConfig, MPTForCausalLM  # noqa: E402
 from llmfoundry.models.mpt.modeling_mpt import compute_loss_from_logits  # noqa: E402
 
-import llmpipe.attention as A  # noqa: E402
-from llmpipe import fused_loss as FL  # noqa: E402
+import llmpipe.model.attention as A  # noqa: E402
+from llmpipe.model import fused_loss as FL  # noqa: E402
 from tests.conftest import REPO, retire_process_groups  # noqa: E402
 
 V, D = 101, 24
@@ -105,7 +105,7 @@ def test_softmax_kernel_takes_one_softmax_per_chunk_and_no_exp(monkeypatch):
 
 
 def test_default_kernel_is_one_of_the_kernels():
-    from llmpipe.config import FUSED_LOSS_DEFAULT_KERNEL
+    from llmpipe.config.settings import FUSED_LOSS_DEFAULT_KERNEL
     assert FUSED_LOSS_DEFAULT_KERNEL in FL.KERNELS
 
 
@@ -417,7 +417,7 @@ def test_registered_and_state_dict_is_stock_mpt():
     stock, fused = _models()
     assert list(fused.state_dict()) == list(stock.state_dict())
     plain = MPTForCausalLM(MPTConfig(**{k: v for k, v in MPT_KW.items() if k != 'loss_fn'}))
-    plain.load_state_dict(fused.model.state_dict(), strict=True)   # what llmpipe.convert does
+    plain.load_state_dict(fused.model.state_dict(), strict=True)   # what llmpipe.hf.export does
     assert type(fused.model.transformer.wte) is FL.FusedLossEmbedding
     assert fused.model.get_output_embeddings() is fused.model.transformer.wte
 
@@ -542,9 +542,9 @@ def _project_config():
 
 
 def test_train_config_selects_the_fused_model():
-    from llmpipe.config import deep_merge
-    from llmpipe.config import run_settings
-    from llmpipe.train import FUSED_LOSS_MODEL_KEYS, foundry_train_config
+    from llmpipe.config.runs import deep_merge
+    from llmpipe.config.runs import run_settings
+    from llmpipe.train.pretrain import FUSED_LOSS_MODEL_KEYS, foundry_train_config
     config = _project_config()
 
     def model(cfg, run='mpt-125m'):
@@ -565,8 +565,8 @@ def test_train_config_selects_the_fused_model():
     assert model(sm)['fused_loss_kernel'] == 'softmax' and model(sm)['fused_loss_chunk_size'] is None
     dflt = deep_merge(config, {'models': {'mpt-125m': {'train': {'fused_loss': {'chunk_size': 1024}}}}})
     assert model(dflt)['fused_loss_kernel'] == 'liger'
-    # snakemake --config passes nested values as strings; rules/common.smk types them (llmpipe.schema.coerce)
-    from llmpipe.schema import coerce
+    # snakemake --config passes nested values as strings; rules/common.smk types them (llmpipe.config.schema.coerce)
+    from llmpipe.config.schema import coerce
     cli = coerce(deep_merge(config, {'models': {'mpt-125m': {'train': {'fused_loss': {'chunk_size': '4096',
                                                                                 'kernel': 'torch'}}}}}))
     assert (model(cli)['fused_loss_chunk_size'], model(cli)['fused_loss_kernel']) == (4096, 'torch')
@@ -583,7 +583,8 @@ def test_train_config_selects_the_fused_model():
 @pytest.mark.parametrize('value', ['yes', 3, {'chunk_size': 0}, {'chunk_size': 'big'}, {'chunk': 4},
                                    {'kernel': 'triton'}, {'kernel': True}, {'kernal': 'liger'}, 'liger'])
 def test_bad_fused_loss_setting_is_a_config_error(value):
-    from llmpipe.config import ConfigError, deep_merge, validate_run
+    from llmpipe.config.runs import deep_merge, validate_run
+    from llmpipe.config.settings import ConfigError
     config = deep_merge(_project_config(), {'models': {'mpt-125m': {'train': {'fused_loss': value}}}})
     with pytest.raises(ConfigError, match=r'models\.mpt-125m\.train\.fused_loss'):
         validate_run(config, 'mpt-125m')
@@ -591,15 +592,16 @@ def test_bad_fused_loss_setting_is_a_config_error(value):
 
 @pytest.mark.parametrize('old,kernel', [('compile', 'compile'), ('softmax_grad', 'softmax')])
 def test_replaced_fused_loss_keys_name_the_kernel_setting(old, kernel):
-    from llmpipe.config import ConfigError, deep_merge, validate_run
+    from llmpipe.config.runs import deep_merge, validate_run
+    from llmpipe.config.settings import ConfigError
     config = deep_merge(_project_config(), {'models': {'mpt-125m': {'train': {'fused_loss': {old: True}}}}})
     with pytest.raises(ConfigError, match=rf'fused_loss\.{old} was replaced by .*fused_loss\.kernel.*kernel: {kernel}'):
         validate_run(config, 'mpt-125m')
 
 
 def test_fused_loss_is_speed_only():
-    from llmpipe.config import SPEED_ONLY_TRAIN_KEYS, deep_merge
-    from llmpipe.steps.train import train_identity
+    from llmpipe.config.runs import SPEED_ONLY_TRAIN_KEYS, deep_merge
+    from llmpipe.steps.training import train_identity
     assert 'fused_loss' in SPEED_ONLY_TRAIN_KEYS
     config = _project_config()
     for run, value in (('mpt-tiny', True), ('mpt-125m', False), ('mpt-125m', {'chunk_size': 1024})):
@@ -608,8 +610,8 @@ def test_fused_loss_is_speed_only():
 
 
 def test_convert_config_has_no_fused_loss_keys():
-    from llmpipe.convert import mpt_config_dict
-    from llmpipe.config import run_settings
+    from llmpipe.hf.export import mpt_config_dict
+    from llmpipe.config.runs import run_settings
     kwargs = mpt_config_dict(run_settings(_project_config(), 'mpt-125m'))
     assert not any(k.startswith('fused_loss') for k in kwargs)
     assert MPTConfig(**kwargs).to_dict().get('fused_loss_chunk_size') is None
@@ -684,7 +686,7 @@ def test_llm_foundry_train_with_the_fused_model_matches_stock(tmp_path, monkeypa
     monkeypatch.chdir(tmp_path)
     bench = _bench()
     bench._register_synthetic_loader()
-    from llmpipe.train import register_extensions
+    from llmpipe.train.pretrain import register_extensions
     register_extensions()
     tok_dir = bench._dummy_tokenizer_dir(64)
     calls = []
@@ -755,8 +757,8 @@ def test_kernel_report_keeps_lambda_kernels_and_drops_profiler_ranges():
 def test_batch_layout_line_says_when_the_microbatch_is_capped():
     """MPT-125M asks microbatch 64; on 8 GPUs its per-device batch is 32, so the training step runs 32 and its log
     says so (it was capped silently)."""
-    from llmpipe.config import run_settings
-    from llmpipe.train import batch_layout, foundry_train_config
+    from llmpipe.config.runs import run_settings
+    from llmpipe.train.pretrain import batch_layout, foundry_train_config
     config = _project_config()
     rc = run_settings(config, 'mpt-125m')
     cfg = foundry_train_config(rc, data_dir=None, save_folder=None, world_size=8)

@@ -8,8 +8,8 @@ import socket
 
 import pytest
 
-from llmpipe import allreduce, health
-from llmpipe.config import ConfigError
+from llmpipe.bench import allreduce_bw as allreduce, health
+from llmpipe.config.settings import ConfigError
 from tests.conftest import REPO, planned_jobs, snakemake
 
 MB = 2**20

@@ -1,4 +1,4 @@
-"""Inference across processes (llmpipe.inference_placement): the tiny model's evaluation over 2 CPU processes (gloo,
+"""Inference across processes (llmpipe.plan.inference_placement): the tiny model's evaluation over 2 CPU processes (gloo,
 FSDP through llm-foundry's config, dispatched as the eval step's multi-task job) scores what one process scores."""
 
 from __future__ import annotations
@@ -8,9 +8,9 @@ import math
 
 import pytest
 
-from llmpipe import dispatch
-from llmpipe.config import run_config, run_settings
-from llmpipe.stage_settings import EvalSettings
+from llmpipe.dispatch import jobs as dispatch
+from llmpipe.config.runs import run_config, run_settings
+from llmpipe.config.stage_settings import EvalSettings
 from tests.conftest import project_config
 
 pytestmark = pytest.mark.slow
@@ -18,7 +18,7 @@ pytestmark = pytest.mark.slow
 
 def _evaluate(wd, tmp_path, processes: int) -> dict:
     """Rank 0's eval.json record of mpt-tiny's export, from a local job of ``processes`` tasks."""
-    from llmpipe.evaluate import evaluate
+    from llmpipe.evaluation.icl_eval import evaluate
 
     config = project_config()
     results = wd / "results"

@@ -1,4 +1,4 @@
-"""Finished results kept per identity (llmpipe.kept_results): kept as hard links once complete, restored only for
+"""Finished results kept per identity (llmpipe.steps.kept_results): kept as hard links once complete, restored only for
 the same identity on byte-identical inputs, pruned only after the current result is complete; and the rule-level
 flow (llmpipe.steps.run_step) that restores instead of calling the step. The real chain is
 tests/test_pipeline.py::test_going_back_after_a_killed_changed_run_restores_every_step."""
@@ -11,9 +11,9 @@ import types
 
 import pytest
 
-from llmpipe import checkpoints as ckpt
-from llmpipe import kept_results as kr
-from llmpipe.identity import identity_text
+from llmpipe.train import checkpoints as ckpt
+from llmpipe.steps import kept_results as kr
+from llmpipe.config.identity import identity_text
 from llmpipe.steps import THIS_RUN, Kept, Rule, run_step
 from llmpipe.steps.context import StepContext
 from tests.test_steps import NamedList

@@ -1,4 +1,4 @@
-"""The lease on a training's identity folder (llmpipe.lease): one live training at a time, stale leases taken over."""
+"""The lease on a training's identity folder (llmpipe.dispatch.lease): one live training at a time, stale leases taken over."""
 
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ import threading
 
 import pytest
 
-from llmpipe import lease
+from llmpipe.dispatch import lease
 from llmpipe.atomic import atomic_write_json
-from llmpipe.orphans import process_start_time
+from llmpipe.dispatch.orphans import process_start_time
 
 
 def _hold(folder, **rec) -> dict:
@@ -67,7 +67,7 @@ def test_the_job_the_step_reattaches_to_is_not_waited_for(tmp_path, live):
 
 
 def test_a_slurm_holder_is_alive_while_slurm_lists_its_job(monkeypatch):
-    from llmpipe import slurm
+    from llmpipe.dispatch import slurm
 
     states = {"77": {"State": "RUNNING"}, "78": {"State": "COMPLETED"}, "80": {"State": "PENDING"}}
     monkeypatch.setattr(slurm, "job_info", lambda jid, timeout=30: states.get(jid))
@@ -83,7 +83,7 @@ def test_a_slurm_holder_is_alive_while_slurm_lists_its_job(monkeypatch):
 
 
 def test_a_slurm_job_that_outlives_its_step_keeps_the_lease(tmp_path, monkeypatch):
-    from llmpipe import slurm
+    from llmpipe.dispatch import slurm
 
     state = {"State": "RUNNING"}
     monkeypatch.setattr(slurm, "job_info", lambda jid, timeout=30: state)

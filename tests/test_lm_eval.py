@@ -18,8 +18,8 @@ import shutil
 
 import pytest
 
-from llmpipe import lm_eval_harness as harness
-from llmpipe.settings import ConfigError
+from llmpipe.evaluation import harness
+from llmpipe.config.settings import ConfigError
 from tests.conftest import REPO, copy_run, planned_jobs, snakemake
 
 TARGET = "results/mpt-tiny/eval-lm_eval.json"

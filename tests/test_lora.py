@@ -1,4 +1,4 @@
-"""LoRA finetunes (llmpipe.lora): the tiny LoRA finetune end to end (train, merged export, evaluation), the adapted
+"""LoRA finetunes (llmpipe.train.lora): the tiny LoRA finetune end to end (train, merged export, evaluation), the adapted
 modules and their size against peft's own, the merge against the adapter-applied model, the settings as identity,
 bad target modules stopping the dry run, and the memory and time plans of the 7B/30B LoRA finetunes."""
 
@@ -12,9 +12,10 @@ import time
 
 import pytest
 
-from llmpipe import config as cfg
-from llmpipe import plan
-from llmpipe.lora import adapter_param_count, lora_settings, merge_adapters, mpt_linear_modules, target_matches
+from llmpipe.config import runs as cfg
+from llmpipe.config.settings import ConfigError
+from llmpipe.plan import memory_time as plan
+from llmpipe.train.lora import adapter_param_count, lora_settings, merge_adapters, mpt_linear_modules, target_matches
 from tests.conftest import copy_run, project_config, snakemake
 from tests.test_export import usual_calls
 from tests.test_finetune import check_generation_template
@@ -194,7 +195,7 @@ def test_merge_adapters_reproduces_the_adapter_applied_model(tmp_path):
 def test_full_finetune_weights_refuse_adapters():
     import torch
 
-    from llmpipe.finetune import hf_weights
+    from llmpipe.train.finetune import hf_weights
     assert list(hf_weights({"model.transformer.wte.weight": torch.ones(3, 4)})) == ["transformer.wte.weight"]
     with pytest.raises(KeyError, match="merge_adapters"):
         hf_weights({"model.base_model.model.transformer.blocks.0.attn.Wqkv.lora_A.default.weight": torch.ones(2, 4)})
@@ -203,7 +204,7 @@ def test_full_finetune_weights_refuse_adapters():
 # ------------------------------------------------------------------------------------------- settings
 
 def test_lora_settings_are_the_finetune_identity():
-    from llmpipe.steps.train import train_identity
+    from llmpipe.steps.training import train_identity
     config = project_config()
     base = train_identity(config, LORA)
     lora = config["finetunes"][LORA]["lora"]
@@ -220,7 +221,7 @@ def test_lora_settings_are_the_finetune_identity():
 
 def test_foundry_peft_config():
     pytest.importorskip("llmfoundry")
-    from llmpipe.finetune import foundry_finetune_config
+    from llmpipe.train.finetune import foundry_finetune_config
     rc = cfg.run_settings(project_config(), LORA)
     model = foundry_finetune_config(rc, instructions_dir=None, base_path="results/mpt-tiny/hf", save_folder=None,
                                     world_size=1)["model"]
@@ -234,7 +235,7 @@ def test_foundry_peft_config():
                                         ("ffn.Wqkv", "matches no module")])
 def test_bad_target_module_names_the_setting(target, why):
     config = _with(project_config(), LORA, {"target_modules": ["Wqkv", target]})
-    with pytest.raises(cfg.ConfigError, match=rf"^finetunes\.{LORA}\.lora\.target_modules names '{target}', which "
+    with pytest.raises(ConfigError, match=rf"^finetunes\.{LORA}\.lora\.target_modules names '{target}', which "
                                               rf"{why} of the MPT model .*Fix: use the linear layers' names: "
                                               r"Wqkv, down_proj, out_proj, up_proj"):
         cfg.validate_run(config, LORA)
@@ -252,12 +253,12 @@ def test_dry_run_stops_on_a_bad_target_module(workdir):
 def test_missing_peft_is_named(monkeypatch):
     import importlib.util
 
-    from llmpipe.finetune import require_peft
+    from llmpipe.train.finetune import require_peft
     rc = cfg.run_settings(project_config(), LORA)
     require_peft(rc)  # installed here (envs/requirements.lock)
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "peft" else real(name, *a))
-    with pytest.raises(cfg.ConfigError, match=rf"finetunes\.{LORA}\.lora is set, but the `peft` package is not "
+    with pytest.raises(ConfigError, match=rf"finetunes\.{LORA}\.lora is set, but the `peft` package is not "
                                               r"installed.*pip install peft"):
         require_peft(rc)
     require_peft(dataclasses.replace(rc, lora=None))  # full finetuning needs no peft

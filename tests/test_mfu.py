@@ -1,4 +1,4 @@
-"""llmpipe.mfu: parameter count and FLOPs against llm-foundry's own model and formula; device detection."""
+"""llmpipe.model.mfu: parameter count and FLOPs against llm-foundry's own model and formula; device detection."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from llmpipe import mfu as M
+from llmpipe.model import mfu as M
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -142,7 +142,7 @@ def test_mfu_arithmetic():
 
 def test_imports_without_torch():
     code = ("import sys; sys.modules['torch'] = None\n"
-            "import llmpipe.mfu as m\n"
+            "import llmpipe.model.mfu as m\n"
             "assert m.detect_peak_flops is not None\n"
             "print(m.flops_per_token({'d_model': 8, 'n_heads': 2, 'n_layers': 1, 'vocab_size': 10, "
             "'max_seq_len': 4}))\n")

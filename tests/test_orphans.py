@@ -17,9 +17,9 @@ import time
 
 import pytest
 
-from llmpipe import lease
+from llmpipe.dispatch import lease
 from llmpipe.atomic import atomic_write_json
-from llmpipe.orphans import DieWithParent, process_start_time
+from llmpipe.dispatch.orphans import DieWithParent, process_start_time
 from llmpipe.steps import THIS_RUN
 from tests.conftest import REPO, SNAKEMAKE, copy_run
 
@@ -28,7 +28,7 @@ TRAIN = "results/mpt-tiny/train.json"
 
 _PARENT = """
 import subprocess, sys, time
-child = (f"import sys; sys.path.insert(0, {repo!r}); from llmpipe.orphans import die_with_parent; "
+child = (f"import sys; sys.path.insert(0, {repo!r}); from llmpipe.dispatch.orphans import die_with_parent; "
          f"die_with_parent(); open({mark!r}, 'w').write(str(__import__('os').getpid())); "
          f"__import__('time').sleep(120)")
 subprocess.Popen([sys.executable, "-c", child])

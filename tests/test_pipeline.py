@@ -13,7 +13,7 @@ import time
 import pytest
 import yaml
 
-from llmpipe.orphans import process_start_time
+from llmpipe.dispatch.orphans import process_start_time
 from llmpipe.steps import THIS_RUN
 from tests.conftest import REPO, SNAKEMAKE, copy_run, no_symlink_env, planned_jobs, project_config, snakemake
 
@@ -177,7 +177,7 @@ def test_going_back_after_a_killed_changed_run_restores_every_step(tiny_run, tmp
     at the shipped settings, eval.json alone plans nothing (the results after training are up to date) and the
     console names the command that restores train.json; asking for train.json and eval.json then submits no job and
     loads no model: train.json comes from the finished training's record, the export, generate.json and eval.json
-    from their kept results ("restored from <folder>", llmpipe.kept_results), each byte for byte."""
+    from their kept results ("restored from <folder>", llmpipe.steps.kept_results), each byte for byte."""
     from tests.test_orphans import _descendants
 
     wd = copy_run(tiny_run, tmp_path / "wd")

@@ -1,4 +1,4 @@
-"""Memory and time plans (llmpipe.plan): calibration against the committed H200 measurements, and dry runs that
+"""Memory and time plans (llmpipe.plan.memory_time): calibration against the committed H200 measurements, and dry runs that
 show the plans, refuse what cannot fit and name the settings to change."""
 
 from __future__ import annotations
@@ -11,9 +11,9 @@ import re
 
 import pytest
 
-from llmpipe import plan
-from llmpipe.config import run_config, run_settings, step_resources
-from llmpipe.settings import ConfigError
+from llmpipe.plan import memory_time as plan
+from llmpipe.config.runs import run_config, run_settings, step_resources
+from llmpipe.config.settings import ConfigError
 from tests.conftest import REPO, project_config, snakemake
 
 GIB = 2**30
@@ -121,7 +121,7 @@ def test_auto_activation_checkpointing_follows_the_memory_plan():
 
 def test_the_training_config_gets_the_resolved_choice():
     pytest.importorskip("omegaconf")
-    from llmpipe.train import foundry_train_config
+    from llmpipe.train.pretrain import foundry_train_config
 
     rc, rs = run_config(project_config(), "mpt-3b"), run_settings(project_config(), "mpt-3b")
 
@@ -282,7 +282,7 @@ def test_dry_run_refuses_an_inference_override_that_cannot_fit(workdir):
 
 def test_inference_override_beyond_one_node_is_refused():
     """Inference never spans nodes: more GPUs than one node of the run has is refused, naming the setting."""
-    from llmpipe.config import inference_plan
+    from llmpipe.config.runs import inference_plan
 
     config = project_config()
     config["gpu_type"] = "h100"
@@ -295,7 +295,7 @@ def test_inference_override_beyond_one_node_is_refused():
 
 
 def test_the_fix_for_an_evaluation_that_cannot_fit_names_the_batch_size():
-    from llmpipe.inference_placement import plan_gpus
+    from llmpipe.plan.inference_placement import plan_gpus
 
     rc = run_config(project_config(), "mpt-70b")
     placed = plan_gpus(rc, "eval", capacity_gb=80, section_gpus=1, node_gpus=8, batch_size=512)
@@ -305,7 +305,7 @@ def test_the_fix_for_an_evaluation_that_cannot_fit_names_the_batch_size():
 
 def test_a_model_too_large_for_one_node_is_refused():
     """No node of 8 GPUs holds a model of 300 GiB of bf16 weights per 80 GB GPU: refused, naming the node's GPUs."""
-    from llmpipe.inference_placement import plan_gpus
+    from llmpipe.plan.inference_placement import plan_gpus
 
     rc = run_config(project_config(), "mpt-70b")
     rc["arch"] = {**rc["arch"], "n_layers": 1200}  # about a trillion parameters
@@ -334,7 +334,7 @@ def test_plans_of_the_large_models_fit_as_configured():
 
 def test_report_projection_uses_the_benchmark_without_a_gpu_run(tmp_path):
     """A CPU reference (no MFU) no longer projects CPU years: the report takes the dry run's time plan."""
-    from llmpipe import report
+    from llmpipe.report import tables as report
 
     config = project_config()
     config["report"] = {"projection": {"nodes": [8, 64], "models": ["mpt-70b"]}}
@@ -360,9 +360,9 @@ def test_the_training_step_trains_with_the_plans_choice(tmp_path):
     1 x 8 GPUs needs 47 GiB without recompute, so no recompute on 80 GB GPUs; on 1 x 1 GPU of 80 GB it recomputes."""
     from types import SimpleNamespace
 
-    from llmpipe.config import deep_merge
+    from llmpipe.config.runs import deep_merge
     from llmpipe.steps.context import StepContext
-    from llmpipe.steps.train import training_task
+    from llmpipe.steps.training import training_task
 
     tok = tmp_path / "tokenizer" / "manifest.json"
     tok.parent.mkdir()
@@ -385,7 +385,7 @@ def test_the_training_step_trains_with_the_plans_choice(tmp_path):
 def test_auto_is_decided_at_the_microbatch_the_job_runs():
     """The training caps the microbatch at the per-device batch; the plan (and so auto) uses the capped one: the
     7B finetune on 8 nodes of 80 GB GPUs runs microbatch 1 (64 sequences over 64 GPUs) and needs no recompute."""
-    from llmpipe.config import deep_merge
+    from llmpipe.config.runs import deep_merge
     config = deep_merge(project_config(), {"finetunes": {"mpt-7b-dolly": {"resources": {"nodes": 8}}}})
     rc = run_config(config, "mpt-7b-dolly")
     assert rc["train"]["microbatch_size"] == 8 and rc["train"]["global_batch_size"] == 64
@@ -400,8 +400,8 @@ def test_auto_is_decided_at_the_microbatch_the_job_runs():
 def test_a_scaling_study_recomputes_at_every_node_count_or_at_none():
     """auto is decided once per study, at its smallest node count: MPT-13B needs recompute on 1 node of H200s but
     not on 2, so a study over 1..8 nodes recomputes at each (speedups compare the same FLOPs per token)."""
-    from llmpipe import scaling
-    from llmpipe.config import deep_merge
+    from llmpipe.bench import scaling_study as scaling
+    from llmpipe.config.runs import deep_merge
     config = deep_merge(project_config(), {"scaling": {"nodes": [1, 2, 4, 8]}})
     rc13 = run_config(config, "mpt-13b")
     alone = {n: plan.train_memory(rc13, nodes=n, gpus_per_node=8, capacity_gb=141)["activation_checkpointing"]
@@ -425,6 +425,17 @@ def test_fsdp_null_is_planned_as_the_training_runs_it():
     assert mem["states_gb"] == pytest.approx(16 * mem["params"] / 32 / GIB)
 
 
+def test_fused_loss_kernel_null_is_planned_as_the_default_kernel():
+    """``fused_loss: {kernel: null}`` trains with the default kernel (liger: one chunk of logits in place), so its
+    plan equals ``fused_loss: true``'s; ``kernel: torch`` keeps a second chunk-sized buffer and plans twice that."""
+    def logits_gb(fused):
+        rc = copy.deepcopy(run_config(project_config(), "mpt-1b"))
+        rc["train"].update(fused_loss=fused, train_metrics=False)
+        return plan.train_memory(rc, nodes=1, gpus_per_node=8, capacity_gb=141)["logits_gb"]
+    assert logits_gb({"kernel": None}) == logits_gb(True) == logits_gb({"kernel": "liger"})
+    assert logits_gb({"kernel": "torch"}) == pytest.approx(2 * logits_gb(True))
+
+
 def test_refusal_without_fsdp_names_fsdp_not_recompute():
     """Activation checkpointing exists only under FSDP: a one-GPU training without FSDP that does not fit is told to
     train under FSDP (train.fsdp_min_params), not to turn on a recompute it cannot get."""
@@ -439,7 +450,7 @@ def test_refusal_without_fsdp_names_fsdp_not_recompute():
 
 
 def _short_1b(**train):
-    from llmpipe.config import deep_merge
+    from llmpipe.config.runs import deep_merge
     over = {"max_duration_batches": 20, "save_interval_batches": 10, "eval_interval_batches": 20,
             "eval_subset_batches": 4, **train}
     return run_config(deep_merge(project_config(), {"models": {"mpt-1b": {"train": over}}}), "mpt-1b")
@@ -449,7 +460,7 @@ def test_train_time_adds_start_compile_saves_and_evaluations():
     """The job's costs besides its batches (benchmarks/job-overheads-h200.json): one start, compile per block, a save
     per save interval (12 bytes per parameter at the measured write rate, split over the nodes), an evaluation per
     eval interval (its forward tokens at a third of a training token's time)."""
-    from llmpipe.mfu import mpt_param_count
+    from llmpipe.model.mfu import mpt_param_count
     ov = plan.job_overheads()
     basis = plan.benchmark_basis()
     rc = _short_1b()
@@ -474,8 +485,8 @@ def test_train_time_adds_start_compile_saves_and_evaluations():
 
 
 def test_convert_and_generate_times_count_start_checkpoint_io_and_tokens():
-    from llmpipe import inference_placement as ip
-    from llmpipe.mfu import mpt_param_count
+    from llmpipe.plan import inference_placement as ip
+    from llmpipe.model.mfu import mpt_param_count
     ov = plan.job_overheads()
     rc = _short_1b()
     params = mpt_param_count(rc["arch"])["total"]
@@ -505,8 +516,8 @@ def test_job_overhead_constants_cite_committed_sources():
 def test_convert_plans_host_memory_and_asks_for_it():
     """convert's host memory: the process, plus the larger of the bf16 export and the verification reload (two fp32
     models); with mem_gb 0 the job asks for the plan + 10%, an explicit mem_gb wins."""
-    from llmpipe.config import deep_merge
-    from llmpipe.mfu import mpt_param_count
+    from llmpipe.config.runs import deep_merge
+    from llmpipe.model.mfu import mpt_param_count
     ov = plan.job_overheads()
     config = project_config()
     rc = run_config(config, "mpt-70b")

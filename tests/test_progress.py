@@ -1,11 +1,12 @@
-"""A job's progress record reaches the console while its step waits (llmpipe.progress)."""
+"""A job's progress record reaches the console while its step waits (llmpipe.dispatch.progress)."""
 
 from __future__ import annotations
 
 import json
 
-from llmpipe import progress, throughput
-from llmpipe.progress import ProgressEcho
+from llmpipe.dispatch import progress
+from llmpipe.train import throughput
+from llmpipe.dispatch.progress import ProgressEcho
 
 
 def test_update_writes_the_record_named_by_the_environment_at_most_every_few_seconds(tmp_path, monkeypatch):

@@ -11,9 +11,10 @@ import re
 import pandas as pd
 import pytest
 
-from llmpipe import report, run_report, tracking
-from llmpipe.config import tokens_per_run
-from llmpipe.mfu import flops_per_token
+from llmpipe.report import tables as report, run_page as run_report
+from llmpipe.train import tracking
+from llmpipe.config.runs import tokens_per_run
+from llmpipe.model.mfu import flops_per_token
 from tests.conftest import copy_run, planned_jobs, project_config, snakemake
 
 PNG = b"\x89PNG\r\n\x1a\n"
@@ -80,7 +81,7 @@ def test_tables_and_plots_from_the_tiny_run(tiny_run, tmp_path):
     assert pd.read_csv(out / "table2_finetuning.csv").empty  # no finetunes configured
     proj = pd.read_csv(out / "projection.csv")
     assert "PROJECTION, not a measurement" in (out / "projection.md").read_text()
-    # the only measured run is on CPU (no MFU): the committed GPU benchmark is the basis instead (llmpipe.plan)
+    # the only measured run is on CPU (no MFU): the committed GPU benchmark is the basis instead (llmpipe.plan.memory_time)
     assert set(proj["reference"]) == {"benchmark"}
     assert proj["basis"].str.contains("benchmarks/train-throughput.csv").all()
     for name in ("loss", "mfu", "busbw", "speedup"):
@@ -122,7 +123,7 @@ def embedded(record: dict) -> bytes:
 
 
 def test_run_page_shows_the_steady_window_and_where_each_logger_writes(tmp_path, monkeypatch):
-    """A run's page (llmpipe.run_report) from a train.json, its loss log and a tracking.json as a training job writes
+    """A run's page (llmpipe.report.run_page) from a train.json, its loss log and a tracking.json as a training job writes
     it (tracking.foundry_loggers); tracking servers: MLflow over HTTP and W&B online link the run."""
     monkeypatch.delenv("MLFLOW_RUN_ID", raising=False)
     monkeypatch.chdir(tmp_path)

@@ -10,10 +10,10 @@ import pytest
 from submitit.core import job_environment
 from submitit.helpers import DelayedSubmission
 
-from llmpipe import checkpoints as ckpt
-from llmpipe import requeue
-from llmpipe.config import run_settings
-from llmpipe.train import TrainTask
+from llmpipe.train import checkpoints as ckpt
+from llmpipe.dispatch import requeue
+from llmpipe.config.runs import run_settings
+from llmpipe.train.pretrain import TrainTask
 from tests.conftest import project_config
 
 
@@ -89,7 +89,7 @@ def test_a_finished_slurm_task_ignores_a_late_time_limit_signal(tmp_path):
 
     repo = str(Path(__file__).resolve().parents[1])
     wrapped = (f"import os, signal, sys; sys.path.insert(0, {repo!r}); "
-               f"from llmpipe.requeue import IgnoreSignalAfterReturn; "
+               f"from llmpipe.dispatch.requeue import IgnoreSignalAfterReturn; "
                f"f = IgnoreSignalAfterReturn(lambda x: x + 1); assert f(1) == 2; "
                f"os.kill(os.getpid(), signal.SIGUSR2); print('alive')")
     bare = "import os, signal; os.kill(os.getpid(), signal.SIGUSR2); print('alive')"

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from llmpipe import slurm
-from llmpipe.config import ConfigError
+from llmpipe.dispatch import slurm
+from llmpipe.config.settings import ConfigError
 
 RES = {"nodes": 1, "gpus_per_node": 0, "tasks_per_node": 1, "cpus_per_task": 1, "mem_gb": 0, "time_min": 10}
 

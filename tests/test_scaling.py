@@ -9,9 +9,9 @@ import pandas as pd
 import pytest
 import yaml
 
-from llmpipe import scaling
+from llmpipe.bench import scaling_study as scaling
 from llmpipe.steps.scaling import study_identity
-from llmpipe.steps.train import train_identity
+from llmpipe.steps.training import train_identity
 from tests.conftest import REPO, planned_jobs, project_config, snakemake
 
 

@@ -1,4 +1,4 @@
-"""Typed run settings (llmpipe.settings): their cross-field checks, one implementation for pretraining, finetuning
+"""Typed run settings (llmpipe.config.settings): their cross-field checks, one implementation for pretraining, finetuning
 and the node-scaling study; each error names the setting's full config path and the fix. Fast: no snakemake."""
 
 from __future__ import annotations
@@ -8,9 +8,9 @@ import dataclasses
 import pytest
 import yaml
 
-from llmpipe import config as cfg
-from llmpipe import scaling
-from llmpipe.settings import (ArchSettings, ConfigError, DataSettings, OptimizerSettings, Resources, RunSettings,
+from llmpipe.config import runs as cfg
+from llmpipe.bench import scaling_study as scaling
+from llmpipe.config.settings import (ArchSettings, ConfigError, DataSettings, OptimizerSettings, Resources, RunSettings,
                               SchedulerSettings, TrainSettings,
                               lcm)
 from tests.conftest import REPO
@@ -279,10 +279,10 @@ def test_key_value_heads_count_where_mpt_counts_them(shipped):
     """arch.n_kv_heads turns grouped-query attention on, also when attn_config repeats the count;
     attn_config.kv_n_heads alone counts only under a grouped-query attn_type (MPT ignores it otherwise), so the
     model built, its parameter count and its MFU agree with MPT."""
-    from llmpipe.config import run_config
-    from llmpipe.mfu import mpt_param_count
-    from llmpipe.schema import deep_merge
-    from llmpipe.train import foundry_train_config
+    from llmpipe.config.runs import run_config
+    from llmpipe.model.mfu import mpt_param_count
+    from llmpipe.config.schema import deep_merge
+    from llmpipe.train.pretrain import foundry_train_config
 
     def model(arch: dict) -> tuple[dict, dict, dict]:
         config = deep_merge(shipped, {"models": {"mpt-1b": {"arch": arch}}})

@@ -16,8 +16,8 @@ import sys
 import pytest
 import torch
 
-from llmpipe import checkpoints as ckpt
-from llmpipe.config import run_settings
+from llmpipe.train import checkpoints as ckpt
+from llmpipe.config.runs import run_settings
 from llmpipe.steps import THIS_RUN
 from tests.conftest import copy_run, no_symlink_env, project_config, snakemake
 from tests.test_convert import LOAD_WITHOUT_FOUNDRY
@@ -86,8 +86,8 @@ def test_sharded_checkpoint_converts_with_fp32_logits_of_the_trained_model(fsdp_
     from llmfoundry.models.mpt import MPTConfig, MPTForCausalLM
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-    from llmpipe.convert import convert_checkpoint, mpt_config_dict
-    from llmpipe.stage_settings import ConvertSettings
+    from llmpipe.hf.export import convert_checkpoint, mpt_config_dict
+    from llmpipe.config.stage_settings import ConvertSettings
 
     rc = run_settings(project_config(), "mpt-tiny")
     final = str(fsdp_run / load(fsdp_run, TRAIN)["final_checkpoint"])

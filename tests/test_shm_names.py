@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from llmpipe import shm_names
+from llmpipe.train import shm_names
 from tests.conftest import REPO
 
 streaming = pytest.importorskip("streaming")
@@ -20,7 +20,7 @@ streaming = pytest.importorskip("streaming")
 JOB = """
 import json, os, sys, time
 sys.path.insert(0, {repo!r})
-from llmpipe import shm_names
+from llmpipe.train import shm_names
 start = shm_names.per_job_prefixes()
 from streaming import StreamingDataset
 time.sleep(max(0.0, {go:.3f} - time.time()))

@@ -1,11 +1,11 @@
-"""Shared-memory segments of dead jobs are removed at the next job start; a live job's survive (llmpipe.shm_names)."""
+"""Shared-memory segments of dead jobs are removed at the next job start; a live job's survive (llmpipe.train.shm_names)."""
 
 from __future__ import annotations
 
 import subprocess
 import sys
 
-from llmpipe import shm_names
+from llmpipe.train import shm_names
 
 
 def _segments(d, start):

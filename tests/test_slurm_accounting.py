@@ -18,8 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from llmpipe import slurm
-from llmpipe.config import ConfigError
+from llmpipe.dispatch import slurm
+from llmpipe.config.settings import ConfigError
 
 pytestmark = [pytest.mark.timeout(180)]
 

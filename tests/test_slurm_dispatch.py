@@ -1,4 +1,4 @@
-"""llmpipe.dispatch on the real Slurm test cluster (tests/slurm_cluster): multi-node jobs, site settings reaching
+"""llmpipe.dispatch.jobs on the real Slurm test cluster (tests/slurm_cluster): multi-node jobs, site settings reaching
 the tasks, failures, re-attaching to a job a killed Snakemake left behind, and checkpoint + requeue."""
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ from pathlib import Path
 import cloudpickle
 import pytest
 
-from llmpipe import dispatch, live_jobs, requeue
-from llmpipe.dispatch import StepFailed, job_key, run_step
+from llmpipe.dispatch import jobs as dispatch, live_jobs, requeue
+from llmpipe.dispatch.jobs import StepFailed, job_key, run_step
 from tests.slurm_cluster import jobs
 
 pytestmark = [pytest.mark.slurm, pytest.mark.timeout(180)]
@@ -180,7 +180,7 @@ def test_reattaches_to_the_job_a_killed_snakemake_left_running(slurm_cluster, tm
         f"sys.path.insert(0, {str(REPO)!r})\n"
         "from tests.slurm_cluster import jobs\n"
         "cloudpickle.register_pickle_by_value(jobs)\n"
-        "from llmpipe.dispatch import run_step\n"
+        "from llmpipe.dispatch.jobs import run_step\n"
         f"run_step(jobs.sleep_then, 10, 'first', **json.loads({json.dumps(args)!r}))\n")
     first = subprocess.Popen([sys.executable, "-c", script], env=os.environ.copy(),
                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -190,7 +190,7 @@ def test_reattaches_to_the_job_a_killed_snakemake_left_running(slurm_cluster, tm
         first.send_signal(signal.SIGKILL)
         first.wait()
     assert list((tmp_path / "state").glob("*.json")), "no record of the submitted job"
-    # what a dry run prints meanwhile (llmpipe.dag_checks)
+    # what a dry run prints meanwhile (llmpipe.plan.dag_checks)
     notes = "\n".join(live_jobs.notes(str(tmp_path / "state"), lock_dir=str(tmp_path / "locks")))
     assert re.search(rf"{re.escape(name)}: slurm job {job_id} is RUNNING on n\[1-2\]; the next run re-attaches", notes), \
         notes
@@ -348,7 +348,7 @@ def test_array_of_a_killed_driver_is_reattached_not_resubmitted(slurm_cluster, t
         f"sys.path.insert(0, {str(REPO)!r})\n"
         "from tests.slurm_cluster import jobs\n"
         "cloudpickle.register_pickle_by_value(jobs)\n"
-        "from llmpipe.dispatch import map_steps\n"
+        "from llmpipe.dispatch.jobs import map_steps\n"
         f"map_steps(jobs.square_slowly, [2, 3], **json.loads({json.dumps(args)!r}))\n")
     first = subprocess.Popen([sys.executable, "-c", script], env=os.environ.copy(),
                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)

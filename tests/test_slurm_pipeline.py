@@ -520,7 +520,7 @@ def test_step_failing_at_run_time_reports_job_state_and_log(two_node_run, site, 
         cancel_jobs_of(slurm_cluster, wd)
     assert read_json(wd, "results/mpt-tiny/generate.json")["settings"]["do_sample"] is False
     # back at the site's settings, generation and evaluation have kept results of this identity and these inputs:
-    # restored, no job (llmpipe.kept_results)
+    # restored, no job (llmpipe.steps.kept_results)
     for step in ("generate", "eval"):
         assert "restored from results/mpt-tiny/kept/" in rule_log(wd, step), rule_log(wd, step)
     for name in ("generate_mpt-tiny", "train_mpt-tiny", "convert_mpt-tiny", "eval_mpt-tiny"):

@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from llmpipe import slurm
-from llmpipe.config import ConfigError
+from llmpipe.dispatch import slurm
+from llmpipe.config.settings import ConfigError
 
 pytestmark = [pytest.mark.slurm, pytest.mark.timeout(120)]
 
@@ -113,7 +113,7 @@ PROBE = """
 import json
 import sys
 sys.path.insert(0, {repo!r})
-from llmpipe import schema
+from llmpipe.config import schema
 configfile: {config!r}
 schema.resolve(config)
 print("CONFIG=" + json.dumps({{"dispatch": config["dispatch"], "has_slurm": "slurm" in config,

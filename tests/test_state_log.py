@@ -1,4 +1,4 @@
-"""The rule log's Slurm state lines (llmpipe.slurm_watch.StateLog) from a sequence of controller views, no cluster.
+"""The rule log's Slurm state lines (llmpipe.dispatch.slurm_watch.StateLog) from a sequence of controller views, no cluster.
 
 The real cluster's sequence is checked in tests/test_slurm_dispatch.py (requeue, never-resolving PENDING)."""
 
@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from llmpipe import slurm_watch
-from llmpipe.slurm_watch import NeverRuns, StateLog
+from llmpipe.dispatch import slurm_watch
+from llmpipe.dispatch.slurm_watch import NeverRuns, StateLog
 
 
 def view(state, reason="None", restarts="0", nodes="(null)"):

@@ -19,14 +19,14 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from llmpipe.config import run_config
-from llmpipe.identity import identity_text, parse_identity, same_identity
-from llmpipe.dispatch import StepFailed
+from llmpipe.config.runs import run_config
+from llmpipe.config.identity import identity_text, parse_identity, same_identity
+from llmpipe.dispatch.jobs import StepFailed
 from llmpipe.steps import RULES, THIS_RUN, Rule, console_failure, context, run_rule, run_step
-from llmpipe.steps.data import mds_identity
+from llmpipe.steps.prepare import mds_identity
 from llmpipe.steps.provenance import provenance_path
-from llmpipe.steps.train import train_identity
-from llmpipe import checkpoints as ckpt
+from llmpipe.steps.training import train_identity
+from llmpipe.train import checkpoints as ckpt
 from tests.conftest import REPO, project_config
 
 

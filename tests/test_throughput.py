@@ -1,4 +1,4 @@
-"""Steady-state throughput and the live step log (llmpipe/throughput.py, fed by RunMonitor in llmpipe/train.py)."""
+"""Steady-state throughput and the live step log (llmpipe/train/throughput.py, fed by RunMonitor in llmpipe/train/pretrain.py)."""
 from __future__ import annotations
 
 import importlib.util
@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from llmpipe.throughput import StepTimer, format_eta, warmup_batches
+from llmpipe.train.throughput import StepTimer, format_eta, warmup_batches
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -110,7 +110,7 @@ def test_benchmark_and_train_json_report_the_same_steady_state(monkeypatch, tmp_
     """One batch-timing log (a slow compile, a slow batch, then 1 s per batch) fed to the benchmark's timer callback
     (tools/bench_train_throughput.py) and to the training step's RunMonitor (whose StepTimer.steady() is train.json's
     steady state): the same window and figures, and the benchmark's CSV columns carry them."""
-    from llmpipe import train
+    from llmpipe.train import pretrain as train
 
     clock = FakeClock()
     monkeypatch.setattr(time, "time", clock)   # RunMonitor times with time.time, the benchmark with its clock

@@ -1,4 +1,4 @@
-"""llmpipe.unit_array: complete units are reused, the others run once each; local claims vs. a Slurm array."""
+"""llmpipe.dispatch.unit_array: complete units are reused, the others run once each; local claims vs. a Slurm array."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import os
 import cloudpickle
 import pytest
 
-from llmpipe import unit_array
-from llmpipe.unit_array import Unit, run_claimed_units, run_unit_array
+from llmpipe.dispatch import unit_array
+from llmpipe.dispatch.unit_array import Unit, run_claimed_units, run_unit_array
 
 
 def write_unit(arg: dict) -> dict:

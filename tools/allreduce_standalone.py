@@ -12,7 +12,7 @@ Usage (from the repository root)::
     python3 tools/allreduce_standalone.py /tmp/ar --gpus 0 --set "{allreduce: {max_bytes: 65536,
         resources: {tasks_per_node: 2}}}"          # 2 CPU tasks through gloo
 
-Exit status 0 with the table printed; a failed job raises :class:`llmpipe.dispatch.StepFailed` (its log tail).
+Exit status 0 with the table printed; a failed job raises :class:`llmpipe.dispatch.jobs.StepFailed` (its log tail).
 """
 
 from __future__ import annotations
@@ -34,8 +34,8 @@ class _Files(list):
 def main(argv: list[str] | None = None) -> int:
     import yaml
 
-    from llmpipe import schema
-    from llmpipe.config import deep_merge
+    from llmpipe.config import schema
+    from llmpipe.config.runs import deep_merge
     from llmpipe.steps import run_rule
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])

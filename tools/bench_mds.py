@@ -12,7 +12,7 @@ BPE trained on the builtin corpus, ``--vocab`` tokens), ``--concat`` tokens per 
   It converts the first ``--foundry-files`` files (default 1: it is single-process and slow); ours converts the
   same files with 1 worker (row ``ours-same-input``), and its per-core rate is also compared with every ``ours``
   row (columns ``per_core_vs_foundry``: wall-clock based; ``conversion_vs_foundry``: without process start-up).
-* ``ours``: :func:`llmpipe.mds_dispatch.convert_dataset` with ``data_prep.workers = N`` through the local (submitit)
+* ``ours``: :func:`llmpipe.steps.mds_units.convert_dataset` with ``data_prep.workers = N`` through the local (submitit)
   executor, for each N of ``--workers``, on all ``--files`` files (1 worker first, then the largest N first; the
   CSV is rewritten after every run, so a run cut short by a time limit keeps what it measured). Wall time is the
   whole call: spawning the worker processes (which import neither torch nor mosaicml-streaming), converting, merging the
@@ -71,7 +71,7 @@ def log(msg: str) -> None:
 
 def make_inputs(work: str, files: int, mb_per_file: float, vocab: int, seed: int) -> tuple[str, str]:
     """Builtin corpus -> tokenizer; then ``files`` generated train files. Returns (corpus manifest, tok dir)."""
-    from llmpipe.data.corpus import scan_all, builtin_documents
+    from llmpipe.data.corpus import builtin_documents, scan_all
     from llmpipe.data.errors import atomic_write_json
     from llmpipe.data.tokenizer import prepare_tokenizer
 
@@ -152,8 +152,8 @@ def _cpu_s() -> float:
 
 def run_ours(args: argparse.Namespace) -> dict:
     """(child) our convert_dataset with N workers; prints a JSON result line."""
-    from llmpipe.mds_dispatch import convert_dataset
-    from llmpipe.schema import fill_defaults
+    from llmpipe.config.schema import fill_defaults
+    from llmpipe.steps.mds_units import convert_dataset
 
     out = args.out_dir
     shutil.rmtree(out, ignore_errors=True)

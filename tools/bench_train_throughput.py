@@ -2,18 +2,18 @@
 """Training-throughput benchmark: the project's own training step, one GPU, synthetic tokens.
 
 For each model (default: mpt-125m, mpt-350m, mpt-760m, mpt-1b from config/config.yaml) and each variant, this builds
-the llm-foundry train config with the project's ``llmpipe.train.foundry_train_config`` (world_size=1), overrides
+the llm-foundry train config with the project's ``llmpipe.train.pretrain.foundry_train_config`` (world_size=1), overrides
 only the data (a synthetic dataloader of uniformly random token ids, registered in llm-foundry's ``dataloaders``
 registry as ``llmpipe_synthetic_tokens``), the duration, the batch (global batch = microbatch: no gradient
 accumulation), checkpoints/loggers/eval (off), and the knobs the variant names; then runs
 ``llmfoundry.command_utils.train`` for ``--steps`` steps with CUDA synchronization at every batch end.
 
-Output: one CSV row per (model, variant) with tokens/s, MFU (llmpipe.mfu: llm-foundry's FLOPs formula against the
+Output: one CSV row per (model, variant) with tokens/s, MFU (llmpipe.model.mfu: llm-foundry's FLOPs formula against the
 detected dense bf16 peak), peak memory, microbatch, attention implementation and software versions. Two throughput
 figures: ``tokens_per_s``/``mfu`` time steps ``--skip``+1 .. ``--steps`` (this tool's own window, as in every row
 since the first); ``steady_tokens_per_s``/``steady_mfu`` (with ``steady_first_batch``, ``steady_last_batch``,
-``steady_batches``) are ``train.json``'s steady state, computed by the same code (:func:`llmpipe.throughput.start`,
-:func:`llmpipe.throughput.batch_end`, :meth:`llmpipe.throughput.StepTimer.steady`: the first 10% of the batches,
+``steady_batches``) are ``train.json``'s steady state, computed by the same code (:func:`llmpipe.train.throughput.start`,
+:func:`llmpipe.train.throughput.batch_end`, :meth:`llmpipe.train.throughput.StepTimer.steady`: the first 10% of the batches,
 at least 2, left out as warm-up), so a pipeline run's steady MFU can be set beside the benchmark's. Rows written
 before those columns existed have them empty; ``--append`` to such a file adds the new columns to its header first
 (:func:`csv_fields`), keeping every old row's values.
@@ -48,23 +48,23 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
-from llmpipe import throughput  # noqa: E402
-from llmpipe.config import compile_settings  # noqa: E402
-from llmpipe.mfu import detect_peak_flops, flops_per_token, mfu  # noqa: E402
-from llmpipe.speedups import dynamo_catalogue_fix, register_compile_blocks, register_fused_adamw  # noqa: E402
+from llmpipe.config.runs import compile_settings  # noqa: E402
+from llmpipe.model.mfu import detect_peak_flops, flops_per_token, mfu  # noqa: E402
+from llmpipe.train import throughput  # noqa: E402
+from llmpipe.train.speedups import dynamo_catalogue_fix, register_compile_blocks, register_fused_adamw  # noqa: E402
 from tools.bench_profile import make_profiler  # noqa: E402
 
 #: What each variant changes on top of the project's default train config. Keys:
-#:   attn_impl: 'sdpa' | 'torch' (MPT attention; 'sdpa' = llmpipe.attention)
+#:   attn_impl: 'sdpa' | 'torch' (MPT attention; 'sdpa' = llmpipe.model.attention)
 #:   drop_mask: add/remove the drop_full_attention_mask callback
 #:   optimizer: 'fused_adamw' (torch.optim.AdamW(fused=True), decoupled weight decay) | 'decoupled_adamw'
 #:   compile: True -> compile_config {} (torch.compile of the whole model through composer) | a dict -> that
 #:       compile_config (torch.compile kwargs, e.g. mode) | 'blocks' -> each MPT
-#:       block compiled in place (train setting `compile: blocks`, llmpipe.speedups.compile_blocks) | False -> none
+#:       block compiled in place (train setting `compile: blocks`, llmpipe.train.speedups.compile_blocks) | False -> none
 #:   compile_fix: apply dynamo_catalogue_fix() first (without it compile fails on Python 3.12); when a variant does
 #:       not name `compile` but the project config compiles (e.g. `default` for mpt-350m), the fix is applied, as
 #:       the training step does
-#:   sdpa_backend: pin SDPA's backend (flash | cudnn | efficient | math; llmpipe.attention.set_sdpa_backend)
+#:   sdpa_backend: pin SDPA's backend (flash | cudnn | efficient | math; llmpipe.model.attention.set_sdpa_backend)
 #:   mb_scale: multiply the model's microbatch
 #:   cpu_threads: torch.set_num_threads(n) in the training process for the run (default: torch's, one per core;
 #:       the row's cpu_threads column says what it was)
@@ -72,9 +72,9 @@ from tools.bench_profile import make_profiler  # noqa: E402
 #:       models; 0 runs the synthetic loader in the training process; the CSV's num_workers column says which)
 #:   train_metrics: False -> model.use_train_metrics False (no per-step LanguageCrossEntropy/Perplexity/TokenAccuracy
 #:       over the logits; the loss itself is unchanged)
-#:   fp8: the project's train setting `fp8` (llmpipe.fp8: torchao float8 linears): 'tensorwise' | 'rowwise' |
+#:   fp8: the project's train setting `fp8` (llmpipe.train.fp8: torchao float8 linears): 'tensorwise' | 'rowwise' |
 #:       a mapping {recipe, min_features}; the CSV's fp8 column says which (empty: bf16)
-#:   fused_loss: the project's train setting `fused_loss` (llmpipe.fused_loss: chunked linear + cross-entropy
+#:   fused_loss: the project's train setting `fused_loss` (llmpipe.model.fused_loss: chunked linear + cross-entropy
 #:       without the full logits): False | True | {'chunk_size': tokens, 'kernel': torch|softmax|compile|liger};
 #:       used only with train metrics off. Variants that set it False measure the stock loss over full logits.
 _BEST = {'attn_impl': 'sdpa', 'drop_mask': True, 'optimizer': 'fused_adamw', 'train_metrics': False}
@@ -188,8 +188,8 @@ def _register_synthetic_loader() -> None:
     import torch
     from composer.core.data_spec import DataSpec
     from llmfoundry.data.utils import LossGeneratingTokensCollatorWrapper, get_tokens_per_batch_func
-    from torch.utils.data import default_collate
     from llmfoundry.registry import dataloaders
+    from torch.utils.data import default_collate
 
     if 'llmpipe_synthetic_tokens' in dataloaders.get_all():
         return
@@ -242,9 +242,9 @@ def _dummy_tokenizer_dir(vocab: int) -> str:
 def _make_timer(flops_per_token_: float | None = None, peak_flops: float | None = None,
                 clock: Any = time.perf_counter) -> Any:
     """A Composer callback: CUDA-synchronized wall time at every batch end (``clock``), the steady-state timer of
-    ``train.json`` fed the same way the training step feeds it (:func:`llmpipe.throughput.start` at fit start,
-    :func:`llmpipe.throughput.batch_end` at every batch end; one device), plus llm-foundry's own FLOPs per token
-    (``flops_per_batch``) of the first batch, as a cross-check of :func:`llmpipe.mfu.flops_per_token`."""
+    ``train.json`` fed the same way the training step feeds it (:func:`llmpipe.train.throughput.start` at fit start,
+    :func:`llmpipe.train.throughput.batch_end` at every batch end; one device), plus llm-foundry's own FLOPs per token
+    (``flops_per_batch``) of the first batch, as a cross-check of :func:`llmpipe.model.mfu.flops_per_token`."""
     from composer.core import Callback
 
     class Timer(Callback):
@@ -277,7 +277,7 @@ def _make_timer(flops_per_token_: float | None = None, peak_flops: float | None 
 
 
 def steady_columns(steady: dict) -> dict:
-    """The CSV's ``steady_*`` columns from :meth:`llmpipe.throughput.StepTimer.steady`'s record (empty: none)."""
+    """The CSV's ``steady_*`` columns from :meth:`llmpipe.train.throughput.StepTimer.steady`'s record (empty: none)."""
     w = steady['steady_window']
     return {'steady_tokens_per_s': _blank(steady['steady_tokens_per_s']), 'steady_mfu': _blank(steady['steady_mfu']),
             'steady_first_batch': _blank(w['first_batch']), 'steady_last_batch': _blank(w['last_batch']),
@@ -316,16 +316,16 @@ def csv_fields(path: str, append: bool) -> list[str]:
 # ------------------------------------------------------------------------------------- config
 
 def _load_project_config(path: str) -> dict:
-    from llmpipe.schema import load_config
+    from llmpipe.config.schema import load_config
     return load_config(path)
 
 
 def device_memory_gb(config: dict) -> float:
     """One GPU's memory in GiB: CUDA device 0's ``total_memory`` where there is one, else the config's ``gpu_type``
-    (:func:`llmpipe.plan.gpu_memory_gb`)."""
+    (:func:`llmpipe.plan.memory_time.gpu_memory_gb`)."""
     import torch
 
-    from llmpipe.plan import gpu_memory_gb
+    from llmpipe.plan.memory_time import gpu_memory_gb
     if torch.cuda.is_available():
         return torch.cuda.get_device_properties(0).total_memory / 2**30
     return gpu_memory_gb(config['gpu_type'], config.get('gpu_memory_gb'))
@@ -335,21 +335,20 @@ def build_train_config(config: dict, run: str, variant: dict, *, steps: int, mb_
                        tok_dir: str) -> tuple[dict, dict]:
     """The llm-foundry train config for one benchmark run and a summary of the knobs as used.
 
-    Starts from ``llmpipe.train.foundry_train_config(run_config(config, run), data_dir=None, save_folder=None,
+    Starts from ``llmpipe.train.pretrain.foundry_train_config(run_config(config, run), data_dir=None, save_folder=None,
     world_size=1)``
     and overrides only data, duration, batch, checkpoints/loggers/eval and the variant's knobs. Two shims make a
     config that llm-foundry would reject runnable, and are recorded in the row's ``shims`` column:
     ``attn_impl: sdpa`` written straight into MPT's ``attn_config`` (MPTConfig accepts only torch/flash) becomes
-    :func:`llmpipe.attention.mpt_attn_config`, and a missing ``model.loss_fn`` (llm-foundry's default
+    :func:`llmpipe.model.attention.mpt_attn_config`, and a missing ``model.loss_fn`` (llm-foundry's default
     ``fused_crossentropy`` needs flash-attn) becomes ``torch_crossentropy``.
     """
-    from llmpipe.attention import mpt_attn_config, stock_attn_config
     import dataclasses
 
-    from llmpipe.config import deep_merge, run_config, run_settings
-
-    from llmpipe.plan import resolve_settings
-    from llmpipe.train import foundry_train_config  # the project's own training step
+    from llmpipe.config.runs import deep_merge, run_config, run_settings
+    from llmpipe.model.attention import mpt_attn_config, stock_attn_config
+    from llmpipe.plan.memory_time import resolve_settings
+    from llmpipe.train.pretrain import foundry_train_config  # the project's own training step
 
     # train settings the project's own config selection depends on (the fused-loss model needs train metrics off)
     train_over = {k: variant[k] for k in ('train_metrics', 'fused_loss', 'fsdp_min_params', 'fp8')
@@ -365,7 +364,7 @@ def build_train_config(config: dict, run: str, variant: dict, *, steps: int, mb_
     # activation_checkpointing: auto -> the memory plan's choice for one GPU of this machine, as a training job's
     # (the benchmark trains on one GPU: the run's typed settings are checked at that placement)
     one_gpu = {'resources': {'nodes': 1, 'gpus_per_node': 1}}
-    if train_over.get('fp8'):  # FP8 trains in amp_bf16 (llmpipe.fp8.check_fp8)
+    if train_over.get('fp8'):  # FP8 trains in amp_bf16 (llmpipe.train.fp8.check_fp8)
         one_gpu['train'] = {'precision': 'amp_bf16'}
     one_gpu = deep_merge(config, {'models': {run: one_gpu}})
     settings = run_settings(one_gpu, run)
@@ -374,7 +373,7 @@ def build_train_config(config: dict, run: str, variant: dict, *, steps: int, mb_
     settings = resolve_settings(settings, rc, nodes=1, gpus_per_node=1, capacity_gb=device_memory_gb(config))
     cfg = foundry_train_config(settings, data_dir=None, save_folder=None, world_size=1)  # the tokenizer is set below
     cfg = json.loads(json.dumps(cfg))  # deep copy, plain types
-    source = 'llmpipe.train.foundry_train_config'
+    source = 'llmpipe.train.pretrain.foundry_train_config'
     shims = []
     ac = cfg['model'].get('attn_config') or {}
     if ac.get('attn_impl') == 'sdpa':
@@ -473,11 +472,11 @@ def build_train_config(config: dict, run: str, variant: dict, *, steps: int, mb_
 def _fused_loss_knob(model: dict) -> str:
     """The CSV's ``fused_loss`` column: ``off``, or ``chunk=<rows>[,<kernel>]`` for the fused-loss model (no kernel:
     ``torch``; rows before the ``kernel`` setting wrote ``softmax_grad`` for today's ``softmax``)."""
-    from llmpipe.train import FUSED_LOSS_MODEL_KEYS
+    from llmpipe.train.pretrain import FUSED_LOSS_MODEL_KEYS
     if 'fused_loss_chunk_size' not in model:
         return 'off'
     assert set(FUSED_LOSS_MODEL_KEYS) <= set(model)
-    from llmpipe.fused_loss import default_chunk_size
+    from llmpipe.model.fused_loss import default_chunk_size
     chunk = model['fused_loss_chunk_size'] or default_chunk_size(int(model['vocab_size']))
     kernel = model['fused_loss_kernel']
     return f"chunk={chunk}" + ('' if kernel == 'torch' else f',{kernel}')
@@ -516,10 +515,10 @@ def run_one(config: dict, run: str, vname: str, variant: dict, *, steps: int, sk
             tok_dir: str, profile_dir: str | None = None, trace: bool = False) -> dict:
     """Train one (model, variant) for ``steps`` steps; return its CSV row (status 'ok' or the error)."""
     import torch
+    from llmfoundry.command_utils import train
     from omegaconf import OmegaConf
 
-    import llmpipe.attention as attn
-    from llmfoundry.command_utils import train
+    import llmpipe.model.attention as attn
 
     row: dict[str, Any] = {'model': run, 'variant': vname, 'steps': steps,
                            'timestamp': _dt.datetime.now(_dt.UTC).isoformat(timespec='seconds')}
@@ -531,7 +530,7 @@ def run_one(config: dict, run: str, vname: str, variant: dict, *, steps: int, sk
         attn.set_sdpa_backend(variant.get('sdpa_backend') or os.environ.get('LLMPIPE_SDPA_BACKEND') or 'auto')
         if knobs.pop('compile_fix'):
             dynamo_catalogue_fix()
-        rc_arch = __import__('llmpipe.config', fromlist=['run_config']).run_config(config, run)['arch']
+        rc_arch = __import__('llmpipe.config.runs', fromlist=['run_config']).run_config(config, run)['arch']
         fpt = flops_per_token(rc_arch, knobs['seq_len'])
         peak = detect_peak_flops('bf16', config.get('gpu_peak_flops') or {})
         timer = _make_timer(fpt, peak)
@@ -644,16 +643,16 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault('MASTER_ADDR', '127.0.0.1')
     os.environ.setdefault('MASTER_PORT', str(_free_port()))
 
-    import llmpipe.attention as attention
+    import llmpipe.model.attention as attention
     attention.register()  # sdpa attention classes + drop_full_attention_mask callback
     _register_synthetic_loader()
     register_fused_adamw()
     register_compile_blocks()
-    from llmpipe.fp8 import register as register_fp8
+    from llmpipe.train.fp8 import register as register_fp8
     register_fp8()  # llmpipe_fp8 callback (the train config names it when train.fp8 is on)
-    from llmpipe.fsdp import register as register_fsdp
+    from llmpipe.train.fsdp import register as register_fsdp
     register_fsdp()  # llmpipe_single_device_fsdp (the train config names it for FSDP at world size 1)
-    from llmpipe.fused_loss import register as register_fused_loss
+    from llmpipe.model.fused_loss import register as register_fused_loss
     register_fused_loss()  # mpt_causal_lm_fused_loss (the train config names it when fused_loss is on)
 
     config = _load_project_config(args.config)

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Check the fused loss's per-chunk kernels against an fp32 reference on this machine's GPU, and time them.
 
-``llmpipe.fused_loss.linear_cross_entropy`` offers several per-chunk softmax/gradient kernels
+``llmpipe.model.fused_loss.linear_cross_entropy`` offers several per-chunk softmax/gradient kernels
 (``fused_loss.kernel``: torch, softmax, compile, liger). The CPU tests cover ``torch`` and ``softmax`` (the others
 need CUDA: Triton and Inductor kernels, and Liger-Kernel's Triton implementation does not load without a GPU driver). This script runs
 every kernel on random inputs under bf16 autocast, as training does, with some targets set to ``ignore_index``,
@@ -43,7 +43,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
     import torch.nn.functional as F
 
-    from llmpipe.fused_loss import KERNELS, linear_cross_entropy
+    from llmpipe.model.fused_loss import KERNELS, linear_cross_entropy
 
     if not torch.cuda.is_available():
         print('check_fused_loss_kernels: needs a CUDA GPU', file=sys.stderr)

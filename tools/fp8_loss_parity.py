@@ -2,7 +2,7 @@
 """FP8 loss parity: train one model twice from the same seed on the same data, bf16 and with ``train.fp8``, and
 compare the training-loss curves.
 
-Each training is the project's own (``llmpipe.train.foundry_train_config`` of the model with ``data.concat_tokens``,
+Each training is the project's own (``llmpipe.train.pretrain.foundry_train_config`` of the model with ``data.concat_tokens``,
 ``train.max_duration_batches``, the batch and ``train.fp8`` overridden; llm-foundry's ``train``) on one GPU, over
 an MDS dataset the pipeline prepared (``results/data/<corpus>/<tokenizer>/concat<N>/mds``), without eval or
 checkpoints. Every step's loss comes from the project's run monitor (``llmpipe_run_monitor`` with log interval 1).
@@ -45,8 +45,8 @@ def train_once(config: dict, run: str, fp8, *, data: str, tokenizer: str, concat
     from llmfoundry.command_utils import train
     from omegaconf import OmegaConf
 
-    from llmpipe.config import deep_merge, run_settings
-    from llmpipe.train import foundry_train_config
+    from llmpipe.config.runs import deep_merge, run_settings
+    from llmpipe.train.pretrain import foundry_train_config
 
     over = {'data': {'concat_tokens': concat},
             'train': {'max_duration_batches': steps, 'global_batch_size': global_batch,
@@ -90,7 +90,7 @@ def plot(csv_path: str, png: str | None = None) -> str:
     matplotlib.use('Agg')
     import matplotlib.pyplot as plt
 
-    from llmpipe.plots import finish_and_save
+    from llmpipe.report.plots import finish_and_save
 
     curves: dict[str, tuple[list[int], list[float]]] = {}
     with open(csv_path, newline='') as f:
@@ -153,7 +153,7 @@ def main(argv: list[str] | None = None) -> int:
         os.environ.setdefault(k, v)
     import torch
 
-    from llmpipe.train import register_extensions
+    from llmpipe.train.pretrain import register_extensions
     from tools.bench_train_throughput import _load_project_config
 
     config = _load_project_config(args.config)

@@ -46,7 +46,7 @@ if REPO not in sys.path:
     sys.path.insert(0, REPO)
 
 from llmpipe.atomic import atomic_write_json, read_json  # noqa: E402
-from llmpipe.checkpoints import checkpoint_bytes  # noqa: E402
+from llmpipe.train.checkpoints import checkpoint_bytes  # noqa: E402
 
 SUITE = os.path.join(REPO, "tools", "acceptance-suite.yaml")
 TAG_VAR = "LLMPIPE_ACCEPTANCE_TAG"

@@ -8,7 +8,7 @@ Modules:
   or a byte-level BPE trained on the corpus, saved so that ``AutoTokenizer.from_pretrained`` loads it.
 * :mod:`llmpipe.data.mds` – restartable tokenize + concatenate + MDS, one unit per input file
   (:func:`~llmpipe.data.mds.convert_unit`), and the dataset's layout and merge; run in parallel by
-  :func:`llmpipe.mds_dispatch.convert_dataset`.
+  :func:`llmpipe.steps.mds_units.convert_dataset`.
 * :mod:`llmpipe.data.mds_verify` – :func:`~llmpipe.data.mds_verify.verify_dataset`: read a dataset back and
   check it.
 * :mod:`llmpipe.data.icl` – :func:`~llmpipe.data.icl.build_cloze_task`: a cloze ICL task cut from held-out text.

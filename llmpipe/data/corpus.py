@@ -39,8 +39,8 @@ import sys
 import time
 import warnings
 import zlib
-from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 
 from llmpipe.data.errors import DataError, atomic_write_bytes, atomic_write_json, remove_if_exists
 
@@ -255,9 +255,9 @@ def prepare_corpus(corpus_cfg: dict, out_dir: str) -> dict:
     Raises:
         DataError: a file is missing, unreadable, truncated or not gzip; the corpus has no non-blank text; a
             download failed after all retries. Messages name the file / setting and the fix.
-        llmpipe.config.ConfigError: an unknown source or a missing required setting.
+        llmpipe.config.settings.ConfigError: an unknown source or a missing required setting.
     """
-    from llmpipe.settings import ConfigError  # the class llmpipe.config re-exports (no import cycle)
+    from llmpipe.config.settings import ConfigError  # the class llmpipe.config.runs re-exports (no import cycle)
 
     os.makedirs(out_dir, exist_ok=True)
     remove_if_exists(os.path.join(out_dir, "manifest.json"))
@@ -277,7 +277,7 @@ def prepare_corpus(corpus_cfg: dict, out_dir: str) -> dict:
 
 def _wanted(corpus_cfg: dict) -> dict[str, list[str]]:
     """Relative C4 file names wanted per split (the first K of each)."""
-    from llmpipe.settings import ConfigError  # the class llmpipe.config re-exports (no import cycle)
+    from llmpipe.config.settings import ConfigError  # the class llmpipe.config.runs re-exports (no import cycle)
 
     subset = corpus_cfg.get("subset", "en")
     out = {}
@@ -293,7 +293,7 @@ def _wanted(corpus_cfg: dict) -> dict[str, list[str]]:
 # ------------------------------------------------------------------------------------------------- local
 
 def _prepare_local(corpus_cfg: dict, out_dir: str) -> dict:
-    from llmpipe.settings import ConfigError  # the class llmpipe.config re-exports (no import cycle)
+    from llmpipe.config.settings import ConfigError  # the class llmpipe.config.runs re-exports (no import cycle)
 
     where = _where(corpus_cfg)
     root = corpus_cfg.get("local_dir")
@@ -325,7 +325,7 @@ def _prepare_local(corpus_cfg: dict, out_dir: str) -> dict:
 # ------------------------------------------------------------------------------------------------- hub
 
 def _prepare_hub(corpus_cfg: dict, out_dir: str) -> dict:
-    from llmpipe.settings import ConfigError  # the class llmpipe.config re-exports (no import cycle)
+    from llmpipe.config.settings import ConfigError  # the class llmpipe.config.runs re-exports (no import cycle)
 
     where = _where(corpus_cfg)
     repo_id = corpus_cfg.get("repo_id")

@@ -35,7 +35,7 @@ are written after all units, each atomically, the manifest last.
 **Running units.** This module converts one unit (:func:`convert_unit`), lays the units out
 (:func:`plan_dataset`) and merges them (:func:`finish_dataset`); it never dispatches. Running the units in parallel
 (local processes or a Slurm job array, restarting only the missing ones, a line per finished unit) is the
-dispatch layer's: :func:`llmpipe.mds_dispatch.convert_dataset` through :mod:`llmpipe.unit_array`. A unit sets
+dispatch layer's: :func:`llmpipe.steps.mds_units.convert_dataset` through :mod:`llmpipe.dispatch.unit_array`. A unit sets
 ``TOKENIZERS_PARALLELISM=false``: one core per unit. Reading the dataset back: :mod:`llmpipe.data.mds_verify`.
 """
 
@@ -51,9 +51,9 @@ import sys
 import time
 import uuid
 import zlib
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
-from collections.abc import Iterator
 
 from llmpipe.data.corpus import check_gzip_magic, load_manifest
 from llmpipe.data.errors import DataError, atomic_write_json, remove_if_exists
@@ -223,7 +223,7 @@ def _iter_text_batches(path: str, stats: dict, batch_chars: int = BATCH_CHARS) -
 
 def _write_progress(path: str | None, obj: dict) -> None:
     """Replace the unit's progress file ``path`` (none when None) by ``obj``: ``{"bytes_done", "bytes_total",
-    "tokens", "done"}``, plus ``"record"`` when done (the format :mod:`llmpipe.unit_array` polls); best effort."""
+    "tokens", "done"}``, plus ``"record"`` when done (the format :mod:`llmpipe.dispatch.unit_array` polls); best effort."""
     if not path:
         return
     tmp = f"{path}.{os.getpid()}.tmp"

@@ -167,7 +167,7 @@ def verify_dataset(out_dir: str, tokenizer_dir: str, concat_tokens: int, vocab_s
     tokenizer's own normalizer and whitespace collapsing).
 
     Args:
-        out_dir: the dataset folder written by :func:`llmpipe.mds_dispatch.convert_dataset`.
+        out_dir: the dataset folder written by :func:`llmpipe.steps.mds_units.convert_dataset`.
         tokenizer_dir: the tokenizer folder used for the conversion (for decoding).
         concat_tokens: expected ids per sample.
         vocab_size: ids must be below this (the model's ``vocab_size``).

@@ -123,9 +123,9 @@ def prepare_tokenizer(tok_cfg: dict, out_dir: str, corpus_manifest: str | None =
     Raises:
         DataError: the tokenizer cannot be loaded (names the source and the fix), has no usable EOS, or the
             training corpus is empty.
-        llmpipe.config.ConfigError: unknown source, missing ``name`` / ``vocab_size`` / corpus manifest.
+        llmpipe.config.settings.ConfigError: unknown source, missing ``name`` / ``vocab_size`` / corpus manifest.
     """
-    from llmpipe.config import ConfigError
+    from llmpipe.config.settings import ConfigError
 
     os.makedirs(out_dir, exist_ok=True)
     remove_if_exists(os.path.join(out_dir, "manifest.json"))

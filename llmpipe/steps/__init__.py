@@ -6,7 +6,7 @@ The flow, for every rule::
                           resources and threads from the registered step: rules/common.smk's identity/res/threads)
       -> scripts/run_rule.py (every rule's script: ``run_rule(snakemake)``)
       -> run_rule: one StepContext from Snakemake's object -> the step function registered under the rule's name
-      -> ctx.dispatch(...) -> llmpipe.dispatch.run_step -> a submitit job (local, Slurm, or in-process for tests)
+      -> ctx.dispatch(...) -> llmpipe.dispatch.jobs.run_step -> a submitit job (local, Slurm, or in-process for tests)
 
 The rule table is :data:`~llmpipe.steps.registry.RULES`: each step function is registered under its rule's name
 (:func:`~llmpipe.steps.registry.register`, a decorator above the step function in its stage module) with its
@@ -28,14 +28,14 @@ module                   rules
 =======================  ===================================================================================
 
 Each module also declares its steps' versions and identity functions (dicts; the rule files turn them into text
-once, through rules/common.smk's ``identity`` and :func:`llmpipe.identity.identity_text`). :func:`run_rule` is the
+once, through rules/common.smk's ``identity`` and :func:`llmpipe.config.identity.identity_text`). :func:`run_rule` is the
 one entry: it empties the rule's log, makes the thread variables valid
-(:func:`llmpipe.dispatch.normalize_thread_env`), builds the :class:`~llmpipe.steps.context.StepContext`, calls the
+(:func:`llmpipe.dispatch.jobs.normalize_thread_env`), builds the :class:`~llmpipe.steps.context.StepContext`, calls the
 step, and writes the step's provenance record beside its first output (:mod:`llmpipe.steps.provenance`:
 ``<output>.provenance.json``). A failing step's error is appended to the rule's log, so ``--show-failed-logs`` shows
 why it failed. The steps after training (rules with :attr:`Rule.kept`: convert, generate, eval, finetune_eval) keep
 their finished results per identity and restore them instead of running again when the same identity comes back on
-the same inputs (:mod:`llmpipe.kept_results`).
+the same inputs (:mod:`llmpipe.steps.kept_results`).
 
 Nothing here imports torch: the rule files import these modules to plan the DAG.
 """
@@ -48,10 +48,12 @@ import sys
 import traceback
 from typing import Any
 
-from llmpipe import dispatch, kept_results
-from llmpipe.orphans import exit_when_snakemake_dies
-from llmpipe.steps import allreduce, convert, data, evaluate, generate, provenance, report, scaling, train
-from llmpipe.steps import lm_eval_harness
+from llmpipe.dispatch import jobs as dispatch
+from llmpipe.dispatch.orphans import exit_when_snakemake_dies
+from llmpipe.steps import allreduce, convert, evaluate, generate, kept_results, lm_eval_harness, provenance, scaling
+from llmpipe.steps import prepare as data
+from llmpipe.steps import reporting as report
+from llmpipe.steps import training as train
 from llmpipe.steps.context import StepContext, parse_params, wildcard_values
 from llmpipe.steps.registry import RULES, Kept, Rule, submitit_folder
 
@@ -65,7 +67,7 @@ THIS_RUN = "--- this run ---\n"
 
 def start_log(log_file: str, repeat: int = 5) -> None:
     """Create (or empty) the rule's log file. Snakemake deletes a rule's log before each run, so the step's
-    submission lines also go to an append-only history beside it (:func:`llmpipe.dispatch.history_path`); a new
+    submission lines also go to an append-only history beside it (:func:`llmpipe.dispatch.jobs.history_path`); a new
     log starts by naming that file and repeating its last ``repeat`` lines."""
     os.makedirs(os.path.dirname(log_file) or ".", exist_ok=True)
     history = dispatch.history_path(log_file)
@@ -123,7 +125,7 @@ def context(smk: Any, rule: Rule) -> StepContext:
 
 
 def kept_key(ctx: StepContext, kept: Kept) -> dict | None:
-    """The key of the result ``ctx`` makes (:func:`llmpipe.kept_results.result_key`): the rule's identity and the
+    """The key of the result ``ctx`` makes (:func:`llmpipe.steps.kept_results.result_key`): the rule's identity and the
     contents of its inputs but ``kept.ignore_inputs``; None when the rule has no identity or an input is a folder.
 
     Raises:
@@ -155,7 +157,7 @@ def restore_kept(ctx: StepContext, kept: Kept) -> str | None:
 
 
 def keep_result(ctx: StepContext, kept: Kept) -> str | None:
-    """Keep the finished outputs of ``ctx`` under their key (:func:`llmpipe.kept_results.keep`); return the kept
+    """Keep the finished outputs of ``ctx`` under their key (:func:`llmpipe.steps.kept_results.keep`); return the kept
     folder, or None when the result has no key or could not be kept (logged: a full disk never fails a finished
     step)."""
     run = ctx.wildcards.run
@@ -174,7 +176,7 @@ def keep_result(ctx: StepContext, kept: Kept) -> str | None:
 
 def earlier_to_keep(ctx: StepContext, kept: Kept) -> int:
     """``<kept.section>.earlier_identities_to_keep`` of the config, else the schema's default
-    (:func:`llmpipe.dispatch.setting`)."""
+    (:func:`llmpipe.dispatch.jobs.setting`)."""
     return int(dispatch.setting(ctx.config, kept.section, "earlier_identities_to_keep"))
 
 
@@ -215,7 +217,7 @@ def run_rule(smk: Any) -> None:
     """
     rule = RULES[smk.rule]
     dispatch.normalize_thread_env()  # threads: 0 of Slurm-waiting rules -> OMP_NUM_THREADS=0 from Snakemake
-    exit_when_snakemake_dies()       # no watcher outlives its Snakemake (llmpipe.orphans)
+    exit_when_snakemake_dies()       # no watcher outlives its Snakemake (llmpipe.dispatch.orphans)
     start_log(smk.log[0])
     try:
         run_step(context(smk, rule), rule)

@@ -1,16 +1,16 @@
 """All-reduce steps: the bandwidth sweep (``allreduce``), its plot (``allreduce_plot``), the GPU health check
 (``allreduce_health``) and the training gate (``allreduce_gate``, ``scaling_allreduce_gate``). The bench, its files
-and the gate's check are in :mod:`llmpipe.allreduce`, the health check in :mod:`llmpipe.health`."""
+and the gate's check are in :mod:`llmpipe.bench.allreduce_bw`, the health check in :mod:`llmpipe.bench.health`."""
 
 from __future__ import annotations
 
 import json
 import re
 
-from llmpipe import allreduce as bench
-from llmpipe import health
-from llmpipe.config import ConfigError
-from llmpipe.dispatch import check_executor
+from llmpipe.bench import allreduce_bw as bench
+from llmpipe.bench import health
+from llmpipe.config.settings import ConfigError
+from llmpipe.dispatch.jobs import check_executor
 from llmpipe.steps.context import StepContext, read_json
 from llmpipe.steps.registry import register
 
@@ -26,7 +26,7 @@ def allreduce_identity(config: dict) -> dict:
     (GPUs or tasks per node). Not the gate: changing the threshold re-checks, it does not re-measure.
 
     Raises:
-        ConfigError: an impossible sweep or gate (:func:`llmpipe.allreduce.settings`).
+        ConfigError: an impossible sweep or gate (:func:`llmpipe.bench.allreduce_bw.settings`).
     """
     s = bench.settings(config)
     r = bench.bench_resources(config, 1)
@@ -46,7 +46,7 @@ def health_identity(config: dict) -> dict:
     (``allreduce.gate.size_bytes``), backend and per-node layout. Not the thresholds: they re-judge, not re-measure.
 
     Raises:
-        ConfigError: the health check is off or impossible (:func:`llmpipe.allreduce.settings`).
+        ConfigError: the health check is off or impossible (:func:`llmpipe.bench.allreduce_bw.settings`).
     """
     s = bench.settings(config)
     if not s.get("health"):
@@ -67,7 +67,7 @@ def gate_identity(config: dict) -> dict | None:
 
 
 def bench_job_resources(config: dict, wildcards) -> dict:
-    """The bench's job on ``{nodes}`` nodes (:func:`llmpipe.allreduce.bench_resources`)."""
+    """The bench's job on ``{nodes}`` nodes (:func:`llmpipe.bench.allreduce_bw.bench_resources`)."""
     return bench.bench_resources(config, int(wildcards.nodes))
 
 
@@ -128,7 +128,7 @@ def allreduce_gate(ctx: StepContext) -> dict:
     """Rules ``allreduce_gate`` and ``scaling_allreduce_gate``: pass (write the record) or refuse training.
 
     With ``allreduce.health`` on, the record also holds ``gpus``: one line per GPU of the health check
-    (:func:`llmpipe.health.judge`; ``slow`` lists why a GPU fails), and ``on_slow: warn`` logs slow GPUs instead of
+    (:func:`llmpipe.bench.health.judge`; ``slow`` lists why a GPU fails), and ``on_slow: warn`` logs slow GPUs instead of
     failing.
 
     Raises:

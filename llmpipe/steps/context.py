@@ -14,11 +14,11 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-from typing import Any
 from collections.abc import Callable
+from typing import Any
 
-from llmpipe import dispatch
 from llmpipe.atomic import atomic_write_json
+from llmpipe.dispatch import jobs as dispatch
 
 
 def read_json(path: str) -> Any:
@@ -60,10 +60,10 @@ class StepContext:
             layer appends its lines and a failing step its error.
         log_dir: the folder of submitit's per-job files (``results/logs/<step>/<name>.submitit``); None for
             steps that dispatch nothing.
-        resources: the resources of the job the step dispatches (:func:`llmpipe.config.step_resources`: nodes,
+        resources: the resources of the job the step dispatches (:func:`llmpipe.config.runs.step_resources`: nodes,
             tasks_per_node, gpus_per_node, cpus_per_task, mem_gb, time_min, slurm); empty for steps that
             dispatch nothing.
-        key: the submission key (:func:`llmpipe.dispatch.job_key` of the rule, its outputs and params): a later
+        key: the submission key (:func:`llmpipe.dispatch.jobs.job_key` of the rule, its outputs and params): a later
             execution with the same key re-attaches to a job still running instead of submitting a second one.
         executor: ``dispatch.executor`` of the config (local | slurm | debug).
     """
@@ -101,20 +101,20 @@ class StepContext:
                  progress: Callable[[], str | None] | None = None,
                  resume_batch: Callable[[], int] | None = None, on_job: Callable[[str, str], None] | None = None,
                  **kwargs: Any) -> Any:
-        """Run ``fn(*args, **kwargs)`` as this step's job (:func:`llmpipe.dispatch.run_step` on :attr:`resources`,
+        """Run ``fn(*args, **kwargs)`` as this step's job (:func:`llmpipe.dispatch.jobs.run_step` on :attr:`resources`,
         logging to :attr:`log_file`, submitit files in :attr:`log_dir`) and return rank 0's result.
 
         Args:
             step: a short name for the log lines and the job name (``train mpt-tiny``).
             config: the config that decides where the job runs, when not :attr:`config` (e.g. one whose executor
-                is ``local``: :func:`llmpipe.dispatch.with_executor`).
+                is ``local``: :func:`llmpipe.dispatch.jobs.with_executor`).
             progress: the step's progress as a short text, logged when Slurm requeues the job.
             resume_batch: the batch of the step's newest complete checkpoint: a Slurm job that ends TIMEOUT after
-                checkpointing is submitted again (:func:`llmpipe.requeue.resubmit_after_timeout`).
+                checkpointing is submitted again (:func:`llmpipe.dispatch.requeue.resubmit_after_timeout`).
             on_job: called with ``(executor, job id)`` once the step's job is submitted or re-attached to.
 
         Raises:
-            llmpipe.dispatch.StepFailed: the job failed, was cancelled or timed out.
+            llmpipe.dispatch.jobs.StepFailed: the job failed, was cancelled or timed out.
         """
         return dispatch.run_step(fn, *args, step=step, resources=self.resources,
                                  config=self.config if config is None else config, log_dir=self.log_dir,

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import os
 
-from llmpipe.config import run_settings, step_resources
-from llmpipe.stage_settings import ConvertSettings
+from llmpipe.config.runs import run_settings, step_resources
+from llmpipe.config.stage_settings import ConvertSettings
 from llmpipe.steps.context import StepContext, read_json
 from llmpipe.steps.registry import KEPT_EXPORT, register
 
@@ -39,7 +39,7 @@ def convert_resources(config: dict, wildcards) -> dict:
 @register("convert", resources=convert_resources, where="convert.resources", plan="convert", kept=KEPT_EXPORT)
 def convert(ctx: StepContext) -> dict:
     """Rule ``convert``: export the final checkpoint to a Hugging Face folder (written aside, then renamed)."""
-    from llmpipe.convert import convert_checkpoint
+    from llmpipe.hf.export import convert_checkpoint
 
     run = ctx.wildcards.run
     checkpoint = os.path.abspath(read_json(ctx.input.train)["final_checkpoint"])

@@ -2,19 +2,19 @@
 
 A pretraining run is evaluated on the val split of its MDS dataset, a finetune on the held-out split of its
 instruction set (response tokens only); both on every item of the ICL tasks of the run's suite
-(:mod:`llmpipe.eval_tasks`), whose standard data the rule ``eval_task_data`` fetches beforehand.
+(:mod:`llmpipe.evaluation.suites`), whose standard data the rule ``eval_task_data`` fetches beforehand.
 """
 
 from __future__ import annotations
 
 import os
 
-from llmpipe import eval_tasks
-from llmpipe.config import run_config, run_settings, step_resources
-from llmpipe.stage_settings import EvalSettings
+from llmpipe.config.runs import run_config, run_settings, step_resources
+from llmpipe.config.stage_settings import EvalSettings
+from llmpipe.evaluation import suites as eval_tasks
 from llmpipe.steps.context import StepContext
+from llmpipe.steps.prepare import instructions_identity
 from llmpipe.steps.registry import KEPT_EVAL, register
-from llmpipe.steps.data import instructions_identity
 
 #: Bump when a change in our code changes eval.json (reruns evaluation).
 VERSIONS = {"eval": 3, "finetune_eval": 3, "eval_task_data": 1}
@@ -52,7 +52,7 @@ def eval_resources(config: dict, wildcards) -> dict:
 
 def icl_suite(ctx: StepContext) -> tuple[dict, dict[str, str]]:
     """The run's suite (``name``, ``icl_tasks``, ``eval_gauntlet``) and ICL task label -> the file it is scored on
-    (:func:`llmpipe.eval_tasks.task_path`; the rule's inputs are those files or the manifest of their folder)."""
+    (:func:`llmpipe.evaluation.suites.task_path`; the rule's inputs are those files or the manifest of their folder)."""
     run = ctx.wildcards.run
     name, s = eval_tasks.run_suite(ctx.config, run)
     corpus = run_config(ctx.config, run)["data"]["corpus"]
@@ -65,7 +65,7 @@ def icl_suite(ctx: StepContext) -> tuple[dict, dict[str, str]]:
 def eval_task_data(ctx: StepContext) -> dict:
     """Rule ``eval_task_data``: fetch (or copy from ``eval.task_data.local_dir``) the llm-foundry task files of
     a suite, here on the machine running Snakemake (compute nodes are often offline)."""
-    from llmpipe.eval_data import fetch_task_files
+    from llmpipe.evaluation.task_data import fetch_task_files
 
     suite = ctx.wildcards.suite
     td = ctx.config["eval"]["task_data"]
@@ -78,7 +78,7 @@ def eval_task_data(ctx: StepContext) -> dict:
 @register("eval", resources=eval_resources, where="eval.resources", plan="eval", kept=KEPT_EVAL)
 def evaluate(ctx: StepContext) -> dict:
     """Rule ``eval``: held-out loss, perplexity, token accuracy and ICL accuracy of the converted model."""
-    from llmpipe.evaluate import evaluate as evaluate_model
+    from llmpipe.evaluation.icl_eval import evaluate as evaluate_model
 
     run = ctx.wildcards.run
     suite, files = icl_suite(ctx)
@@ -93,7 +93,7 @@ def evaluate(ctx: StepContext) -> dict:
 @register("finetune_eval", resources=eval_resources, where="eval.resources", plan="eval", kept=KEPT_EVAL)
 def finetune_eval(ctx: StepContext) -> dict:
     """Rule ``finetune_eval``: held-out response-token metrics and ICL accuracy of the finetune's export."""
-    from llmpipe.finetune import evaluate_finetune
+    from llmpipe.train.finetune import evaluate_finetune
 
     run = ctx.wildcards.run
     suite, files = icl_suite(ctx)

@@ -6,16 +6,17 @@ template of its own or a global one generates in its instruction set's format (:
 A prompt too long for the model's context is truncated from the left and recorded in generate.json
 (``generate.long_prompts: truncate``), or (``fail``) the step fails naming it; a prompt that cannot be answered
 otherwise fails the step too. Either way the other prompts are answered first and written with the failed ones'
-errors to ``generate.partial.json`` beside the output (:mod:`llmpipe.generate`)."""
+errors to ``generate.partial.json`` beside the output (:mod:`llmpipe.evaluation.generation`)."""
 
 from __future__ import annotations
 
 import os
 
 from llmpipe.atomic import remove_if_exists
-from llmpipe.config import ConfigError, is_finetune, run_config, step_resources, written_at
+from llmpipe.config.runs import is_finetune, run_config, step_resources, written_at
+from llmpipe.config.settings import ConfigError
+from llmpipe.config.stage_settings import GenerateSettings
 from llmpipe.data.instructions import PROMPT_FIELD, instruction_template
-from llmpipe.stage_settings import GenerateSettings
 from llmpipe.steps.context import StepContext
 from llmpipe.steps.registry import KEPT_GENERATION, register
 
@@ -39,7 +40,7 @@ def generate_settings(config: dict, run: str) -> dict:
         ``instruction_sets.<name>`` for an instruction format, None for the prompt alone).
 
     Raises:
-        ConfigError: an unknown run (:func:`llmpipe.config.run_config`).
+        ConfigError: an unknown run (:func:`llmpipe.config.runs.run_config`).
     """
     out = dict(config["generate"])
     rc = run_config(config, run)
@@ -62,10 +63,10 @@ def generate_settings(config: dict, run: str) -> dict:
 
 def run_generate_settings(config: dict, run: str) -> GenerateSettings:
     """The typed generation settings of one run (:func:`generate_settings` resolved, as
-    :class:`llmpipe.stage_settings.GenerateSettings`): what the generation job takes.
+    :class:`llmpipe.config.stage_settings.GenerateSettings`): what the generation job takes.
 
     Raises:
-        ConfigError: an unknown run (:func:`llmpipe.config.run_config`).
+        ConfigError: an unknown run (:func:`llmpipe.config.runs.run_config`).
         ValueError: an unknown ``generate.long_prompts`` (the schema refuses one first).
     """
     g = generate_settings(config, run)
@@ -96,7 +97,7 @@ def generate(ctx: StepContext) -> dict:
         In both cases the answered prompts' completions and the errors are in ``generate.partial.json`` beside the
         output, and generate.json is not written.
     """
-    from llmpipe.generate import generate as answer_prompts
+    from llmpipe.evaluation.generation import generate as answer_prompts
 
     run = ctx.wildcards.run
     settings = run_generate_settings(ctx.config, run)

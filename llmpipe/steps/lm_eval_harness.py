@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import os
 
-from llmpipe import lm_eval_harness as harness
-from llmpipe.config import ConfigError, gpu_memory, run_config, section_path, step_resources
+from llmpipe.config.runs import gpu_memory, run_config, section_path, step_resources
+from llmpipe.config.settings import ConfigError
+from llmpipe.evaluation import harness
 from llmpipe.steps.context import StepContext
 from llmpipe.steps.registry import register
 
@@ -31,7 +32,7 @@ def lm_eval_identity(config: dict, run: str) -> dict:
 
 
 def lm_eval_inputs(config: dict, run: str) -> list[str]:
-    """The files of ``lm_eval.data_dir``, after checking the settings (:func:`llmpipe.lm_eval_harness.check_inputs`:
+    """The files of ``lm_eval.data_dir``, after checking the settings (:func:`llmpipe.evaluation.harness.check_inputs`:
     a ConfigError naming the setting when the harness is off, lm_eval is missing or a task has no YAML)."""
     s = config["lm_eval"]
     files = harness.check_inputs(s["tasks"], s["data_dir"], version=harness.installed_version())
@@ -41,13 +42,13 @@ def lm_eval_inputs(config: dict, run: str) -> list[str]:
 
 def check_fits_one_gpu(config: dict, run: str) -> None:
     """The harness runs the model in one process on at most one GPU: refuse, in the dry run, a model whose
-    evaluation plan (:func:`llmpipe.plan.inference_memory`, ``lm_eval.batch_size`` sequences) exceeds one GPU of
-    ``gpu_type`` by more than :data:`llmpipe.plan.MARGIN`.
+    evaluation plan (:func:`llmpipe.plan.memory_time.inference_memory`, ``lm_eval.batch_size`` sequences) exceeds one GPU of
+    ``gpu_type`` by more than :data:`llmpipe.plan.memory_time.MARGIN`.
 
     Raises:
         ConfigError: naming the estimate, the GPU and the fix.
     """
-    from llmpipe import plan
+    from llmpipe.plan import memory_time as plan
     res = step_resources(config, "eval", run)
     rc = run_config(config, run)
     if int(res["gpus_per_node"]) <= 0 or not config.get("gpu_type") or "d_model" not in (rc.get("arch") or {}):
@@ -57,7 +58,7 @@ def check_fits_one_gpu(config: dict, run: str) -> None:
     if need > capacity * (1 + plan.MARGIN):
         where = section_path(config, run)
         raise ConfigError(f"{where}: lm_eval scores {run} in one process on one GPU, and its evaluation needs about "
-                          f"{need:.0f} GiB (llmpipe.plan), more than the {capacity:.0f} GiB of one {config['gpu_type']} "
+                          f"{need:.0f} GiB (llmpipe.plan.memory_time), more than the {capacity:.0f} GiB of one {config['gpu_type']} "
                           f"GPU (gpu_type). Fix: leave results/{run}/eval-lm_eval.json out of the targets (eval.json "
                           f"evaluates it across the node's GPUs), or a GPU with more memory.")
 

@@ -1,7 +1,7 @@
 """The rule table: every Snakemake rule that has a script, registered by its step function.
 
 A stage module registers each step function under its rule's name with :func:`register`, declaring what
-:func:`llmpipe.steps.run_rule` and the DAG-time checks (:mod:`llmpipe.dag_checks`) need beside the rule file::
+:func:`llmpipe.steps.run_rule` and the DAG-time checks (:mod:`llmpipe.plan.dag_checks`) need beside the rule file::
 
     @register("mds", resources=data_resources, where="data_resources")
     def mds(ctx: StepContext) -> dict: ...
@@ -17,17 +17,17 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from typing import Any
 from collections.abc import Callable
+from typing import Any
 
-#: ``(config, wildcards) -> resources`` of the job a step dispatches (:func:`llmpipe.config.step_resources`'s keys).
+#: ``(config, wildcards) -> resources`` of the job a step dispatches (:func:`llmpipe.config.runs.step_resources`'s keys).
 Resources = Callable[[dict, Any], dict]
 
 
 @dataclasses.dataclass(frozen=True)
 class Kept:
     """A rule whose finished result is kept per identity and restored instead of recomputed
-    (:mod:`llmpipe.kept_results`).
+    (:mod:`llmpipe.steps.kept_results`).
 
     Attributes:
         section: the config section whose ``earlier_identities_to_keep`` says how many results of other identities
@@ -61,7 +61,7 @@ class Rule:
         where: the config path of those resources for the Slurm preflight's messages, a pattern of the rule's
             wildcards (``models.{run}.resources``); None: the rule is not preflighted.
         plan: the GPU step whose memory plan (and time projection) the dry run prints for the rule's run
-            (``train``, ``convert``, ``generate``, ``eval``; :mod:`llmpipe.dag_checks`); None: no plan.
+            (``train``, ``convert``, ``generate``, ``eval``; :mod:`llmpipe.plan.dag_checks`); None: no plan.
         kept: how the rule's finished result is kept per identity; None: never kept.
     """
 

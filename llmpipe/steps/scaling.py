@@ -1,15 +1,15 @@
 """Node-scaling study steps: the same training at each node count (``scaling_train``) and its table
-(``scaling_table``). The study's settings, checks and table are in :mod:`llmpipe.scaling`."""
+(``scaling_table``). The study's settings, checks and table are in :mod:`llmpipe.bench.scaling_study`."""
 
 from __future__ import annotations
 
 import re
 
-from llmpipe import scaling
-from llmpipe.config import run_settings, step_resources, validate_run, world_size
+from llmpipe.bench import scaling_study as scaling
+from llmpipe.config.runs import run_settings, step_resources, validate_run, world_size
 from llmpipe.steps.context import StepContext, read_json
 from llmpipe.steps.registry import register
-from llmpipe.steps.train import check_all_steps, finished_training, train_identity, training_task
+from llmpipe.steps.training import check_all_steps, finished_training, train_identity, training_task
 
 
 def study_identity(config: dict, run: str) -> dict:

@@ -14,7 +14,7 @@ def where(out_dir: str) -> dict:
     """Export torch.distributed's variables from Slurm's (submitit's helper); write and return what this task sees."""
     from submitit.helpers import TorchDistributedEnvironment
 
-    # the job's values win over any the submitting process exported (as llmpipe.train.export_dist_env does)
+    # the job's values win over any the submitting process exported (as llmpipe.train.pretrain.export_dist_env does)
     dist = TorchDistributedEnvironment().export(set_cuda_visible_devices=False, overwrite=True)
     seen = {
         "host": socket.gethostname(),

@@ -1,0 +1,1 @@
+"""Benchmarks of an allocation: all-reduce bandwidth, GPU health, node-scaling studies."""

@@ -1,0 +1,1 @@
+"""Configuration: the schema, typed settings of runs and stages, step identities, the results folder check."""

@@ -1,0 +1,110 @@
+"""Why a dispatched job failed: the first failing task, its exception line and its log's tail.
+
+submitit keeps a task's traceback in its result pickle when the task's function raised; a task killed or exited
+hard leaves only its stderr. :func:`first_failure` picks the task whose failure came first (other ranks usually fail
+later because of it), and :func:`headline` finds the exception line in a log, skipping interpreter-shutdown noise.
+Used by :mod:`llmpipe.dispatch.jobs` for the message of :class:`llmpipe.dispatch.jobs.StepFailed`.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+
+def log_tail(job, n: int = 40) -> str:
+    """The last ``n`` lines of a submitit job's stderr and stdout, each under a ``--- stderr (last n lines) ---``
+    header; "(no log output)" when both are empty or missing."""
+    chunks = []
+    for getter in ("stderr", "stdout"):
+        try:
+            text = getattr(job, getter)() or ""
+        except Exception:  # noqa: BLE001 - a missing log file is not an error here
+            text = ""
+        if text:
+            chunks.append(f"--- {getter} (last {n} lines) ---\n" + "\n".join(text.splitlines()[-n:]))
+    return "\n".join(chunks) or "(no log output)"
+
+
+def local_state(job) -> str:
+    """A local job's state for a failure message: submitit says FINISHED for any ended job, also one whose
+    function raised (its controller process exits 0 either way); FAILED, or INTERRUPTED when a signal ended it."""
+    proc = getattr(job, "_process", None)
+    code = proc.poll() if proc is not None else None
+    return f"INTERRUPTED (signal {-code})" if code is not None and code < 0 else "FAILED"
+
+
+#: An exception line: ``ValueError: ...``, ``torch.distributed.DistBackendError: ...``, ``KeyboardInterrupt``,
+#: with an optional ``[rank1]:`` prefix (torch's per-rank log prefix).
+ERROR_LINE = re.compile(r"^(?:\[rank\d+\]:\s*)?([A-Za-z_][\w.]*(?:Error|Exception|Interrupt|Exit)\b(?::.*)?)$")
+
+
+def headline(text: str) -> str | None:
+    """The first real exception line of a task's stderr, or None.
+
+    Skips the noise of interpreter shutdown: an error inside an ``Exception ignored in ...`` block (e.g. a
+    shared-memory ``__del__`` raising ``KeyError``/``FileNotFoundError``) and resource-tracker warnings about leaked
+    shared memory. The first one is the cause; later ones are its consequences.
+    """
+    ignored = False
+    for line in text.splitlines():
+        stripped = line.strip()
+        if stripped.startswith("Exception ignored"):
+            ignored = True
+            continue
+        m = ERROR_LINE.match(stripped)
+        if m:
+            if ignored or "resource_tracker" in line or "leaked shared_memory" in line:
+                ignored = False
+                continue
+            return m.group(1)
+    return None
+
+
+def task_failure(task) -> tuple[int, float, str] | None:
+    """(kind, when, headline) of a task that failed, None for one that returned a result.
+
+    kind 0: its function raised; the headline is the exception's line from the traceback submitit keeps in the
+    task's result pickle, ``when`` that pickle's time. kind 1: no result (killed, exited hard) but its stderr has an
+    exception line (:func:`headline`); kind 2: neither. For kinds 1 and 2 ``when`` is the stderr's time.
+    """
+    import submitit
+
+    pickle_path = task.paths.result_pickle
+    if pickle_path.exists():
+        try:
+            outcome, trace = submitit.core.utils.pickle_load(pickle_path)
+        except Exception:  # noqa: BLE001 - unreadable result: judge from the log
+            outcome, trace = "error", ""
+        if outcome != "error":
+            return None
+        lines = [ln for ln in str(trace).strip().splitlines() if ln.strip()]
+        exc_lines = [ln.strip() for ln in lines if ERROR_LINE.match(ln.strip())]
+        text = exc_lines[-1] if exc_lines else (lines[-1].strip() if lines else "")
+        return 0, pickle_path.stat().st_mtime, text or "(no exception text)"
+    try:
+        err = task.paths.stderr
+        text = err.read_text(errors="replace") if err.exists() else ""
+        when = err.stat().st_mtime if err.exists() else float("inf")
+    except OSError:
+        text, when = "", float("inf")
+    line = headline(text)
+    return (1, when, line) if line else (2, when, "wrote no result (killed, or exited without raising)")
+
+
+def first_failure(job, exc: Exception) -> tuple[int, str, Any]:
+    """(rank, headline, task job) of the first task of ``job`` that failed: a task whose function raised before one
+    that only has an error in its log, before one killed without either (ranks killed because another failed);
+    among those the one whose failure was recorded first (other ranks often fail later because of it: a broken
+    connection, a timeout), lowest rank on a tie."""
+    tasks = list(getattr(job, "_sub_jobs", None) or [job])
+    failed = []
+    for rank, task in enumerate(tasks):
+        got = task_failure(task)
+        if got is not None:
+            failed.append((got[0], got[1], rank, got[2], task))
+    if not failed:
+        lines = str(exc).strip().splitlines()
+        return 0, f"{type(exc).__name__}: {lines[-1] if lines else ''}", tasks[0]
+    _, _, rank, line, task = min(failed, key=lambda f: (f[0], f[1], f[2]))
+    return rank, line, task

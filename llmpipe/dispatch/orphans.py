@@ -1,0 +1,133 @@
+"""Processes that die with the process that started them (Linux ``prctl(PR_SET_PDEATHSIG)``).
+
+Contract: on the local executor a job's tasks are children of submitit's controller, whose PID is the job id the
+step prints ("submitted job N"); the tasks are not in its process group, so ``kill -9 N`` alone left them running
+(a training went on writing its identity folder while the rerun started a second one). :class:`DieWithParent` wraps
+the function a local job runs: the task asks the kernel for ``SIGKILL`` when its parent (the controller) ends, so
+the job's whole process tree ends with it (torch's data-loader workers exit when their parent is gone). A task
+whose parent is already gone when it starts ends at once. On other systems the wrapper only calls the function.
+
+Rule scripts run under Snakemake through a shell, so their parent is not Snakemake and outlives it:
+:func:`exit_when_snakemake_dies` watches the Snakemake ancestor instead and ends the script when it is gone, so no
+watcher of a killed run keeps writing into the next run's rule log.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+#: prctl(2) option: the signal the calling process gets when its parent thread ends.
+_PR_SET_PDEATHSIG = 1
+
+
+def die_with_parent(sig: int = signal.SIGKILL, parent: int | None = None) -> bool:
+    """Ask the kernel to send ``sig`` to this process when its parent ends; if the parent (``parent``, default the
+    current one) is already gone, send ``sig`` to this process now. Returns False where prctl is not available
+    (not Linux); True once armed.
+
+    Raises:
+        OSError: prctl refused the request.
+    """
+    if not sys.platform.startswith("linux"):
+        return False
+    expected = os.getppid() if parent is None else parent
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(_PR_SET_PDEATHSIG, int(sig), 0, 0, 0) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"prctl(PR_SET_PDEATHSIG) failed: {os.strerror(err)}")
+    if os.getppid() != expected:  # the parent ended before the request was armed
+        os.kill(os.getpid(), sig)
+    return True
+
+
+class DieWithParent:
+    """A picklable callable for submitit's local executor: arms :func:`die_with_parent` (SIGKILL), then returns
+    ``fn(*args, **kwargs)``. ``checkpoint`` and other attributes are ``fn``'s, so submitit sees the same task."""
+
+    def __init__(self, fn: Callable[..., Any]):
+        self.fn = fn
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        die_with_parent(signal.SIGKILL)
+        return self.fn(*args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        if name == "fn":   # not set yet (unpickling): no recursion
+            raise AttributeError(name)
+        return getattr(self.fn, name)
+
+
+# ------------------------------------------------------------------------------------------- rule scripts
+
+def _stat(pid: int) -> list[str] | None:
+    """Fields of ``/proc/<pid>/stat`` after the command name (index 0 is the state), or None when gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+
+
+def process_start_time(pid: int) -> str | None:
+    """The start time of process ``pid`` in clock ticks since boot (``/proc/<pid>/stat`` field 22), which tells a
+    reused PID apart; None when it is gone or a zombie (or there is no ``/proc``)."""
+    fields = _stat(pid)
+    return None if fields is None or fields[0] == "Z" else fields[19]
+
+
+def _same_process_alive(pid: int, start: str) -> bool:
+    """Whether ``pid`` is alive (not a zombie) and is the process that started at ``start``."""
+    return process_start_time(pid) == start
+
+
+def _is_snakemake(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as fh:
+            argv = [a.decode(errors="replace") for a in fh.read().split(b"\0")]
+    except OSError:
+        return False
+    return argv[1:3] == ["-m", "snakemake"] or any(os.path.basename(a) == "snakemake" for a in argv[:2])
+
+
+def snakemake_ancestor() -> tuple[int, str] | None:
+    """The nearest ancestor of this process that is Snakemake (``snakemake ...`` or ``python -m snakemake ...``),
+    as ``(pid, start time in clock ticks)`` (the pair tells a reused PID apart), or None (not under Snakemake, or
+    no ``/proc``)."""
+    pid = os.getppid()
+    while pid > 1:
+        fields = _stat(pid)
+        if fields is None:
+            return None
+        if _is_snakemake(pid):
+            return pid, fields[19]   # field 22 of stat(5), starttime
+        pid = int(fields[1])         # field 4, ppid
+    return None
+
+
+def exit_when_snakemake_dies(poll_s: float = 2.0) -> tuple[int, str] | None:
+    """Watch this process's Snakemake ancestor (:func:`snakemake_ancestor`) from a daemon thread; when it is gone
+    (``kill -9`` of Snakemake alone leaves its rule scripts running), send this process SIGTERM: a step waiting for
+    local jobs cancels them (:mod:`llmpipe.dispatch.jobs`), one waiting for a Slurm job stops waiting (the job runs on, and
+    the next run re-attaches to it). Returns the watched ``(pid, start)``, or None when there is none."""
+    import threading
+
+    who = snakemake_ancestor()
+    if who is None:
+        return None
+
+    def watch() -> None:
+        while _same_process_alive(*who):
+            time.sleep(poll_s)
+        print(f"[llmpipe {time.strftime('%H:%M:%S')}] Snakemake (pid {who[0]}) is gone: this step stops "
+              f"(local jobs are cancelled; a Slurm job runs on and the next run re-attaches to it)",
+              file=sys.stderr, flush=True)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    threading.Thread(target=watch, name="llmpipe-snakemake-watch", daemon=True).start()
+    return who

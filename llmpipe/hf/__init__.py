@@ -1,0 +1,1 @@
+"""Hugging Face format: export of a composer checkpoint."""
