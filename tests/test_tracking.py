@@ -62,7 +62,7 @@ def test_one_tracked_run_per_identity_kept_in_its_checkpoint_folder(tmp_path, mo
     assert other["mlflow_run_id"] != state["mlflow_run_id"] and other["wandb_id"] != state["wandb_id"]
     client = mlflow.MlflowClient(t["mlflow_tracking_uri"])
     run = client.get_run(state["mlflow_run_id"])
-    assert run.data.tags["llmpipe.config.identity"] == key_a and run.data.tags["llmpipe.run"] == "mpt-tiny"
+    assert run.data.tags["llmpipe.identity"] == key_a and run.data.tags["llmpipe.run"] == "mpt-tiny"
     # other ranks never create ids; tracking off gives no loggers
     c = tmp_path / "ck" / "cccccccccccccccc"
     c.mkdir()
@@ -98,7 +98,7 @@ def test_tracked_training_killed_and_resumed_is_one_run_with_continuous_steps(ti
     runs = client.search_runs([exp.experiment_id])
     assert [r.info.run_id for r in runs] == [state["mlflow_run_id"]]       # one tracked run for both jobs
     run = runs[0]
-    assert run.data.tags["llmpipe.config.identity"] == folder.name
+    assert run.data.tags["llmpipe.identity"] == folder.name
     keys = set(run.data.metrics)
     for k in ("loss/train/total", "llmpipe/tokens_per_s", "llmpipe/memory_gib", "llmpipe/eta_s",
               "llmpipe/steady_tokens_per_s", "metrics/eval/LanguageCrossEntropy"):

@@ -8,7 +8,7 @@ One tracked run per training identity: the run's id is created once by rank 0 an
 of the same identity logs into the same MLflow run / W&B run, with steps continuing at the resumed batch (composer
 logs every metric at the trainer's batch count). A changed identity gets a new folder and so a new tracked run.
 
-* MLflow: the run is made here with ``MlflowClient.create_run`` (tags ``llmpipe.run``, ``llmpipe.config.identity``) and
+* MLflow: the run is made here with ``MlflowClient.create_run`` (tags ``llmpipe.run``, ``llmpipe.identity``) and
   handed to composer's ``MLFlowLogger`` through ``MLFLOW_RUN_ID``. Without a tracking URI the store is the local
   folder ``{results_dir}/tracking/mlruns`` (``mlflow ui --backend-store-uri <that folder>``).
 * W&B: ``wandb.init(id=<kept id>, resume="allow", mode=offline|online)``, files under the identity folder
@@ -84,7 +84,7 @@ def _mlflow_run_id(tracking: dict, run: str, key: str) -> tuple[str, str]:
     exp = client.get_experiment_by_name(tracking["experiment"])
     exp_id = exp.experiment_id if exp is not None else client.create_experiment(tracking["experiment"])
     created = client.create_run(exp_id, run_name=f"{run}-{key[:8]}",
-                                tags={"llmpipe.run": run, "llmpipe.config.identity": key})
+                                tags={"llmpipe.run": run, "llmpipe.identity": key})
     return created.info.run_id, str(exp_id)
 
 
@@ -178,7 +178,7 @@ def foundry_loggers(tracking: dict | None, save_folder: str, rank: int, run: str
     name = f"{run}-{key[:8]}"
     if "mlflow" in tracking["loggers"]:
         out["mlflow"] = {"experiment_name": tracking["experiment"], "tracking_uri": tracking["mlflow_tracking_uri"],
-                         "run_name": name, "tags": {"llmpipe.run": run, "llmpipe.config.identity": key},
+                         "run_name": name, "tags": {"llmpipe.run": run, "llmpipe.identity": key},
                          "log_system_metrics": _has_gpu(),
                          "ignore_hyperparameters": ["*"] if resumed else JOB_SPECIFIC_PARAMS,
                          "synchronous": True}
