@@ -72,13 +72,16 @@ slurm-packages:
 
 # then the second lock's checks (test-torch211) whether or not the suite passed; `make`, not $(MAKE), so that
 # `make -n test` only prints this line instead of running it
-# -v: the log names the test that runs; --timeout-method=thread: a test stuck in C code (where Python's signal
-# handlers never run) still ends the session with every thread's stack, instead of holding CI until its limit
+# -v: the log names the test that runs. --timeout-method=thread: a test stuck in C code that released the GIL still
+# ends the session with every thread's stack. A test that holds the GIL (a deadlock in C) stops neither timeout;
+# faulthandler's watchdog, a C thread, prints every stack 60 s later, and `timeout` ends the suite after 75 minutes
+# so that CI (90 minutes) still reports.
 test: install lm-eval slurm-packages
 	@if [ "$$(id -u)" = 0 ]; then export LLMPIPE_REQUIRE_SLURM=1; fi; \
 	export LLMPIPE_REQUIRE_LM_EVAL=1; \
 	trap 'bash .ci/slurm.sh cleanup >/dev/null 2>&1 || true' EXIT; \
-	$(PY) -m pytest -v -p no:cacheprovider --timeout 1200 --timeout-method=thread --durations=40 tests; rc=$$?; \
+	timeout --foreground --kill-after=30 4500 $(PY) -m pytest -v -p no:cacheprovider --timeout 1200 --timeout-method=thread \
+	  -o faulthandler_timeout=1260 --durations=40 tests; rc=$$?; \
 	env -u LLMPIPE_REQUIRE_SLURM -u LLMPIPE_REQUIRE_LM_EVAL make --no-print-directory test-torch211 || rc=1; exit $$rc
 
 test-fast: install lm-eval
