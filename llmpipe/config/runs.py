@@ -26,8 +26,14 @@ import os
 from collections.abc import Iterable
 
 from llmpipe.config.schema import check_named_arguments, closest, deep_merge, node_at, speed_only_keys
-from llmpipe.config.settings import (FUSED_LOSS_DEFAULT_KERNEL, FUSED_LOSS_KERNELS, ConfigError, Resources, RunSettings,
-                                     written_at)
+from llmpipe.config.settings import (
+    FUSED_LOSS_DEFAULT_KERNEL,
+    FUSED_LOSS_KERNELS,
+    ConfigError,
+    Resources,
+    RunSettings,
+    written_at,
+)
 from llmpipe.train.fp8 import check_fp8, fp8_settings
 from llmpipe.train.lora import check_lora
 

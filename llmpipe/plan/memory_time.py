@@ -59,6 +59,7 @@ import math
 import os
 import types
 from collections.abc import Mapping
+from pathlib import Path
 
 from llmpipe.config.settings import FUSED_LOSS_DEFAULT_KERNEL, ConfigError, RunSettings
 from llmpipe.model.mfu import flops_per_token, mpt_param_count, peak_flops_for_name
@@ -89,8 +90,7 @@ __all__ = [
 
 GB = 2**30  # GiB: the plans' unit
 #: The committed training-throughput benchmark (``tools/bench_train_throughput.py`` appends to it).
-BENCHMARK_CSV = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), 'benchmarks',
-                             'train-throughput.csv')
+BENCHMARK_CSV = str(Path(__file__).resolve().parents[2] / 'benchmarks' / 'train-throughput.csv')
 #: Which of its rows the time plans (and the report's projection) start from, and why (:func:`benchmark_basis`).
 PLAN_BASIS_JSON = os.path.join(os.path.dirname(BENCHMARK_CSV), 'plan-basis.json')
 #: Bytes per layer x token x d_model of the activations a transformer block stores for its backward (see module doc).
