@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import subprocess
 
 import pytest
 
@@ -64,6 +65,8 @@ def test_acceptance_tool_runs_kills_resumes_and_records(tmp_path):
     assert set(tasks) == {"arc_easy", "winogrande", "lambada_openai", "triviaqa_sm_sub"}
     assert all(shot["items"] == 100 for t in tasks.values() for shot in t.values())
     assert rec["stack"]["torch"] and rec["export_bytes"] > 0 and rec["checkpoint_bytes"]
+    head = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=REPO).stdout.strip()
+    assert rec["commit"] == (head or None)
     # a rerun finds every phase finished and only writes the record again
     before = json.dumps(ph, sort_keys=True)
     assert tool.main(argv) == 0

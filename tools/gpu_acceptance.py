@@ -161,6 +161,18 @@ def plan_lines(base: list[str], target: str, env: dict) -> dict:
     return {"returncode": proc.returncode, "lines": lines}
 
 
+def source_commit() -> str | None:
+    """The checkout's commit: ``git rev-parse HEAD`` where the repository is a git checkout, else the environment
+    variable ``LLMPIPE_COMMIT`` (a copied working tree has no .git), else None."""
+    try:
+        out = subprocess.run(["git", "-C", REPO, "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10)
+        if out.returncode == 0 and out.stdout.strip():
+            return out.stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        pass
+    return os.environ.get("LLMPIPE_COMMIT") or None
+
+
 def stack() -> dict:
     """torch, CUDA, driver, Python, composer, llm-foundry, streaming, torchao versions and the GPU's name."""
     import importlib.metadata as md
@@ -289,6 +301,7 @@ def main(argv: list[str] | None = None) -> int:
         "command": " ".join(["python3", "tools/gpu_acceptance.py", *(argv if argv is not None else sys.argv[1:])]),
         "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "host": platform.node(),
+        "commit": source_commit(),
         "stack": stack(),
         "run": args.run,
         "overlay": overlay,
