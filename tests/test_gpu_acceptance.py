@@ -44,7 +44,8 @@ def _tool():
     return mod
 
 
-def test_acceptance_tool_runs_kills_resumes_and_records(tmp_path):
+def test_acceptance_tool_runs_kills_resumes_and_records(tmp_path, monkeypatch):
+    monkeypatch.delenv("LLMPIPE_COMMIT", raising=False)
     tool = _tool()
     data = _standin_foundry_files(tmp_path / "foundry")
     out = tmp_path / "record.json"
@@ -67,7 +68,9 @@ def test_acceptance_tool_runs_kills_resumes_and_records(tmp_path):
     assert rec["stack"]["torch"] and rec["export_bytes"] > 0 and rec["checkpoint_bytes"]
     head = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=REPO).stdout.strip()
     assert rec["commit"] == (head or None)
-    # a rerun finds every phase finished and only writes the record again
+    # a rerun finds every phase finished and only writes the record again; a named commit wins over git's
     before = json.dumps(ph, sort_keys=True)
+    monkeypatch.setenv("LLMPIPE_COMMIT", "0" * 40)
     assert tool.main(argv) == 0
-    assert json.dumps(json.loads(out.read_text())["phases"], sort_keys=True) == before
+    rerun = json.loads(out.read_text())
+    assert json.dumps(rerun["phases"], sort_keys=True) == before and rerun["commit"] == "0" * 40

@@ -162,15 +162,15 @@ def plan_lines(base: list[str], target: str, env: dict) -> dict:
 
 
 def source_commit() -> str | None:
-    """The checkout's commit: ``git rev-parse HEAD`` where the repository is a git checkout, else the environment
-    variable ``LLMPIPE_COMMIT`` (a copied working tree has no .git), else None."""
+    """The commit of the code that ran: the environment variable ``LLMPIPE_COMMIT`` where set (a copied working tree
+    can carry an older .git than its files), else ``git rev-parse HEAD`` of this checkout, else None."""
+    if os.environ.get("LLMPIPE_COMMIT"):
+        return os.environ["LLMPIPE_COMMIT"]
     try:
         out = subprocess.run(["git", "-C", REPO, "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10)
-        if out.returncode == 0 and out.stdout.strip():
-            return out.stdout.strip()
     except (OSError, subprocess.SubprocessError):
-        pass
-    return os.environ.get("LLMPIPE_COMMIT") or None
+        return None
+    return out.stdout.strip() if out.returncode == 0 and out.stdout.strip() else None
 
 
 def stack() -> dict:
