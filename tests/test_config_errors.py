@@ -279,6 +279,7 @@ SCHEMA_ERRORS = [
     ({"generate": {"temperature": 0}}, r"^generate\.temperature is 0; it must be > 0"),
     ({"generate": {"top_p": 1.5}}, r"^generate\.top_p is 1\.5; it must be <= 1"),
     ({"generate": {"long_prompts": "cut"}}, r"^generate\.long_prompts is 'cut'; it must be one of truncate, fail"),
+    ({"eval": {"icl_batches": "fast"}}, r"^eval\.icl_batches is 'fast'; it must be one of trimmed, padded"),
     # prompts and templates (issue 32): an empty prompt gave the model nothing to continue and failed every prompt
     ({"generate": {"prompts": ["Once upon a time", ""]}},
      r"^generate\.prompts\[1\] is ''; it must be text with a character other than spaces.*Fix: write the prompt's "

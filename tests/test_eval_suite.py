@@ -72,8 +72,9 @@ def context_tasks(d):
 
 
 @pytest.mark.slow
-def test_standin_suite_is_scored_as_hand_computed(tmp_path, monkeypatch):
-    """Every task type scores its hand-computed accuracy over every item (7 multiple-choice items need 7 batches of
+@pytest.mark.parametrize("icl_batches", ["trimmed", "padded"])
+def test_standin_suite_is_scored_as_hand_computed(tmp_path, monkeypatch, icl_batches):
+    """With trimmed and with padded ICL batches, every task type scores its hand-computed accuracy over every item (7 multiple-choice items need 7 batches of
     one question: more than val_batches, which caps the held-out loader only), the subset is recorded, and the
     held-out loss is the model's exact -log p(w | w). A task whose answer is longer than the context is recorded
     as not scored while the others are scored, the gauntlet average says it is partial, and each task counts the
@@ -103,7 +104,7 @@ def test_standin_suite_is_scored_as_hand_computed(tmp_path, monkeypatch):
     tiny = run_settings(project_config(), "mpt-tiny")  # a run named repeat, of 64-token sequences
     repeat = dataclasses.replace(tiny, name="repeat", data=dataclasses.replace(tiny.data, concat_tokens=64))
     ev = evaluate(repeat, model, str(tmp_path / "mds"), {t["label"]: t["dataset_uri"] for t in tasks},
-                  eval_settings=EvalSettings(batch_size=2, val_batches=1),
+                  eval_settings=EvalSettings(batch_size=2, val_batches=1, icl_batches=icl_batches),
                   suite={"name": "stand-in", "icl_tasks": tasks, "eval_gauntlet": gauntlet})
     want = {("mc", "0-shot"): (5, 7), ("mc_first3", "0-shot"): (3, 3), ("lm", "0-shot"): (3, 5),
             ("lm", "2-shot"): (3, 5), ("schema", "0-shot"): (4, 6), ("gen", "0-shot"): (2, 4),
@@ -139,7 +140,7 @@ def test_standin_suite_is_scored_as_hand_computed(tmp_path, monkeypatch):
     assert ev["val"]["loss"] == pytest.approx(math.log(math.exp(SCALE * DIM) + vocab - 1) - SCALE * DIM, rel=0.05)
     assert ev["val"]["token_accuracy"] == 1.0
     assert ev["val"]["split"] == "val" and ev["val"]["token_scope"] == "all" and ev["kind"] == "pretrain"
-    assert ev["harness"].startswith("llm-foundry 0.22")
+    assert ev["harness"].startswith("llm-foundry 0.22") and ev["icl_batches"] == icl_batches
     json.dumps(ev, allow_nan=False)  # nothing NaN or infinite
 
 
@@ -549,7 +550,7 @@ def test_standard_files_are_counted_from_the_mirror_or_the_manifest(tmp_path):
     manifest.write_text(json.dumps({"files": {rel: {"items": 7}}}))
     assert eval_tasks.suite_items(cfg, "mpt-tiny") == [("copa", 7, 2)]
     from llmpipe.config.stage_settings import EvalSettings
-    tokens, unknown = eval_tokens(EvalSettings(batch_size=4, val_batches=2), 128, [("copa", 7, 2), ("x", None, 1)])
+    tokens, unknown = eval_tokens(EvalSettings(batch_size=4, val_batches=2, icl_batches="trimmed"), 128, [("copa", 7, 2), ("x", None, 1)])
     assert tokens == (2 * 4 + 7 * 2) * 128 and unknown == ["x"]
 
 

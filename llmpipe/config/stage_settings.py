@@ -112,8 +112,13 @@ class EvalSettings:
     val_batches: int
     #: Evaluation batch size per device (sequences).
     batch_size: int
+    #: ICL batching: ``trimmed`` (:mod:`llmpipe.evaluation.icl_batches`) or ``padded`` (llm-foundry's as they are).
+    icl_batches: str
 
     def __post_init__(self) -> None:
+        if self.icl_batches not in ("trimmed", "padded"):
+            raise ConfigError(f"eval.icl_batches must be trimmed or padded, got {self.icl_batches!r}. Fix: set "
+                              f"eval.icl_batches: trimmed (the default) or padded.")
         if self.batch_size < 1:
             raise ConfigError(f"eval.batch_size must be at least 1, got {self.batch_size}. Fix: set eval.batch_size "
                               f"to a positive number of sequences per device.")
@@ -126,7 +131,8 @@ class EvalSettings:
         """From the validated ``eval:`` section.
 
         Raises:
-            KeyError: the section lacks ``val_batches`` or ``batch_size`` (an unvalidated config).
+            KeyError: the section lacks ``val_batches``, ``batch_size`` or ``icl_batches`` (an unvalidated config).
             ConfigError: a value out of range.
         """
-        return cls(val_batches=int(section["val_batches"]), batch_size=int(section["batch_size"]))
+        return cls(val_batches=int(section["val_batches"]), batch_size=int(section["batch_size"]),
+                   icl_batches=str(section["icl_batches"]))

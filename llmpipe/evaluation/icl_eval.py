@@ -17,7 +17,7 @@ import time
 
 from llmpipe.config.settings import RunSettings
 from llmpipe.config.stage_settings import EvalSettings
-from llmpipe.evaluation import icl_tokens
+from llmpipe.evaluation import icl_batches, icl_tokens
 from llmpipe.evaluation import suites as eval_tasks
 
 
@@ -31,7 +31,8 @@ def evaluate(settings: RunSettings, model_dir: str, data_dir: str | None, icl_fi
         model_dir: the Hugging Face export.
         data_dir: the MDS dataset folder (its ``val`` split is used).
         icl_files: ICL task label -> the local jsonl file it is scored on (every task of ``suite``).
-        eval_settings: the ``eval:`` settings (``batch_size`` per device, ``val_batches`` over all processes).
+        eval_settings: the ``eval:`` settings (``batch_size`` per device, ``val_batches`` over all processes,
+            ``icl_batches``: :func:`llmpipe.evaluation.icl_batches.icl_task_configs`).
         suite: the run's ICL suite (:func:`llmpipe.evaluation.suites.run_suite`: ``name``, ``icl_tasks``,
             ``eval_gauntlet``, which may be None).
         eval_loader: an llm-foundry loader config for the held-out metrics instead of ``data_dir``'s val split
@@ -44,7 +45,7 @@ def evaluate(settings: RunSettings, model_dir: str, data_dir: str | None, icl_fi
         cut from the left to fit ``seq_len``, :func:`llmpipe.evaluation.icl_tokens.context_fit`), ...}}}, "not_scored": {label:
         {"reason", ...}} (tasks left out because an answer leaves no context token,
         :func:`llmpipe.evaluation.icl_tokens.task_fits`), "gauntlet": :func:`llmpipe.evaluation.suites.gauntlet_average` (``partial``
-        when a benchmark has no score), "metrics": every metric llm-foundry computed,
+        when a benchmark has no score), "icl_batches" (``trimmed`` or ``padded``), "metrics": every metric llm-foundry computed,
         "processes", "fsdp" (whether it ran under FSDP), "seconds", ...}``. Loss in nats per token. Every process
         of the job returns it, each with the metrics and counts summed over all of them (torchmetrics syncs when a
         metric is computed); the step writes rank 0's (:func:`llmpipe.dispatch.jobs.run_step`).
@@ -100,7 +101,7 @@ def evaluate(settings: RunSettings, model_dir: str, data_dir: str | None, icl_fi
                       "pretrained": True, "trust_remote_code": True, "use_auth_token": False},
             "tokenizer": {"name": os.path.abspath(model_dir), "kwargs": {"model_max_length": seq}},
         }],
-        "icl_tasks": tasks,
+        "icl_tasks": icl_batches.icl_task_configs(tasks, eval_settings.icl_batches),
         "icl_subset_num_batches": None,  # every item of every ICL task (subsets are files: subset_items)
         "eval_loader": eval_loader if eval_loader is not None else {
                         "name": "text",
@@ -168,6 +169,7 @@ def evaluate(settings: RunSettings, model_dir: str, data_dir: str | None, icl_fi
                 "batches": int(eval_settings.val_batches),
                 "batch_size": bs, "seq_len": seq, "split": "val", "token_scope": "all"},
         "harness": f"llm-foundry {llmfoundry.__version__}",
+        "icl_batches": eval_settings.icl_batches,
         "suite": suite.get("name"),
         "icl": icl,
         "tasks": scores,

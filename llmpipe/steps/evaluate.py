@@ -21,11 +21,12 @@ VERSIONS = {"eval": 3, "finetune_eval": 3, "eval_task_data": 1}
 
 
 def eval_identity(config: dict, run: str) -> dict:
-    """What determines eval.json besides its inputs: eval-only settings (val batches, batch size) and the run's
-    ICL suite (its tasks and gauntlet)."""
+    """What determines eval.json besides its inputs: eval-only settings (val batches, batch size, ICL batching) and
+    the run's ICL suite (its tasks and gauntlet)."""
     e = config["eval"]
     return {"step": "eval", "version": VERSIONS["eval"], "val_batches": e.get("val_batches"),
-            "batch_size": e.get("batch_size"), **eval_tasks.suite_identity(config, run)}
+            "batch_size": e.get("batch_size"), "icl_batches": e["icl_batches"],
+            **eval_tasks.suite_identity(config, run)}
 
 
 def eval_task_data_identity(config: dict, suite: str) -> dict:
