@@ -22,7 +22,8 @@ from llmpipe.evaluation import suites as eval_tasks
 
 
 def evaluate(settings: RunSettings, model_dir: str, data_dir: str | None, icl_files: dict[str, str], *,
-             eval_settings: EvalSettings, suite: dict, eval_loader: dict | None = None) -> dict:
+             eval_settings: EvalSettings, suite: dict, eval_loader: dict | None = None,
+             callbacks: dict[str, dict] | None = None) -> dict:
     """Evaluate the Hugging Face model in ``model_dir``; return the eval.json record.
 
     Args:
@@ -37,6 +38,8 @@ def evaluate(settings: RunSettings, model_dir: str, data_dir: str | None, icl_fi
             ``eval_gauntlet``, which may be None).
         eval_loader: an llm-foundry loader config for the held-out metrics instead of ``data_dir``'s val split
             (a finetune's held-out instructions, see :func:`llmpipe.train.finetune.evaluate_finetune`).
+        callbacks: more composer callbacks for llm-foundry's evaluation, registry name -> settings (e.g. a
+            benchmark's per-item record, ``tools/bench_icl_eval.py``).
 
     Returns:
         ``{"harness": "llm-foundry <version>", "val": {"loss", "perplexity", "token_accuracy", "tokens" (count),
@@ -46,7 +49,8 @@ def evaluate(settings: RunSettings, model_dir: str, data_dir: str | None, icl_fi
         {"reason", ...}} (tasks left out because an answer leaves no context token,
         :func:`llmpipe.evaluation.icl_tokens.task_fits`), "gauntlet": :func:`llmpipe.evaluation.suites.gauntlet_average` (``partial``
         when a benchmark has no score), "icl_batches" (``trimmed`` or ``padded``), "metrics": every metric llm-foundry computed,
-        "processes", "fsdp" (whether it ran under FSDP), "seconds", ...}``. Loss in nats per token. Every process
+        "processes", "fsdp" (whether it ran under FSDP), "seconds" (model load to the end), "timing" (rank 0's
+        ``to_first_batch_s``, ``batches_s``, ``evaluators_s``, ``tokens_run``: the callback's ``timing``), ...}``. Loss in nats per token. Every process
         of the job returns it, each with the metrics and counts summed over all of them (torchmetrics syncs when a
         metric is computed); the step writes rank 0's (:func:`llmpipe.dispatch.jobs.run_step`).
 
@@ -114,7 +118,8 @@ def evaluate(settings: RunSettings, model_dir: str, data_dir: str | None, icl_fi
         "callbacks": {eval_tasks.register_heldout_cap(): {"batches": int(eval_settings.val_batches)},
                       # after the cap: it reads the capped length; the held-out loader and each task's shot counts
                       register_eval_progress(): {"evaluators": 1 + sum(len(t.get("num_fewshot") or [0])
-                                                                       for t in tasks)}},
+                                                                       for t in tasks)},
+                      **(callbacks or {})},
     }
     # more than one process: FSDP across them (llmpipe.plan.inference_placement); metrics are summed over the ranks
     parallel = foundry_parallel_settings(world, on_gpu, cfg["eval_subset_num_batches"], cfg["icl_subset_num_batches"])
@@ -139,6 +144,7 @@ def evaluate(settings: RunSettings, model_dir: str, data_dir: str | None, icl_fi
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     state_metrics = trainers[0].state.eval_metrics
+    timing = next((cb.timing(t0) for cb in trainers[0].state.callbacks if hasattr(cb, "timing")), None)
     metrics: dict[str, dict[str, float]] = {}
     for label, mets in state_metrics.items():
         metrics[label] = {}
@@ -180,6 +186,7 @@ def evaluate(settings: RunSettings, model_dir: str, data_dir: str | None, icl_fi
         "processes": world,
         "fsdp": bool(trainers[0].state.fsdp_enabled),
         "seconds": round(time.time() - t0, 2),
+        "timing": timing,
     }
 
 
@@ -200,13 +207,18 @@ def register_eval_progress() -> str:
     from llmpipe.dispatch import progress
 
     class EvalProgress(Callback):
-        """The progress record of an evaluation: items (or batches) of the current evaluator, and which one."""
+        """The progress record of an evaluation: items (or batches) of the current evaluator, and which one; and
+        where the time goes (:meth:`timing`)."""
 
         def __init__(self, evaluators: int | None = None) -> None:
             self.index, self.items, self.evaluators = 0, None, evaluators
+            self.first_batch_at = self.last_batch_at = self._started = None
+            self.seconds: dict[str, float] = {}
+            self.tokens: dict[str, int] = {}
 
         def eval_start(self, state, logger) -> None:  # noqa: ARG002 - composer's callback signature
             self.index += 1
+            self._started = time.time()
             sampler = getattr(state.dataloader, "sampler", None)
             try:
                 self.items = len(sampler) if sampler is not None else None
@@ -214,11 +226,30 @@ def register_eval_progress() -> str:
                 self.items = None
             self._write(state, force=True)
 
+        def eval_batch_start(self, state, logger) -> None:  # noqa: ARG002
+            if self.first_batch_at is None:
+                self.first_batch_at = time.time()
+            ids = state.batch.get("input_ids") if isinstance(state.batch, dict) else None
+            if ids is not None:
+                self.tokens[state.dataloader_label] = self.tokens.get(state.dataloader_label, 0) + int(ids.numel())
+
         def eval_batch_end(self, state, logger) -> None:  # noqa: ARG002
+            self.last_batch_at = time.time()
             self._write(state, force=False)
 
         def eval_end(self, state, logger) -> None:  # noqa: ARG002
+            self.seconds[state.dataloader_label] = round(time.time() - self._started, 3)
             self._write(state, force=True)
+
+        def timing(self, started_at: float) -> dict:
+            """This rank's ``{"to_first_batch_s": seconds from ``started_at`` (before the model load and the
+            datasets' build) to the first eval batch, "batches_s": first eval batch start to last eval batch end,
+            "evaluators_s": {label: seconds}, "tokens_run": {label: input tokens of its batches, padding
+            included}}``."""
+            first, last = self.first_batch_at, self.last_batch_at
+            return {"to_first_batch_s": None if first is None else round(first - started_at, 3),
+                    "batches_s": None if first is None or last is None else round(last - first, 3),
+                    "evaluators_s": dict(self.seconds), "tokens_run": dict(self.tokens)}
 
         def _write(self, state, force: bool) -> None:
             if dist.get_global_rank() != 0:

@@ -1,0 +1,51 @@
+"""tools/bench_icl_eval.py on the CPU with the repeat model and stand-in tasks of every type: the two paths
+alternate, each run twice in one process; the record holds each run's timing and tokens, the speed-up, equal
+accuracies and item-by-item agreement."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+
+import pytest
+import yaml
+
+from tests.conftest import REPO
+from tests.helpers.repeat_model import write_repeat_model
+from tests.test_eval_suite import context_tasks, standin_tasks
+
+pytestmark = pytest.mark.slow
+
+
+def test_bench_alternates_paths_and_records_agreement(tmp_path, monkeypatch):
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "NODE_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(key, raising=False)
+    spec = importlib.util.spec_from_file_location("bench_icl_eval", REPO / "tools" / "bench_icl_eval.py")
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    data = tmp_path / "foundry"
+    data.mkdir()
+    tasks = [t for t in standin_tasks(data) + context_tasks(data) if t["label"] != "long"]
+    for t in tasks:
+        t["dataset_uri"] = os.path.relpath(t["dataset_uri"], data)
+    suite = tmp_path / "suite.yaml"
+    suite.write_text(yaml.safe_dump({"eval": {"suites": {"standin": {"icl_tasks": tasks, "eval_gauntlet": None}}}}))
+    out = tmp_path / "record.json"
+    model = write_repeat_model(str(tmp_path / "model"))
+    assert tool.main(["--model", model, "--run", "mpt-tiny", "--seq", "64", "--task-data", str(data), "--suite",
+                      str(suite), "--batch-size", "2", "--out", str(out)]) == 0
+    rec = json.loads(out.read_text())
+    assert [(r["path"], r["repeat"]) for r in rec["runs"]] == [("padded", 1), ("trimmed", 1), ("padded", 2),
+                                                               ("trimmed", 2)]
+    padded, trimmed = rec["runs"][0], rec["runs"][1]
+    assert padded["accuracy"] == trimmed["accuracy"] and padded["accuracy"]["mc/0-shot"] == pytest.approx(5 / 7)
+    assert set(rec["accuracy_delta_points"].values()) == {0}
+    assert trimmed["tokens_run_total"] < 0.5 * padded["tokens_run_total"]
+    assert all(r["batches_s"] > 0 and r["to_first_batch_s"] > 0 for r in rec["runs"]) and rec["speedup"] > 0
+    labels = {f"{t['label']}/{s}-shot" for t in tasks for s in t["num_fewshot"]}
+    assert set(rec["agreement"]) == labels
+    for label, a in rec["agreement"].items():
+        # items scored = keys recorded (the 'cut' items differ in context, so none collapse)
+        assert a["items_compared"] == a["items_padded"] == padded["items"][label.replace("/", "/", 1)], label
+        assert a["fraction"] == 1.0, label

@@ -1,0 +1,193 @@
+"""ICL evaluation speed and agreement: padded against trimmed batches (``eval.icl_batches``), one process, one record.
+
+Usage (from the repository root; on the GPU machine with the environment of ../shared/tools/gpu-setup.sh sourced):
+
+    python3 tools/bench_icl_eval.py --model results/mpt-1b/hf --run mpt-1b --task-data DIR \\
+        --out benchmarks/icl-eval-h200-mpt-1b.json
+
+``DIR`` holds llm-foundry's ``scripts/`` layout at the pinned commit (as for ``tools/gpu_acceptance.py``); the suite
+is ``tools/icl-bench-suite.yaml`` (nine tasks: 0-, 3-, 10- and 25-shot multiple choice, schema, language modelling,
+generation; the first 300 items of each file). The evaluation is the project's own
+(:func:`llmpipe.evaluation.icl_eval.evaluate` with the run's sequence length and ``--batch-size``), run
+``--repeats`` times per path, the paths alternating (padded first), in this one process. Each run's record holds
+eval.json's ``timing`` (``to_first_batch_s``: model load and dataset build; ``batches_s``: first to last eval batch;
+per evaluator seconds and tokens run) and accuracies. The per-item record (a composer callback at every forward)
+compares the first padded run with the first trimmed run item by item: multiple choice and schema by the choice
+with the best mean answer log-likelihood (llm-foundry's rule), language modelling by every answer token being the
+top-1, generation by the generated text. ``speedup``: mean padded ``batches_s`` / mean trimmed ``batches_s``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+
+import yaml
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if REPO not in sys.path:
+    sys.path.insert(0, REPO)
+
+from llmpipe.atomic import atomic_write_json  # noqa: E402
+
+SUITE = os.path.join(REPO, "tools", "icl-bench-suite.yaml")
+PER_ITEM = "llmpipe_bench_per_item"
+#: per-item decisions of the current run: evaluator label -> item key -> decision
+ITEMS: dict[str, dict] = {}
+
+
+def register_per_item() -> str:
+    """Register (once) the composer callback that records each item's decision into :data:`ITEMS`; return its
+    registry name."""
+    from composer.core import Callback
+    from llmfoundry.registry import callbacks
+
+    class PerItem(Callback):
+        def eval_after_forward(self, state, logger) -> None:  # noqa: ARG002 - composer's callback signature
+            if state.dataloader_label != "eval":   # llm-foundry's label of the held-out loader
+                ITEMS.setdefault(state.dataloader_label, {}).update(item_decisions(state.batch, state.outputs))
+
+    if PER_ITEM not in callbacks.get_all():
+        callbacks.register(PER_ITEM, func=PerItem)
+    return PER_ITEM
+
+
+def item_decisions(batch: dict, outputs) -> dict:
+    """Item key (its token ids without padding) -> decision, for one (micro)batch of an ICL evaluator.
+
+    ``outputs``: logits [rows, length, vocabulary] (right-padded task types) or the generated strings (generation).
+    Decisions: the chosen choice (multiple choice, schema), whether every answer token is the top-1 (language
+    modelling), the generated text (generation)."""
+    import torch
+
+    ids, mask = batch["input_ids"], batch["attention_mask"].bool()
+    if batch.get("mode") == "generate":
+        return {tuple(ids[r][mask[r]].tolist()): outputs[r] for r in range(ids.shape[0])}
+    rows = []
+    for r, idx in enumerate(batch["continuation_indices"]):
+        idx = torch.as_tensor(idx, device=outputs.device)
+        lp = torch.log_softmax(outputs[r, idx - 1].float(), dim=-1)
+        target = ids[r, idx].to(outputs.device)
+        key = tuple(ids[r, : int(idx.max()) + 1].tolist())
+        rows.append((key, float(lp.gather(1, target.unsqueeze(1)).mean()), bool((lp.argmax(-1) == target).all())))
+    if "choice_groupings" in batch:
+        out = {}
+        for a, b in batch["choice_groupings"]:
+            means = [row[1] for row in rows[a:b]]
+            out[tuple(row[0] for row in rows[a:b])] = means.index(max(means))
+        return out
+    return {key: top1 for key, _, top1 in rows}
+
+
+def heldout_split(folder: str, files: list[str]) -> str:
+    """An MDS ``val`` split of 16 text samples from the task files' first items (the held-out metrics need one;
+    ``val_batches`` is 1 here); return ``folder``."""
+    from streaming import MDSWriter
+
+    texts = []
+    for path in files:
+        with open(path) as fh:
+            for line in fh:
+                texts.append(json.dumps(json.loads(line)))
+                if len(texts) % 4 == 0:
+                    break
+    with MDSWriter(out=os.path.join(folder, "val"), columns={"text": "str"}) as w:
+        for i in range(16):
+            w.write({"text": " ".join(texts[i % len(texts):] + texts[: i % len(texts)])})
+    return folder
+
+
+def agreement(padded: dict, trimmed: dict) -> dict:
+    """Per evaluator: items in both runs, items decided alike, and their fraction."""
+    out = {}
+    for label in sorted(padded):
+        p, t = padded[label], trimmed.get(label, {})
+        common = set(p) & set(t)
+        same = sum(p[k] == t[k] for k in common)
+        out[label] = {"items_padded": len(p), "items_trimmed": len(t), "items_compared": len(common),
+                      "same_decision": same, "fraction": round(same / len(common), 4) if common else None}
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the benchmark and write the record (module docstring); return 0."""
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", required=True, help="a Hugging Face export (its tokenizer beside it)")
+    ap.add_argument("--run", default="mpt-1b", help="the run whose sequence length the evaluation uses")
+    ap.add_argument("--seq", type=int, default=None, help="the sequence length instead of the run's")
+    ap.add_argument("--task-data", required=True, help="llm-foundry's scripts/ layout at the pinned commit")
+    ap.add_argument("--suite", default=SUITE)
+    ap.add_argument("--batch-size", type=int, default=32, help="eval.batch_size (sequences per device)")
+    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args(argv)
+
+    import torch
+
+    from llmpipe.config.runs import run_settings
+    from llmpipe.config.schema import load_config
+    from llmpipe.config.stage_settings import EvalSettings
+    from llmpipe.evaluation.icl_eval import evaluate
+    from tools.gpu_acceptance import stack
+
+    with open(args.suite) as fh:
+        suite_cfg = yaml.safe_load(fh)
+    name, suite = next(iter(suite_cfg["eval"]["suites"].items()))
+    tasks = [dict(t, dataset_uri=os.path.join(os.path.abspath(args.task_data), t["dataset_uri"]))
+             for t in suite["icl_tasks"]]
+    settings = run_settings(load_config(os.path.join(REPO, "config", "config.yaml")), args.run)
+    if args.seq:
+        settings = dataclasses.replace(settings, data=dataclasses.replace(settings.data, concat_tokens=args.seq))
+    callback = register_per_item()
+    runs, items = [], {}
+    with tempfile.TemporaryDirectory(prefix="bench-icl-") as scratch:
+        data = heldout_split(os.path.join(scratch, "mds"), sorted({t["dataset_uri"] for t in tasks}))
+        for repeat in range(args.repeats):
+            for path in ("padded", "trimmed"):
+                ITEMS.clear()
+                ev = evaluate(settings, os.path.abspath(args.model), data, {t["label"]: t["dataset_uri"] for t in tasks},
+                              eval_settings=EvalSettings(batch_size=args.batch_size, val_batches=1, icl_batches=path),
+                              suite={"name": name, "icl_tasks": tasks, "eval_gauntlet": None},
+                              callbacks={callback: {}})
+                items.setdefault(path, {k: dict(v) for k, v in ITEMS.items()})
+                timing = ev["timing"]
+                runs.append({"path": path, "repeat": repeat + 1, "seconds": ev["seconds"], **timing,
+                             "tokens_run_total": sum(timing["tokens_run"].values()),
+                             "accuracy": {f"{t}/{s}": r["accuracy"] for t, by in ev["tasks"].items()
+                                          for s, r in by.items()},
+                             "items": {f"{t}/{s}": r["items"] for t, by in ev["tasks"].items() for s, r in by.items()},
+                             "items_cut": {f"{t}/{s}": r["items_cut"] for t, by in ev["tasks"].items()
+                                           for s, r in by.items()}})
+                print(f"bench_icl_eval: {path} #{repeat + 1}: first to last batch {timing['batches_s']} s, "
+                      f"to first batch {timing['to_first_batch_s']} s, {runs[-1]['tokens_run_total']} tokens",
+                      flush=True)
+    mean = {p: statistics.mean(r["batches_s"] for r in runs if r["path"] == p) for p in ("padded", "trimmed")}
+    acc = {p: next(r["accuracy"] for r in runs if r["path"] == p) for p in ("padded", "trimmed")}
+    record = {
+        "command": " ".join(["python3", "tools/bench_icl_eval.py", *(argv if argv is not None else sys.argv[1:])]),
+        "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "host": platform.node(),
+        "commit": os.environ.get("LLMPIPE_COMMIT"),
+        "stack": stack(),
+        "model": os.path.abspath(args.model), "run": args.run, "seq": int(settings.data.concat_tokens),
+        "batch_size": args.batch_size, "precision": "amp_bf16" if torch.cuda.is_available() else "fp32",
+        "suite": suite_cfg,
+        "runs": runs,
+        "speedup": round(mean["padded"] / mean["trimmed"], 3),
+        "accuracy_delta_points": {k: round(100 * (acc["trimmed"][k] - acc["padded"][k]), 3) for k in acc["padded"]},
+        "agreement": agreement(items["padded"], items["trimmed"]),
+    }
+    atomic_write_json(args.out, record)
+    print(f"bench_icl_eval: speedup {record['speedup']}x (first to last eval batch); record {args.out}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
