@@ -141,6 +141,12 @@ def test_standin_suite_is_scored_as_hand_computed(tmp_path, monkeypatch, icl_bat
     assert ev["val"]["token_accuracy"] == 1.0
     assert ev["val"]["split"] == "val" and ev["val"]["token_scope"] == "all" and ev["kind"] == "pretrain"
     assert ev["harness"].startswith("llm-foundry 0.22") and ev["icl_batches"] == icl_batches
+    # the tokens each evaluator ran are the ones counted from the items before the model loaded, on both paths
+    run = ev["timing"]["tokens_run"]
+    assert {label: run[label] for label in run if label != "eval"} == {
+        f"{t}/{s}": r["tokens_planned"] for t, by in ev["tasks"].items() for s, r in by.items()}
+    padded_mc = 7 * 2 * 64  # 7 items of 2 choices, each row the full 64-token context
+    assert (run["mc/0-shot"] == padded_mc) is (icl_batches == "padded")
     json.dumps(ev, allow_nan=False)  # nothing NaN or infinite
 
 

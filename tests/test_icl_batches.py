@@ -231,3 +231,23 @@ def test_every_rank_runs_the_same_number_of_batches(tmp_path):
     got = [json.loads((tmp_path / f"rank-{r}.json").read_text()) for r in range(2)]
     assert got[0]["batches"] == got[1]["batches"] == 3
     assert set(got[0]["items"]) | set(got[1]["items"]) == set(range(11))
+
+
+def test_batch_tokens_as_hand_counted():
+    """llmpipe.evaluation.icl_tokens.batch_tokens on hand-made counts: padded rows are the context wide, trimmed
+    batches their longest row; multiple choice batches max(batch, C) // C items; two ranks deal the sorted items in
+    turn (the list padded with its first item); generation keeps room for its longest answer; each category is
+    batched on its own."""
+    from llmpipe.evaluation.icl_tokens import ItemTokens, batch_tokens
+
+    mc = [ItemTokens((3, 3), (1, 2)), ItemTokens((10, 10), (1, 1)), ItemTokens((2, 2), (1, 1))]  # rows 4,5 | 8,8 | 3,3
+    assert batch_tokens("multiple_choice", mc, 8, 4, "padded") == 8 * 4 + 8 * 2
+    assert batch_tokens("multiple_choice", mc, 8, 4, "trimmed") == 8 * 4 + 3 * 2  # items 1,0 then 2
+    assert batch_tokens("multiple_choice", mc, 8, 4, "trimmed", world_size=2) == 8 * 4 + 8 * 4  # [1,2] and [0,1]
+    gen = [ItemTokens((5,), (3,)), ItemTokens((2,), (1,))]  # contexts cut to 8 - 3 = 5
+    assert (batch_tokens("generation_task_with_answers", gen, 8, 1, "padded"),
+            batch_tokens("generation_task_with_answers", gen, 8, 1, "trimmed")) == (10, 7)
+    lm = [ItemTokens((3,), (1,), "a"), ItemTokens((5,), (1,), "b")]
+    assert batch_tokens("language_modeling", lm, 8, 2, "trimmed") == 4 + 6
+    with pytest.raises(ValueError, match="contexts counted"):
+        batch_tokens("language_modeling", [ItemTokens(None, (1,))], 8, 2, "trimmed")

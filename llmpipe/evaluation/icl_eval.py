@@ -45,7 +45,8 @@ def evaluate(settings: RunSettings, model_dir: str, data_dir: str | None, icl_fi
         ``{"harness": "llm-foundry <version>", "val": {"loss", "perplexity", "token_accuracy", "tokens" (count),
         "split" ("val"), "token_scope" ("all": every token of the held-out text)}, "icl": {label: {"<k>-shot":
         accuracy}}, "tasks": {label: {"<k>-shot": {"accuracy", "items", "items_cut" (items whose context llm-foundry
-        cut from the left to fit ``seq_len``, :func:`llmpipe.evaluation.icl_tokens.context_fit`), ...}}}, "not_scored": {label:
+        cut from the left to fit ``seq_len``, :func:`llmpipe.evaluation.icl_tokens.context_fit`), "tokens_planned"
+        (input tokens of its batches over all processes, :func:`llmpipe.evaluation.icl_tokens.batch_tokens`), ...}}}, "not_scored": {label:
         {"reason", ...}} (tasks left out because an answer leaves no context token,
         :func:`llmpipe.evaluation.icl_tokens.task_fits`), "gauntlet": :func:`llmpipe.evaluation.suites.gauntlet_average` (``partial``
         when a benchmark has no score), "icl_batches" (``trimmed`` or ``padded``), "metrics": every metric llm-foundry computed,
@@ -80,7 +81,8 @@ def evaluate(settings: RunSettings, model_dir: str, data_dir: str | None, icl_fi
 
     tokenizer = AutoTokenizer.from_pretrained(os.path.abspath(model_dir), model_max_length=int(1e30))
     encoder = icl_tokens.Encoder.from_transformers(tokenizer)
-    fits, not_scored = icl_tokens.task_fits(tasks, encoder, seq, f"data.concat_tokens of {run}")
+    fits, not_scored = icl_tokens.task_fits(tasks, encoder, seq, f"data.concat_tokens of {run}",
+                                            batching=(bs, eval_settings.icl_batches, world))
     tasks = [t for t in tasks if t["label"] not in not_scored]
     for label, rec in not_scored.items():
         rec["items_in_file"] = task_info.pop(label)["items_in_file"]
@@ -165,6 +167,7 @@ def evaluate(settings: RunSettings, model_dir: str, data_dir: str | None, icl_fi
         for shots, rec in by_shot.items():
             rec.update({k: task_info[task][k] for k in ("items_in_file", "subset", "icl_task_type")})
             rec["items_cut"] = fits[task][shots]["items_cut"]
+            rec["tokens_planned"] = fits[task][shots]["tokens_planned"]
     loss = heldout.get("LanguageCrossEntropy")
     return {
         "run": run,

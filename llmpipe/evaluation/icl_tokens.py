@@ -315,6 +315,60 @@ def context_fit(task_type: str, tokens: Sequence[ItemTokens], max_seq_len: int) 
             "longest_answer_tokens": max((max(t.answer, default=0) for t in tokens), default=0), "max_seq_len": seq}
 
 
+def batch_tokens(task_type: str, tokens: Sequence[ItemTokens], max_seq_len: int, batch_size: int, icl_batches: str,
+                 world_size: int = 1) -> int:
+    """Input tokens (padding included) of the batches an evaluation of one task at one shot count runs, summed over
+    its ``world_size`` processes: what ``eval.json``'s ``timing.tokens_run`` counts for that evaluator.
+
+    Each dataset (the file, or one category) is batched on its own. Sequence lengths: context + answer, at most
+    ``max_seq_len`` (right-padded types; :func:`context_fit`'s cut), or the context cut to ``max_seq_len - A``
+    (generation, ``A`` its longest answer). ``padded``: every row is ``max_seq_len`` (generation: ``max_seq_len -
+    A``) wide. ``trimmed`` (:mod:`llmpipe.evaluation.icl_batches`): items sorted by their longest sequence, longest
+    first, and each batch as wide as its longest sequence. Items go to the processes as llm-foundry's
+    ``DistributedSampler`` (no shuffle) deals them: item ``i`` to rank ``i mod world_size``, the list padded with its
+    first items to a multiple of ``world_size``. A batch holds ``batch_size`` items (multiple choice and schema:
+    ``max(batch_size, C) // C`` items of ``C`` rows, ``C`` the first item's choice count, llm-foundry's
+    ``get_effective_batch_size``).
+
+    Args:
+        tokens: :func:`item_tokens` of the task's items with contexts counted, at that shot count.
+
+    Raises:
+        ValueError: contexts were not counted, or ``icl_batches`` is neither ``trimmed`` nor ``padded``.
+    """
+    if icl_batches not in ("trimmed", "padded"):
+        raise ValueError(f"icl_batches must be trimmed or padded, got {icl_batches!r}")
+    if any(t.context is None for t in tokens):
+        raise ValueError("batch_tokens needs the items' contexts counted (item_tokens(..., context=True))")
+    seq, world = int(max_seq_len), max(1, int(world_size))
+    total = 0
+    for category in sorted({t.category for t in tokens}, key=lambda c: (c is not None, c or "")):
+        part = [t for t in tokens if t.category == category]
+        if not part:
+            continue
+        if task_type == "generation_task_with_answers":
+            width = seq - max(t.answer[0] for t in part)
+            rows = [[min(t.context[0], width)] for t in part]  # type: ignore[index]
+        else:
+            width = seq
+            rows = [[min(c + a, seq) for c, a in zip(t.context, t.answer)] for t in part]  # type: ignore[arg-type]
+        per_batch = batch_size
+        if task_type in ("multiple_choice", "schema"):
+            choices = len(part[0].answer)
+            per_batch = max(batch_size, choices) // choices
+        order = list(range(len(rows)))
+        if icl_batches == "trimmed":
+            order.sort(key=lambda i: (-max(rows[i]), i))
+        dealt = order + order[: (-len(order)) % world]
+        for rank in range(world):
+            mine = dealt[rank::world]
+            for b in range(0, len(mine), per_batch):
+                batch = [rows[i] for i in mine[b:b + per_batch]]
+                wide = width if icl_batches == "padded" else max(max(r) for r in batch)
+                total += wide * sum(len(r) for r in batch)
+    return total
+
+
 def too_long_reason(label: str, fit: Mapping, setting: str) -> str:
     """The message for a task that cannot be scored (:func:`context_fit` with ``items_too_long`` > 0):
     the task, the counts, the context's setting (``setting``) and the fix."""
@@ -326,7 +380,8 @@ def too_long_reason(label: str, fit: Mapping, setting: str) -> str:
             f"with a model whose context is longer than {fit['longest_answer_tokens']} tokens.")
 
 
-def task_fits(tasks: Sequence[Mapping], encoder: Encoder, max_seq_len: int, setting: str) -> tuple[dict, dict]:
+def task_fits(tasks: Sequence[Mapping], encoder: Encoder, max_seq_len: int, setting: str, *,
+              batching: tuple[int, str, int] | None = None) -> tuple[dict, dict]:
     """How each task of an llm-foundry task list fits the evaluation's context, before any model is loaded.
 
     Args:
@@ -335,6 +390,8 @@ def task_fits(tasks: Sequence[Mapping], encoder: Encoder, max_seq_len: int, sett
         encoder: the evaluation's tokenizer.
         max_seq_len: the evaluation's context in tokens (a task's own ``max_seq_len`` wins).
         setting: the setting that gives ``max_seq_len``, for messages (e.g. ``data.concat_tokens of mpt-tiny``).
+        batching: ``(batch_size, icl_batches, world_size)``: each fit also holds ``tokens_planned``, the
+            :func:`batch_tokens` of its batches.
 
     Returns:
         (``{label: {"<k>-shot": context_fit}}`` of the tasks that can be scored, ``{label: {"reason", "items",
@@ -353,7 +410,10 @@ def task_fits(tasks: Sequence[Mapping], encoder: Encoder, max_seq_len: int, sett
                               **{k: answers[k] for k in ("items", "items_too_long", "longest_answer_tokens",
                                                          "max_seq_len")}}
             continue
-        fits[label] = {f"{int(k)}-shot": context_fit(ttype, item_tokens(task, items, encoder, num_fewshot=int(k)),
-                                                     seq)
-                       for k in task.get("num_fewshot", [0])}
+        fits[label] = {}
+        for k in task.get("num_fewshot", [0]):
+            counted = item_tokens(task, items, encoder, num_fewshot=int(k))
+            fit = fits[label][f"{int(k)}-shot"] = context_fit(ttype, counted, seq)
+            if batching is not None:
+                fit["tokens_planned"] = batch_tokens(ttype, counted, seq, *batching)
     return fits, refused
