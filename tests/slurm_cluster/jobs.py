@@ -76,18 +76,23 @@ class Counter(submitit.helpers.Checkpointable):
         return submitit.helpers.DelayedSubmission(Counter(), n_steps, start=self.pos + 1)
 
 
-def deaf_counter(folder: str, n_steps: int) -> dict:
+def deaf_counter(folder: str, n_steps: int, per_allocation: int | None = None) -> dict:
     """Counts to ``n_steps`` one step a second from the newest ``step-N`` file in ``folder`` (a stand-in for a
     checkpoint, one written per step), deaf to Slurm's USR2: the time-limit signal never reaches it, as when it
-    comes while the batch script still runs its set-up, so the job ends TIMEOUT."""
+    comes while the batch script still runs its set-up, so the job ends TIMEOUT. With ``per_allocation``, one job
+    counts at most that many steps and then waits to be killed: how far a job gets no longer depends on when Slurm's
+    time-limit check (up to a minute late) and its KillWait end it."""
     import signal
 
     signal.signal(signal.SIGUSR2, signal.SIG_IGN)
     os.makedirs(folder, exist_ok=True)
     start = max((int(n.split("-")[1]) for n in os.listdir(folder) if n.startswith("step-")), default=0)
-    for i in range(start + 1, n_steps + 1):
+    stop = n_steps if per_allocation is None else min(n_steps, start + per_allocation)
+    for i in range(start + 1, stop + 1):
         time.sleep(1)
         open(os.path.join(folder, f"step-{i}"), "w").close()
+    while stop < n_steps:   # this allocation's share is done: wait for the time limit
+        time.sleep(1)
     return {"steps": n_steps, "started_at": start, "job_id": os.environ.get("SLURM_JOB_ID")}
 
 
