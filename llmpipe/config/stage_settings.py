@@ -116,7 +116,9 @@ class EvalSettings:
     icl_batches: str
 
     def __post_init__(self) -> None:
-        if self.icl_batches not in ("trimmed", "padded"):
+        from llmpipe.evaluation.icl_batches import ICL_BATCHES
+
+        if self.icl_batches not in ICL_BATCHES:
             raise ConfigError(f"eval.icl_batches must be trimmed or padded, got {self.icl_batches!r}. Fix: set "
                               f"eval.icl_batches: trimmed (the default) or padded.")
         if self.batch_size < 1:

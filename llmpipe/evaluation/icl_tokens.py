@@ -336,7 +336,9 @@ def batch_tokens(task_type: str, tokens: Sequence[ItemTokens], max_seq_len: int,
     Raises:
         ValueError: contexts were not counted, or ``icl_batches`` is neither ``trimmed`` nor ``padded``.
     """
-    if icl_batches not in ("trimmed", "padded"):
+    from llmpipe.evaluation.icl_batches import ICL_BATCHES
+
+    if icl_batches not in ICL_BATCHES:
         raise ValueError(f"icl_batches must be trimmed or padded, got {icl_batches!r}")
     if any(t.context is None for t in tokens):
         raise ValueError("batch_tokens needs the items' contexts counted (item_tokens(..., context=True))")
