@@ -147,6 +147,11 @@ def test_standin_suite_is_scored_as_hand_computed(tmp_path, monkeypatch, icl_bat
         f"{t}/{s}": r["tokens_planned"] for t, by in ev["tasks"].items() for s, r in by.items()}
     padded_mc = 7 * 2 * 64  # 7 items of 2 choices, each row the full 64-token context
     assert (run["mc/0-shot"] == padded_mc) is (icl_batches == "padded")
+    # the time plan of these very batches (the committed CPU constants) sits beside the measured time
+    planned = ev["timing"]["planned"]
+    assert set(planned["evaluators_s"]) == set(run) | {"eval"} and all(v > 0 for v in planned["evaluators_s"].values())
+    assert planned["batches_s"] == pytest.approx(sum(planned["evaluators_s"].values()), abs=0.01)
+    assert "eval-plan-basis.json" in planned["basis"] and "GFLOP/s (CPU)" in planned["basis"]
     json.dumps(ev, allow_nan=False)  # nothing NaN or infinite
 
 
@@ -528,36 +533,44 @@ def test_local_task_data_folder_is_checked(tmp_path):
         eval_tasks.check_task_data(cfg, files)
 
 
-def test_standard_files_are_counted_from_the_mirror_or_the_manifest(tmp_path):
-    """A standard file's items are known in the dry run when it is in the local mirror or an earlier fetch's
-    manifest: subsets and shot counts are checked against them, and the evaluation's time plan counts them."""
-    from llmpipe.plan.inference_placement import eval_tokens
+def test_standard_files_are_counted_from_the_mirror_and_planned_as_the_job_batches_them(tmp_path):
+    """A standard file's items are known in the dry run when it is in the local mirror: subsets and shot counts are
+    checked against them, and the time plan counts its batches (with the run's prepared tokenizer) exactly as the
+    job will batch them; a task whose file or tokenizer is not on disk yet is named as not counted."""
+    from llmpipe.evaluation import icl_tokens
 
     rel = "eval/local_data/commonsense_reasoning/copa.jsonl"
     (tmp_path / "mirror" / rel).parent.mkdir(parents=True)
-    write_jsonl(tmp_path / "mirror" / rel, [{"query": "q", "choices": ["a", "b"], "gold": 0}] * 3)
+    rows = [{"query": words(2 + i), "choices": [words(1, i), words(3, i)], "gold": i % 2} for i in range(3)]
+    write_jsonl(tmp_path / "mirror" / rel, rows)
     task = {"label": "copa", "dataset_uri": rel, "icl_task_type": "multiple_choice", "num_fewshot": [0, 1]}
     cfg = config_with()
     cfg["results_dir"] = str(tmp_path / "results")
+    cfg["eval"].update(batch_size=4, val_batches=2)
     cfg["eval"]["suites"] = {"mine": {"icl_tasks": [dict(task, subset_items=5)]}}
     cfg["models"]["mpt-tiny"]["eval_suite"] = "mine"
-    assert eval_tasks.suite_items(cfg, "mpt-tiny") == [("copa", 5, 2)]  # not fetched: the subset is all we know
+    works, missing = eval_tasks.planned_works(cfg, "mpt-tiny")   # not fetched: the held-out batches only
+    assert [w.label for w in works] == ["eval"] and missing == ["copa"]
+    assert works[0].batches == ((4, 128),) * 2
     cfg["eval"]["task_data"] = {"source": "local", "local_dir": str(tmp_path / "mirror")}
     with pytest.raises(ConfigError, match=r"eval\.suites\.mine\.icl_tasks\[0\]\.subset_items is 5 but the task has 3"):
         eval_tasks.check_suite(cfg, "mpt-tiny")
     cfg["eval"]["suites"]["mine"]["icl_tasks"] = [dict(task, num_fewshot=[3])]
     with pytest.raises(ConfigError, match=r"num_fewshot has 3 shots but the task has 3 items"):
         eval_tasks.check_suite(cfg, "mpt-tiny")
-    # from the manifest of an earlier fetch (no mirror)
-    cfg["eval"]["task_data"] = {"source": "github"}
     cfg["eval"]["suites"]["mine"]["icl_tasks"] = [task]
-    manifest = tmp_path / "results/data/eval-tasks/mine/manifest.json"
-    manifest.parent.mkdir(parents=True)
-    manifest.write_text(json.dumps({"files": {rel: {"items": 7}}}))
-    assert eval_tasks.suite_items(cfg, "mpt-tiny") == [("copa", 7, 2)]
-    from llmpipe.config.stage_settings import EvalSettings
-    tokens, unknown = eval_tokens(EvalSettings(batch_size=4, val_batches=2, icl_batches="trimmed"), 128, [("copa", 7, 2), ("x", None, 1)])
-    assert tokens == (2 * 4 + 7 * 2) * 128 and unknown == ["x"]
+    assert eval_tasks.planned_works(cfg, "mpt-tiny")[1] == ["copa"]   # the tokenizer is not prepared yet
+    tok = write_tokenizer_folder(tmp_path / "results/tokenizers/bpe-builtin-docs")
+    works, missing = eval_tasks.planned_works(cfg, "mpt-tiny", world_size=2)
+    assert missing == [] and [w.label for w in works] == ["eval", "copa/0-shot", "copa/1-shot"]
+    enc = icl_tokens.Encoder.from_folder(str(tok))
+    exact = icl_tokens.item_tokens(eval_tasks.foundry_task(task), rows, enc, num_fewshot=0)
+    assert works[1].batches == tuple(icl_tokens.batch_shapes("multiple_choice", exact, 128, 4, "trimmed", 2))
+    assert works[1].world_size == 2 and works[1].tokens == icl_tokens.batch_tokens(
+        "multiple_choice", exact, 128, 4, "trimmed", 2)
+    one_shot = icl_tokens.item_tokens(eval_tasks.foundry_task(task), rows, enc, num_fewshot=1)
+    assert abs(works[2].tokens - icl_tokens.batch_tokens("multiple_choice", one_shot, 128, 4, "trimmed", 2)) <= \
+        0.15 * works[2].tokens   # the few-shot preambles estimated by the mean example
 
 
 def write_tokenizer_folder(folder):

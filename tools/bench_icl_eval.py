@@ -11,7 +11,8 @@ generation; the first 300 items of each file). The evaluation is the project's o
 (:func:`llmpipe.evaluation.icl_eval.evaluate` with the run's sequence length and ``--batch-size``), run
 ``--repeats`` times per path, the paths alternating (padded first), in this one process. Each run's record holds
 eval.json's ``timing`` (``to_first_batch_s``: model load and dataset build; ``batches_s``: first to last eval batch;
-per evaluator seconds and tokens run) and accuracies. The per-item record (a composer callback at every forward)
+per evaluator seconds and tokens run; ``planned``: the evaluation time plan's first-to-last batch seconds from the
+committed constants, ``llmpipe.plan.eval_time``) and accuracies. The per-item record (a composer callback at every forward)
 compares the first padded run with the first trimmed run item by item: multiple choice and schema by the choice
 with the best mean answer log-likelihood (llm-foundry's rule), language modelling by every answer token being the
 top-1, generation by the generated text. ``speedup``: mean padded ``batches_s`` / mean trimmed ``batches_s``.
@@ -165,9 +166,10 @@ def main(argv: list[str] | None = None) -> int:
                              "items": {f"{t}/{s}": r["items"] for t, by in ev["tasks"].items() for s, r in by.items()},
                              "items_cut": {f"{t}/{s}": r["items_cut"] for t, by in ev["tasks"].items()
                                            for s, r in by.items()}})
-                print(f"bench_icl_eval: {path} #{repeat + 1}: first to last batch {timing['batches_s']} s, "
-                      f"to first batch {timing['to_first_batch_s']} s, {runs[-1]['tokens_run_total']} tokens",
-                      flush=True)
+                planned = (timing.get("planned") or {}).get("batches_s")
+                print(f"bench_icl_eval: {path} #{repeat + 1}: first to last batch {timing['batches_s']} s "
+                      f"(planned {planned} s), to first batch {timing['to_first_batch_s']} s, "
+                      f"{runs[-1]['tokens_run_total']} tokens", flush=True)
     mean = {p: statistics.mean(r["batches_s"] for r in runs if r["path"] == p) for p in ("padded", "trimmed")}
     acc = {p: next(r["accuracy"] for r in runs if r["path"] == p) for p in ("padded", "trimmed")}
     record = {

@@ -51,7 +51,8 @@ def evaluate(settings: RunSettings, model_dir: str, data_dir: str | None, icl_fi
         :func:`llmpipe.evaluation.icl_tokens.task_fits`), "gauntlet": :func:`llmpipe.evaluation.suites.gauntlet_average` (``partial``
         when a benchmark has no score), "icl_batches" (``trimmed`` or ``padded``), "metrics": every metric llm-foundry computed,
         "processes", "fsdp" (whether it ran under FSDP), "seconds" (model load to the end), "timing" (rank 0's
-        ``to_first_batch_s``, ``batches_s``, ``evaluators_s``, ``tokens_run``: the callback's ``timing``), ...}``. Loss in nats per token. Every process
+        ``to_first_batch_s``, ``batches_s``, ``evaluators_s``, ``tokens_run``: the callback's ``timing``; ``planned``:
+        :func:`planned_batches`), ...}``. Loss in nats per token. Every process
         of the job returns it, each with the metrics and counts summed over all of them (torchmetrics syncs when a
         metric is computed); the step writes rank 0's (:func:`llmpipe.dispatch.jobs.run_step`).
 
@@ -147,6 +148,9 @@ def evaluate(settings: RunSettings, model_dir: str, data_dir: str | None, icl_fi
         shutil.rmtree(scratch, ignore_errors=True)
     state_metrics = trainers[0].state.eval_metrics
     timing = next((cb.timing(t0) for cb in trainers[0].state.callbacks if hasattr(cb, "timing")), None)
+    if timing is not None:
+        timing["planned"] = planned_batches(settings, fits, tasks, eval_settings, world,
+                                            torch.cuda.get_device_name() if on_gpu else "cpu")
     metrics: dict[str, dict[str, float]] = {}
     for label, mets in state_metrics.items():
         metrics[label] = {}
@@ -191,6 +195,34 @@ def evaluate(settings: RunSettings, model_dir: str, data_dir: str | None, icl_fi
         "seconds": round(time.time() - t0, 2),
         "timing": timing,
     }
+
+
+def planned_batches(settings: RunSettings, fits: dict, tasks: list[dict], eval_settings: EvalSettings, world: int,
+                    device: str) -> dict | None:
+    """The time plan of this evaluation's batches (:func:`llmpipe.plan.eval_time.plan_seconds`) from its exact
+    batches (the few-shot examples llm-foundry draws): ``{"batches_s", "evaluators_s", "basis"}`` to set beside the
+    measured ``timing``, or None without the committed constants for ``device`` (``cpu`` or the GPU's name).
+
+    Args:
+        fits: :func:`llmpipe.evaluation.icl_tokens.task_fits` with ``batching`` (each fit's ``batch_shapes``).
+        tasks: llm-foundry's task list of the scored tasks (``label``, ``icl_task_type``).
+        world: the job's processes.
+    """
+    from llmpipe.plan import eval_time
+
+    basis = eval_time.load_basis(device)
+    if basis is None:
+        return None
+    seq = int(settings.data.concat_tokens)
+    works = [eval_time.heldout_work(eval_settings.val_batches, eval_settings.batch_size, seq, world)]
+    for t in tasks:
+        generation = t["icl_task_type"] == "generation_task_with_answers"
+        for shots, fit in fits[t["label"]].items():
+            works.append(eval_time.EvaluatorWork(f"{t['label']}/{shots}", tuple(fit["batch_shapes"]),
+                                                 int(fit["longest_answer_tokens"]) if generation else 0, world))
+    plan = eval_time.plan_seconds(settings.arch.as_dict(), works, basis)
+    return {"batches_s": round(plan["batches_s"], 3),
+            "evaluators_s": {k: round(v, 3) for k, v in plan["evaluators_s"].items()}, "basis": plan["basis"]}
 
 
 #: The registry name of :func:`register_eval_progress`'s callback.

@@ -116,7 +116,7 @@ def settings(task: Mapping) -> dict:
 
 
 def item_tokens(task: Mapping, items: Sequence[Mapping], encoder: Encoder, *, num_fewshot: int = 0,
-                context: bool = True) -> list[ItemTokens]:
+                context: bool = True, fewshot: str = "drawn") -> list[ItemTokens]:
     """Tokens of each item of a task as llm-foundry 0.22's dataset for its ``icl_task_type`` builds them.
 
     The same texts and tokenizer calls as the dataset's ``_prep_example`` / ``tokenize_example``: fields
@@ -134,19 +134,26 @@ def item_tokens(task: Mapping, items: Sequence[Mapping], encoder: Encoder, *, nu
         encoder: the tokenizer the evaluation uses (:class:`Encoder`).
         num_fewshot: shot count; above 0 imports llm-foundry (and torch) for its few-shot sampler.
         context: False counts answers only (``ItemTokens.context`` is None): what the dry run checks.
+        fewshot: ``drawn`` (the examples llm-foundry's sampler draws: exact, imports llm-foundry when
+            ``num_fewshot`` > 0) or ``mean`` (every preamble counted as ``prompt_string`` plus ``num_fewshot`` times
+            the mean tokens of one in-context example of the dataset: an estimate without llm-foundry or torch, what
+            the dry run's time plan uses).
 
     Returns:
         One :class:`ItemTokens` per item, in file order; counts are tokens.
 
     Raises:
         ValueError: an unknown task type, a ``has_categories`` item without ``category``, or an item without a
-            field its task type reads (or a ``gold`` index out of its choices), naming the task and the field.
+            field its task type reads (or a ``gold`` index out of its choices), naming the task and the field; or
+            ``fewshot`` is neither ``drawn`` nor ``mean``.
     """
     ttype = task["icl_task_type"]
     if ttype not in TYPE_DEFAULTS:
         raise ValueError(f"ICL task {task.get('label')}: unknown icl_task_type {ttype!r}")
+    if fewshot not in ("drawn", "mean"):
+        raise ValueError(f"fewshot must be drawn or mean, got {fewshot!r}")
     try:
-        return _item_tokens(task, ttype, settings(task), items, encoder, num_fewshot, context)
+        return _item_tokens(task, ttype, settings(task), items, encoder, num_fewshot, context, fewshot)
     except (KeyError, IndexError) as exc:
         what = f"has no {exc}" if isinstance(exc, KeyError) else "has a gold index outside its choices"
         raise ValueError(f"ICL task {task.get('label')}: an item {what} (a {ttype} task reads it; llm-foundry would "
@@ -154,10 +161,10 @@ def item_tokens(task: Mapping, items: Sequence[Mapping], encoder: Encoder, *, nu
 
 
 def _item_tokens(task: Mapping, ttype: str, s: dict, items: Sequence[Mapping], encoder: Encoder, num_fewshot: int,
-                 context: bool) -> list[ItemTokens]:
+                 context: bool, fewshot: str) -> list[ItemTokens]:
     """:func:`item_tokens` once the settings are known: the file as one dataset, or one per category."""
     if not task.get("has_categories"):
-        return _dataset_tokens(ttype, s, list(items), encoder, num_fewshot, context, None)
+        return _dataset_tokens(ttype, s, list(items), encoder, num_fewshot, context, None, fewshot)
     groups: dict[str, list[int]] = {}
     for i, it in enumerate(items):
         if "category" not in it:
@@ -166,7 +173,8 @@ def _item_tokens(task: Mapping, ttype: str, s: dict, items: Sequence[Mapping], e
         groups.setdefault(it["category"], []).append(i)
     out: list[ItemTokens | None] = [None] * len(items)
     for cat in sorted(groups):
-        part = _dataset_tokens(ttype, s, [items[i] for i in groups[cat]], encoder, num_fewshot, context, cat)
+        part = _dataset_tokens(ttype, s, [items[i] for i in groups[cat]], encoder, num_fewshot, context, cat,
+                               fewshot)
         for i, rec in zip(groups[cat], part):
             out[i] = rec
     return out  # type: ignore[return-value]
@@ -179,7 +187,7 @@ def _encode_unique(encoder: Encoder, texts: list[str], special: bool) -> list[li
 
 
 def _dataset_tokens(ttype: str, s: dict, items: list[Mapping], encoder: Encoder, num_fewshot: int,
-                    context: bool, category: str | None) -> list[ItemTokens]:
+                    context: bool, category: str | None, fewshot: str = "drawn") -> list[ItemTokens]:
     """:func:`item_tokens` of one llm-foundry dataset (one file, or one category of it)."""
     prefix_space = len(encoder.encode([" a"], False)[0]) == 1
     has_cot = False
@@ -243,12 +251,15 @@ def _dataset_tokens(ttype: str, s: dict, items: list[Mapping], encoder: Encoder,
         return f"{ctx}{in_context_answer(it)}" if add_answer else ctx
 
     rng = random.Random(s["fewshot_random_seed"])
-    if num_fewshot > 0:
+    mean = num_fewshot > 0 and fewshot == "mean"
+    if num_fewshot > 0 and not mean:
         from llmfoundry.eval.datasets.utils import get_fewshot_sample_idxs
     preambles, ctx_texts = [], []
     for i, it in enumerate(items):
         pre = s["prompt_string"]
-        if num_fewshot > 0:
+        if mean:
+            pre += "\n"  # a stand-in for the examples: the item's context is built as after a preamble
+        elif num_fewshot > 0:
             for j in get_fewshot_sample_idxs(len(items), num_fewshot, i, rng):
                 pre += construct(items[j], pre, True)
         preambles.append(pre)
@@ -262,15 +273,23 @@ def _dataset_tokens(ttype: str, s: dict, items: list[Mapping], encoder: Encoder,
         else:
             ctx = construct(it, pre, False)
             ctx_texts.append([ctx.rstrip() if s["strip_dataset"] else ctx])
-    pre_ids = _encode_unique(encoder, preambles, True)
+    eos = encoder.eos_token_id
+
+    def preamble_len(ids: list[int]) -> int:
+        return len(ids) - 1 if eos is not None and len(ids) > 1 and ids[-1] == eos else len(ids)  # _fix_eos_on_preamble
+
+    if mean:
+        examples = _encode_unique(encoder, [construct(it, "\n", True) for it in items], False)
+        shots = min(num_fewshot, len(items) - 1)
+        estimate = preamble_len(encoder.encode([s["prompt_string"]], True)[0]) + round(
+            shots * sum(map(len, examples)) / len(examples))
+        pre_lens = [estimate] * len(items)
+    else:
+        pre_lens = [preamble_len(ids) for ids in _encode_unique(encoder, preambles, True)]
     flat = _encode_unique(encoder, [t for texts in ctx_texts for t in texts], False)
     out, k = [], 0
-    eos = encoder.eos_token_id
     for i, texts in enumerate(ctx_texts):
-        pre = pre_ids[i]
-        if eos is not None and len(pre) > 1 and pre[-1] == eos:  # _fix_eos_on_preamble
-            pre = pre[:-1]
-        ctx = tuple(len(pre) + len(ids) for ids in flat[k:k + len(texts)])
+        ctx = tuple(pre_lens[i] + len(ids) for ids in flat[k:k + len(texts)])
         k += len(texts)
         # a multiple-choice item is one context per choice
         if ttype == "multiple_choice":
@@ -315,10 +334,10 @@ def context_fit(task_type: str, tokens: Sequence[ItemTokens], max_seq_len: int) 
             "longest_answer_tokens": max((max(t.answer, default=0) for t in tokens), default=0), "max_seq_len": seq}
 
 
-def batch_tokens(task_type: str, tokens: Sequence[ItemTokens], max_seq_len: int, batch_size: int, icl_batches: str,
-                 world_size: int = 1) -> int:
-    """Input tokens (padding included) of the batches an evaluation of one task at one shot count runs, summed over
-    its ``world_size`` processes: what ``eval.json``'s ``timing.tokens_run`` counts for that evaluator.
+def batch_shapes(task_type: str, tokens: Sequence[ItemTokens], max_seq_len: int, batch_size: int,
+                 icl_batches: str, world_size: int = 1) -> list[tuple[int, int]]:
+    """The batches an evaluation of one task at one shot count runs, over all its ``world_size`` processes, as
+    ``(rows, width)`` pairs: sequences in the batch and its width in tokens (padding included).
 
     Each dataset (the file, or one category) is batched on its own. Sequence lengths: context + answer, at most
     ``max_seq_len`` (right-padded types; :func:`context_fit`'s cut), or the context cut to ``max_seq_len - A``
@@ -341,9 +360,9 @@ def batch_tokens(task_type: str, tokens: Sequence[ItemTokens], max_seq_len: int,
     if icl_batches not in ICL_BATCHES:
         raise ValueError(f"icl_batches must be trimmed or padded, got {icl_batches!r}")
     if any(t.context is None for t in tokens):
-        raise ValueError("batch_tokens needs the items' contexts counted (item_tokens(..., context=True))")
+        raise ValueError("batch_shapes needs the items' contexts counted (item_tokens(..., context=True))")
     seq, world = int(max_seq_len), max(1, int(world_size))
-    total = 0
+    shapes: list[tuple[int, int]] = []
     for category in sorted({t.category for t in tokens}, key=lambda c: (c is not None, c or "")):
         part = [t for t in tokens if t.category == category]
         if not part:
@@ -367,8 +386,17 @@ def batch_tokens(task_type: str, tokens: Sequence[ItemTokens], max_seq_len: int,
             for b in range(0, len(mine), per_batch):
                 batch = [rows[i] for i in mine[b:b + per_batch]]
                 wide = width if icl_batches == "padded" else max(max(r) for r in batch)
-                total += wide * sum(len(r) for r in batch)
-    return total
+                shapes.append((sum(len(r) for r in batch), wide))
+    return shapes
+
+
+def batch_tokens(task_type: str, tokens: Sequence[ItemTokens], max_seq_len: int, batch_size: int, icl_batches: str,
+                 world_size: int = 1) -> int:
+    """Input tokens (padding included) of the batches an evaluation of one task at one shot count runs, summed over
+    its ``world_size`` processes: what ``eval.json``'s ``timing.tokens_run`` counts for that evaluator. The sum of
+    rows x width over :func:`batch_shapes` (same arguments, same errors)."""
+    return sum(rows * width for rows, width in
+               batch_shapes(task_type, tokens, max_seq_len, batch_size, icl_batches, world_size))
 
 
 def too_long_reason(label: str, fit: Mapping, setting: str) -> str:
@@ -392,8 +420,8 @@ def task_fits(tasks: Sequence[Mapping], encoder: Encoder, max_seq_len: int, sett
         encoder: the evaluation's tokenizer.
         max_seq_len: the evaluation's context in tokens (a task's own ``max_seq_len`` wins).
         setting: the setting that gives ``max_seq_len``, for messages (e.g. ``data.concat_tokens of mpt-tiny``).
-        batching: ``(batch_size, icl_batches, world_size)``: each fit also holds ``tokens_planned``, the
-            :func:`batch_tokens` of its batches.
+        batching: ``(batch_size, icl_batches, world_size)``: each fit also holds ``batch_shapes``
+            (:func:`batch_shapes`) and ``tokens_planned``, their tokens (:func:`batch_tokens`).
 
     Returns:
         (``{label: {"<k>-shot": context_fit}}`` of the tasks that can be scored, ``{label: {"reason", "items",
@@ -417,5 +445,6 @@ def task_fits(tasks: Sequence[Mapping], encoder: Encoder, max_seq_len: int, sett
             counted = item_tokens(task, items, encoder, num_fewshot=int(k))
             fit = fits[label][f"{int(k)}-shot"] = context_fit(ttype, counted, seq)
             if batching is not None:
-                fit["tokens_planned"] = batch_tokens(ttype, counted, seq, *batching)
+                fit["batch_shapes"] = batch_shapes(ttype, counted, seq, *batching)
+                fit["tokens_planned"] = sum(rows * width for rows, width in fit["batch_shapes"])
     return fits, refused

@@ -136,17 +136,72 @@ def known_items(config: Mapping, task: Mapping, suite_name_: str) -> int | None:
     return int(rec["items"]) if rec.get("items") is not None else None
 
 
-def suite_items(config: Mapping, run: str) -> list[tuple[str, int | None, int]]:
-    """(label, items scored or None when unknown, number of shot counts) of each task of a run's suite: what an
-    evaluation runs forward (:func:`llmpipe.plan.inference_placement.eval_tokens`)."""
+def planned_works(config: Mapping, run: str, world_size: int = 1) -> tuple[list, list[str]]:
+    """What an evaluation of ``run`` will run, as far as the dry run can count it: the held-out split's batches and,
+    for each task whose file (:func:`file_on_disk`) and the run's prepared tokenizer are on disk, its batches at
+    each shot count (:func:`llmpipe.plan.eval_time.icl_work` of
+    :func:`llmpipe.evaluation.icl_tokens.item_tokens` with ``fewshot="mean"``: the few-shot preambles estimated, no
+    torch), with the ``eval:`` settings (``batch_size``, ``icl_batches``) over ``world_size`` processes.
+
+    Returns:
+        (the :class:`llmpipe.plan.eval_time.EvaluatorWork` list, the labels of the tasks not counted: file or
+        tokenizer not there yet, an item the counting cannot read, or an answer that leaves no context token).
+    """
+    from llmpipe.config.runs import run_config
+    from llmpipe.config.stage_settings import EvalSettings
+    from llmpipe.plan.eval_time import heldout_work
+
+    evals = EvalSettings.from_section(config["eval"])  # type: ignore[arg-type]
+    data = run_config(config, run)["data"]  # type: ignore[arg-type]
+    seq = int(data["concat_tokens"])
+    works = [heldout_work(evals.val_batches, evals.batch_size, seq, world_size)]
     name, s = run_suite(config, run)
-    out = []
+    tok_dir = os.path.join(str(config["results_dir"]), "tokenizers", str(data["tokenizer"]))
+    manifest = os.path.join(tok_dir, "manifest.json")
+    missing = []
     for t in s["icl_tasks"]:
-        items = known_items(config, t, name)
-        if t.get("subset_items") is not None:
-            items = int(t["subset_items"]) if items is None else min(items, int(t["subset_items"]))
-        out.append((t["label"], items, len(t.get("num_fewshot", [0]))))
-    return out
+        path = file_on_disk(config, t, name, str(data["corpus"])) if os.path.isfile(manifest) else None
+        counted = None
+        if path is not None:
+            task = foundry_task(t)
+            st, mt = os.stat(path), os.stat(manifest)
+            try:
+                counted = _task_works(path, st.st_mtime_ns, st.st_size, tok_dir, mt.st_mtime_ns,
+                                      json.dumps(task, sort_keys=True), t["label"],
+                                      tuple(int(k) for k in t.get("num_fewshot", [0])),
+                                      int(task.get("max_seq_len") or seq), t.get("subset_items"), evals.batch_size,
+                                      evals.icl_batches, int(world_size))
+            except ValueError:
+                counted = None
+        if counted is None:
+            missing.append(t["label"])
+        else:
+            works.extend(counted)
+    return works, missing
+
+
+@functools.lru_cache(maxsize=256)
+def _task_works(path: str, mtime_ns: int, size: int, tok_dir: str, tok_mtime_ns: int, task_json: str, label: str,
+                shots: tuple[int, ...], seq: int, subset: int | None, batch_size: int, icl_batches: str,
+                world_size: int) -> tuple | None:
+    """:func:`planned_works` of one task file (cached per file, tokenizer, task and settings: the DAG asks once per
+    job); None when an answer leaves no context token (the task is not scored)."""
+    from llmpipe.evaluation import icl_tokens
+    from llmpipe.plan.eval_time import icl_work
+
+    task = json.loads(task_json)
+    items = icl_tokens.read_items(path)
+    if subset is not None:
+        items = items[:int(subset)]
+    encoder = icl_tokens.Encoder.from_folder(tok_dir)
+    out = []
+    for k in shots:
+        tokens = icl_tokens.item_tokens(task, items, encoder, num_fewshot=k, fewshot="mean")
+        if icl_tokens.context_fit(task["icl_task_type"], tokens, seq)["items_too_long"]:
+            return None
+        out.append(icl_work(f"{label}/{k}-shot", task["icl_task_type"], tokens, seq, batch_size, icl_batches,
+                            world_size))
+    return tuple(out)
 
 
 # ------------------------------------------------------------------------------------------- where the data is

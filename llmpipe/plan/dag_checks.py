@@ -27,7 +27,6 @@ from typing import Any
 from llmpipe.config import runs as cfg
 from llmpipe.config.identity import identity_text
 from llmpipe.config.settings import ConfigError
-from llmpipe.config.stage_settings import EvalSettings
 from llmpipe.dispatch.jobs import check_executor, executor_kind
 from llmpipe.evaluation import suites as eval_tasks
 from llmpipe.plan import memory_time as plan_mod
@@ -218,6 +217,12 @@ class DagChecks:
             self.planned.add((step, run))
             return
         if int(r["gpus_per_node"]) <= 0:
+            if step == "eval":  # time only: a CPU has no memory plan here
+                proj = self.eval_projection(rc, "cpu", 1)
+                if proj:
+                    self.say(f"plan eval {run}: on the CPU; time {plan_mod.human_time(proj['seconds'])} "
+                             f"({proj['basis']})")
+                self.planned.add((step, run))
             return
         where = cfg.section_path(config, run)
         gpu_type = config["gpu_type"]
@@ -248,6 +253,22 @@ class DagChecks:
             peak_overrides=self.config.get("gpu_peak_flops"), overheads=overheads,
             time_limit_s=(float(r["time_min"]) * 60 if executor_kind(self.config) == "slurm" else None))
 
+    def eval_projection(self, rc: dict, device: str, processes: int) -> dict | None:
+        """The planned time of the eval job of run ``rc`` on ``device`` (a ``gpu_type``, or ``cpu``) with
+        ``processes`` ranks (:mod:`llmpipe.plan.eval_time`, the batches of
+        :func:`llmpipe.evaluation.suites.planned_works`), or None without the committed constants for it."""
+        from llmpipe.plan import eval_time
+
+        basis = eval_time.load_basis(device, peak_overrides=self.config.get("gpu_peak_flops"))
+        if basis is None:
+            return None
+        works, missing = eval_tasks.planned_works(self.config, rc["name"], world_size=processes)
+        proj = eval_time.plan_seconds(rc["arch"], works, basis)
+        if missing:
+            proj["basis"] += (f"; without {len(missing)} task(s) not counted yet ({', '.join(missing[:3])}"
+                              f"{', ...' if len(missing) > 3 else ''}: task file or tokenizer not on disk yet)")
+        return proj
+
     def inference_projection(self, step: str, rc: dict, placed: dict, overheads: dict | None) -> dict | None:
         """The projected time of an eval or generate job on its planned GPUs (``placed``:
         :func:`llmpipe.config.runs.inference_plan`; :func:`llmpipe.plan.inference_placement.inference_time`), or None;
@@ -257,15 +278,7 @@ class DagChecks:
         config = self.config
         mem, n = placed["memory"], placed["gpus"]
         if step == "eval":
-            tasks = eval_tasks.suite_items(config, rc["name"])
-            evals = EvalSettings.from_section(config["eval"])
-            tokens, unknown = ip.eval_tokens(evals, int(rc["data"]["concat_tokens"]), tasks)
-            basis = plan_mod.benchmark_basis(plan_mod.BENCHMARK_CSV)
-            proj = ip.inference_time(rc, step, gpus=n, gpu_type=config["gpu_type"], basis=basis,
-                                     eval_tokens=tokens, peak_overrides=config.get("gpu_peak_flops"))
-            if proj and unknown:
-                proj["basis"] += f"; without {len(unknown)} of {len(tasks)} tasks, not fetched yet"
-            return proj
+            return self.eval_projection(rc, str(config["gpu_type"]), n)
         g = run_generate_settings(config, rc["name"])  # the run's own prompts, when it has them
         new = len(g.prompts) * g.max_new_tokens
         return ip.inference_time(rc, step, gpus=n, gpu_type=config["gpu_type"], basis=None, new_tokens=new,

@@ -20,10 +20,9 @@ with transformers' ``device_map="balanced"`` (accelerate; each GPU capped at :da
 memory, no CPU or disk offload: a model that does not fit fails to load instead of crawling), or on one device
 (``{"": "cuda:0"}`` / ``{"": "cpu"}``: on a host without a GPU everything is on the CPU, as before).
 
-**Time** (:func:`inference_time`), a projection like :func:`llmpipe.plan.memory_time.train_time`: evaluation's forward FLOPs
-(a third of :func:`llmpipe.model.mfu.flops_per_token`) over its tokens at the benchmark's MFU x bf16 peak x GPUs;
-generation is bound by memory bandwidth: each new token reads every weight once, and the GPUs of a ``device_map``
-work one after the other, so one GPU's bandwidth (:data:`HBM_TB_S`, datasheets) bounds it from below.
+**Time**: an evaluation's is :mod:`llmpipe.plan.eval_time`'s (from the batches it runs); a generation's
+(:func:`inference_time`) is bound by memory bandwidth: each new token reads every weight once, and the GPUs of a
+``device_map`` work one after the other, so one GPU's bandwidth (:data:`HBM_TB_S`, datasheets) bounds it from below.
 
 This module imports without torch (the Snakefile's config layer calls :func:`plan_gpus`).
 """
@@ -37,8 +36,6 @@ import shutil
 import tempfile
 from collections.abc import Iterator, Mapping
 
-from llmpipe.config.stage_settings import EvalSettings
-from llmpipe.model.mfu import flops_per_token, peak_flops_for_name
 from llmpipe.plan.memory_time import TIGHT, inference_memory
 
 #: Share of each GPU's memory ``device_map`` may fill with weights (the rest: KV cache, activations, CUDA context).
@@ -78,55 +75,30 @@ def plan_gpus(rc: Mapping, step: str, *, capacity_gb: float, section_gpus: int, 
     return {'gpus': n, 'source': source, 'memory': mem}
 
 
-def inference_time(rc: Mapping, step: str, *, gpus: int, gpu_type: str, basis: Mapping | None,
-                   eval_tokens: int = 0, new_tokens: int = 0, weights_gb: float = 0.0,
-                   peak_overrides: Mapping[str, float] | None = None,
-                   overheads: Mapping | None = None) -> dict | None:
-    """Projected duration of an evaluation (``eval_tokens`` tokens forward) or a generation (``new_tokens`` tokens,
-    each reading ``weights_gb`` GiB of weights once), on ``gpus`` GPUs of ``gpu_type``.
+def inference_time(rc: Mapping, step: str, *, gpus: int, gpu_type: str, basis: Mapping | None = None,
+                   new_tokens: int = 0, weights_gb: float = 0.0, overheads: Mapping | None = None) -> dict | None:
+    """Projected duration of a generation (``new_tokens`` tokens, each reading ``weights_gb`` GiB of weights once)
+    on ``gpus`` GPUs of ``gpu_type``. (An evaluation's plan is :mod:`llmpipe.plan.eval_time`'s.)
 
-    Generation with ``overheads`` (:func:`llmpipe.plan.memory_time.job_overheads`): the job's start
-    (``generate_start_s``) plus, per new token, the larger of ``generate_s_per_token_per_layer`` x blocks (batch-1
-    decoding is bound by kernel launches) and the bandwidth bound; without them, the bandwidth bound alone.
+    With ``overheads`` (:func:`llmpipe.plan.memory_time.job_overheads`): the job's start (``generate_start_s``)
+    plus, per new token, the larger of ``generate_s_per_token_per_layer`` x blocks (batch-1 decoding is bound by
+    kernel launches) and the bandwidth bound; without them, the bandwidth bound alone. ``basis`` is unused (kept
+    for callers that pass the training basis).
 
-    Returns ``{'seconds', 'basis': text}``, or None without a basis (benchmark row, peak FLOP/s or bandwidth).
+    Returns ``{'seconds', 'basis': text}``, or None for another step or without the GPU's bandwidth.
     """
-    if step == 'generate':
-        bw = HBM_TB_S.get(str(gpu_type).lower())
-        if not bw or new_tokens <= 0:
-            return None
-        bound = weights_gb * 2**30 / (bw * 1e12)
-        if overheads:
-            per_token = max(bound, overheads['generate_s_per_token_per_layer'] * int(rc['arch']['n_layers']))
-            seconds = overheads['generate_start_s'] + new_tokens * per_token
-            return {'seconds': seconds, 'basis': f"start {overheads['generate_start_s']:.0f} s + {new_tokens} new "
-                                                 f"tokens x {per_token * 1e3:.1f} ms ({overheads['source']})"}
-        return {'seconds': new_tokens * bound, 'basis': f"lower bound: {new_tokens} new tokens x {weights_gb:.0f} "
-                                                        f"GiB of weights read at {bw} TB/s ({gpu_type} HBM), one GPU "
-                                                        f"at a time"}
-    peak = peak_flops_for_name(str(gpu_type).replace('-', ' '), 'bf16', peak_overrides)
-    if not basis or not peak or eval_tokens <= 0 or gpus <= 0:
+    bw = HBM_TB_S.get(str(gpu_type).lower())
+    if step != 'generate' or not bw or new_tokens <= 0:
         return None
-    seq = int(rc['data']['concat_tokens'])
-    forward = flops_per_token(rc['arch'], seq) / 3
-    seconds = eval_tokens * forward / (float(basis['mfu']) * peak * gpus)
-    return {'seconds': seconds, 'basis': f"projection: {eval_tokens:.3g} tokens forward at MFU "
-                                         f"{float(basis['mfu']):.3f} (benchmark) x {gpu_type} bf16 peak x {gpus}"}
-
-
-def eval_tokens(eval_settings: EvalSettings, seq_len: int, tasks: list[tuple[str, int | None, int]]
-                ) -> tuple[int, list[str]]:
-    """Tokens one evaluation runs forward, and the tasks whose size is unknown before their data is fetched.
-
-    ``val_batches x batch_size`` held-out sequences (none counted for ``-1``: the split's size is unknown before it
-    is built) plus, for each task of the run's suite (``tasks``: :func:`llmpipe.evaluation.suites.suite_items`), its items
-    at each few-shot count, each as one full sequence: a lower bound for multiple-choice tasks, which run one
-    sequence per choice. ``eval_settings``: the run's typed ``eval:`` settings.
-    """
-    bs = eval_settings.batch_size
-    val = max(0, eval_settings.val_batches) * bs
-    icl = sum(items * shots for _, items, shots in tasks if items is not None)
-    return (val + icl) * int(seq_len), [label for label, items, _ in tasks if items is None]
+    bound = weights_gb * 2**30 / (bw * 1e12)
+    if overheads:
+        per_token = max(bound, overheads['generate_s_per_token_per_layer'] * int(rc['arch']['n_layers']))
+        seconds = overheads['generate_start_s'] + new_tokens * per_token
+        return {'seconds': seconds, 'basis': f"start {overheads['generate_start_s']:.0f} s + {new_tokens} new "
+                                             f"tokens x {per_token * 1e3:.1f} ms ({overheads['source']})"}
+    return {'seconds': new_tokens * bound, 'basis': f"lower bound: {new_tokens} new tokens x {weights_gb:.0f} "
+                                                    f"GiB of weights read at {bw} TB/s ({gpu_type} HBM), one GPU "
+                                                    f"at a time"}
 
 
 # ------------------------------------------------------------------------------------------- in the job (torch)

@@ -1,0 +1,141 @@
+"""The evaluation's time plan (llmpipe.plan.eval_time) and its calibration tool (tools/calibrate_eval_plan.py)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+
+import pytest
+
+from llmpipe.model.mfu import flops_per_token, peak_flops_for_name
+from llmpipe.plan import eval_time
+from tests.conftest import REPO
+from tests.test_eval_suite import standin_tasks, write_tokenizer_folder
+
+ARCH = {"d_model": 64, "n_heads": 4, "n_layers": 3, "max_seq_len": 128, "vocab_size": 100}
+
+
+def basis(**over):
+    values = {"device": "h200", "start_s": 10.0, "batch_s": 0.05, "forward_s_per_flop": 1e-13,
+              "decode_s_per_layer": 0.001, "peak_flops": peak_flops_for_name("h200", "bf16"), "source": "b.json"}
+    values.update(over)
+    return eval_time.DeviceBasis(**values)
+
+
+def test_plan_is_start_plus_each_batch_as_hand_computed():
+    """Two right-padded batches, one generation batch, the held-out split: each batch costs batch_s + its forward
+    FLOPs (rows x width x a third of llm-foundry's training FLOPs per token at that width) x s per FLOP, and a
+    generation batch its new tokens x blocks x s per decoding step; two ranks halve the batches' time."""
+    mc = eval_time.EvaluatorWork("mc/0-shot", ((8, 40), (6, 20)))
+    gen = eval_time.EvaluatorWork("gen/3-shot", ((4, 100),), new_tokens=12)
+    val = eval_time.heldout_work(2, 4, 128)
+    b = basis()
+    plan = eval_time.plan_seconds(ARCH, [val, mc, gen], b)
+    fwd = {w: flops_per_token(ARCH, w) / 3 for w in (20, 40, 100, 128)}
+    expect = {"eval": 2 * 0.05 + 2 * 4 * 128 * fwd[128] * 1e-13,
+              "mc/0-shot": 2 * 0.05 + (8 * 40 * fwd[40] + 6 * 20 * fwd[20]) * 1e-13,
+              "gen/3-shot": 0.05 + 4 * 100 * fwd[100] * 1e-13 + 12 * 3 * 0.001}
+    assert plan["evaluators_s"] == pytest.approx(expect, rel=1e-12)
+    assert plan["batches_s"] == pytest.approx(sum(expect.values()))
+    assert plan["seconds"] == pytest.approx(10.0 + sum(expect.values()))
+    assert plan["tokens"] == 2 * 4 * 128 + 8 * 40 + 6 * 20 + 4 * 100 and plan["batches"] == 5
+    assert "start 10 s" in plan["basis"] and "b.json" in plan["basis"] and "decoding step" in plan["basis"]
+    assert plan["basis"].count("MFU") == 1 and f"MFU {b.forward_mfu:.3f}" in plan["basis"]
+    two = eval_time.plan_seconds(ARCH, [dataclass_world(w, 2) for w in (val, mc, gen)], b)
+    assert two["batches_s"] == pytest.approx(plan["batches_s"] / 2)
+
+
+def dataclass_world(work, world):
+    import dataclasses
+    return dataclasses.replace(work, world_size=world)
+
+
+def test_other_gpus_scale_the_forward_by_their_peak_and_unknown_ones_get_no_plan(tmp_path):
+    path = tmp_path / "basis.json"
+    entry = {"start_s": {"value": 30.0}, "batch_s": {"value": 0.02}, "forward_s_per_flop": {"value": 4e-15},
+             "decode_s_per_layer": {"value": 0.0009}}
+    path.write_text(json.dumps({"devices": {"h200": dict(entry, peak_flops=peak_flops_for_name("h200", "bf16")),
+                                            "cpu": dict(entry, forward_s_per_flop={"value": 5e-12})}}))
+    h200 = eval_time.load_basis("h200", str(path))
+    a100 = eval_time.load_basis("a100-80gb", str(path))
+    assert h200.forward_s_per_flop == 4e-15 and h200.forward_mfu == pytest.approx(1 / (4e-15 * 989.5e12))
+    assert a100.forward_s_per_flop == pytest.approx(4e-15 * 989.5 / 312) and a100.forward_mfu == pytest.approx(
+        h200.forward_mfu)   # the same MFU on the slower part
+    assert (a100.start_s, a100.batch_s, a100.decode_s_per_layer) == (30.0, 0.02, 0.0009)
+    custom = eval_time.load_basis("mygpu", str(path), peak_overrides={"mygpu": 500e12})
+    assert custom.forward_s_per_flop == pytest.approx(4e-15 * 989.5 / 500)
+    assert eval_time.load_basis("mygpu", str(path)) is None   # no peak known: no plan rather than a wrong one
+    cpu = eval_time.load_basis("cpu", str(path))
+    assert cpu.forward_s_per_flop == 5e-12 and cpu.forward_mfu is None and "GFLOP/s (CPU)" in \
+        eval_time.plan_seconds(ARCH, [eval_time.heldout_work(1, 1, 8)], cpu)["basis"]
+    assert eval_time.load_basis("h200", str(tmp_path / "missing.json")) is None
+
+
+def test_committed_basis_loads_for_the_shipped_devices():
+    """benchmarks/eval-plan-basis.json (written by tools/calibrate_eval_plan.py) holds positive start and forward
+    constants for the H200 and the CPU, each with its rows, and checks of the plan on rows outside the fit."""
+    raw = json.loads((REPO / "benchmarks" / "eval-plan-basis.json").read_text())
+    for device in ("h200", "cpu"):
+        b = eval_time.load_basis(device)
+        assert b.start_s > 0 and b.forward_s_per_flop > 0, device
+        assert all((REPO / "benchmarks" / row).is_file() for row in raw["devices"][device]["rows"])
+        assert any(not c["in_sample"] for c in raw["checks"] if c["device"] == device)
+
+
+def load_tool():
+    spec = importlib.util.spec_from_file_location("calibrate_eval_plan", REPO / "tools" / "calibrate_eval_plan.py")
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    return tool
+
+
+def test_calibration_recovers_the_constants_that_made_the_rows(tmp_path, monkeypatch):
+    """Stand-in benchmark and step rows whose times were made by known constants: the fit finds them again, every
+    check is on the mark, and a row whose recorded tokens differ from the rebuilt batches is refused."""
+    tool = load_tool()
+    data = tmp_path / "foundry"
+    data.mkdir()
+    tasks = standin_tasks(data)
+    for t in tasks:
+        t["dataset_uri"] = os.path.relpath(t["dataset_uri"], data)
+    suite = {"eval": {"suites": {"s": {"icl_tasks": tasks}}}}
+    tok = write_tokenizer_folder(tmp_path / "tok")
+    from llmpipe.evaluation.icl_tokens import Encoder
+
+    enc = Encoder.from_folder(str(tok))
+    arch = tool.run_arch("mpt-tiny")
+    truth = eval_time.DeviceBasis("cpu", 7.0, 0.03, 2e-11, 0.002)
+    bench = {"run": "mpt-tiny", "seq": 64, "batch_size": 2, "suite": suite, "runs": []}
+    for repeat in (1, 2):
+        for path in ("padded", "trimmed"):
+            works = tool.works_of(tasks, str(data), enc, 64, 2, path, 1)
+            plan = eval_time.plan_seconds(arch, works, truth)
+            bench["runs"].append({"path": path, "repeat": repeat, "batches_s": plan["batches_s"],
+                                  "evaluators_s": plan["evaluators_s"],
+                                  "tokens_run": {w.label: w.tokens for w in works[1:]}})
+    works = tool.works_of(tasks, str(data), enc, 64, 4, "trimmed", 3)
+    step = {"suite": suite, "phases": {"eval": {"seconds": eval_time.plan_seconds(arch, works, truth)["seconds"]}},
+            "eval": {"run": "mpt-tiny", "icl_batches": "trimmed",
+                     "val": {"seq_len": 64, "batch_size": 4, "batches": 3}}}
+    bench_dir = tmp_path / "benchmarks"
+    bench_dir.mkdir()
+    (bench_dir / "bench.json").write_text(json.dumps(bench))
+    (bench_dir / "step.json").write_text(json.dumps(step))
+    monkeypatch.setattr(tool, "BENCH", str(bench_dir))
+    monkeypatch.setattr(tool, "ROWS", {"cpu": {"rates": ["bench.json"], "start": ["step.json"], "checks": [],
+                                               "why": "test"}})
+    out = tmp_path / "basis.json"
+    assert tool.main(["fit", "--tokenizer", str(tok), "--task-data", str(data), "--out", str(out)]) == 0
+    rec = json.loads(out.read_text())
+    got = rec["devices"]["cpu"]
+    assert got["batch_s"]["value"] == pytest.approx(0.03, rel=1e-6)
+    assert got["forward_s_per_flop"]["value"] == pytest.approx(2e-11, rel=1e-6)
+    assert got["decode_s_per_layer"]["value"] == pytest.approx(0.002, rel=1e-6)
+    assert got["start_s"]["value"] == pytest.approx(7.0, abs=0.01)
+    assert len(rec["checks"]) == 5 and all(abs(c["error"]) < 1e-3 for c in rec["checks"])
+    assert eval_time.load_basis("cpu", str(out)).start_s == pytest.approx(7.0, abs=0.01)
+    bench["runs"][0]["tokens_run"]["mc/0-shot"] += 1
+    (bench_dir / "bench.json").write_text(json.dumps(bench))
+    with pytest.raises(SystemExit, match="mc/0-shot: recorded .* tokens, the rebuilt batches"):
+        tool.main(["fit", "--tokenizer", str(tok), "--task-data", str(data), "--out", str(out)])
