@@ -4,8 +4,8 @@ Usage (from the repository root; any machine, no GPU; the task files and tokeniz
 
     python3 tools/calibrate_eval_plan.py fit --tokenizer results/tokenizers/bpe-builtin-docs --task-data DIR \\
         --out benchmarks/eval-plan-basis.json
-    python3 tools/calibrate_eval_plan.py record-step --results DIR --run mpt-tiny [--suite tools/icl-bench-suite.yaml
-        --task-data DIR] --out benchmarks/eval-step-cpu-mpt-tiny.json
+    python3 tools/calibrate_eval_plan.py record-step --results DIR --run mpt-tiny --task-data DIR [--drop piqa]
+        [--icl-batches padded] [--batch-size 4] --out benchmarks/eval-step-cpu-mpt-tiny-icl-bench.json
 
 ``fit`` reads the rows :data:`ROWS` names per device class. Every row's batches are rebuilt with the project's
 counting (:func:`llmpipe.evaluation.icl_tokens.item_tokens` with the few-shot examples llm-foundry draws,
@@ -240,6 +240,8 @@ def record_step(args: argparse.Namespace) -> int:
     with open(args.suite, encoding="utf-8") as fh:
         suite_cfg = yaml.safe_load(fh)
     name = next(iter(suite_cfg["eval"]["suites"]))
+    suite_cfg["eval"]["suites"][name]["icl_tasks"] = [t for t in suite_cfg["eval"]["suites"][name]["icl_tasks"]
+                                                      if t["label"] not in set(args.drop)]
     overlay["eval"].update(suite_cfg["eval"], task_data={"source": "local", "local_dir": os.path.abspath(args.task_data)})
     overlay["models"] = {args.run: {"eval_suite": name}}
     extra = os.path.join(results, f"record-step-{args.run}.yaml")
@@ -278,6 +280,8 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--run", default="mpt-tiny")
     r.add_argument("--suite", default=os.path.join(REPO, "tools", "icl-bench-suite.yaml"))
     r.add_argument("--task-data", required=True, help="llm-foundry's scripts/ layout the suite's files are under")
+    r.add_argument("--drop", action="append", default=[], help="a task label to leave out of the suite (e.g. one "
+                   "whose answers do not fit the run's context); repeatable")
     r.add_argument("--icl-batches", default="trimmed", choices=("trimmed", "padded"))
     r.add_argument("--batch-size", type=int, default=None, help="eval.batch_size (default: the config's)")
     r.add_argument("--out", required=True)
