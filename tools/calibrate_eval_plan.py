@@ -19,13 +19,16 @@ tokens is refused (another tokenizer, suite or file). Then:
   batches;
 * ``checks``: the plan against every row of the device class, ``(planned - measured) / measured``: the first-to-last
   batch time of a benchmark run; the whole step of a step record, and its first-to-last batch time when its
-  ``eval.json`` has ``timing``; ``in_sample`` says whether the row took part in the fit.
+  ``eval.json`` has ``timing``; the step against the dry run's own ``plan eval`` line when the record holds one
+  (made with the constants committed when the row ran: few-shot preambles estimated, the line's rounding);
+  ``in_sample`` says whether the row took part in the fit.
 
 ``record-step`` times one eval step through Snakemake (``<results>/<run>/eval.json`` with the benchmark suite and
 ``--task-data``'s files; a first, untimed Snakemake call makes its inputs;
 the timed one runs the eval step alone: it deletes that run's ``eval.json`` and kept evaluations, so ``--results``
 must be a scratch folder) and writes the step record ``fit`` reads: the command,
-the step's seconds, its ``eval.json`` and the suite.
+the step's seconds, the dry run's ``plan eval`` line just before it (``phases.plan.lines.eval``), its ``eval.json``
+and the suite.
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ import argparse
 import itertools
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -135,8 +139,20 @@ def observations(path: str, task_data: str, encoder) -> list[dict]:
     out.append({"row": os.path.basename(path), "kind": "step", "path": ev.get("icl_batches", "padded"), "repeat": 1,
                 "arch": run_arch(run), "works": works, "measured_s": float(rec["phases"]["eval"]["seconds"]),
                 "evaluators_s": (ev.get("timing") or {}).get("evaluators_s") or {},
-                "batches_s": (ev.get("timing") or {}).get("batches_s")})
+                "batches_s": (ev.get("timing") or {}).get("batches_s"),
+                "line_s": plan_line_seconds(((rec["phases"].get("plan") or {}).get("lines") or {}).get("eval"))})
     return out
+
+
+def plan_line_seconds(line: str | None) -> float | None:
+    """The time of a dry run's ``plan eval`` line (``time 46 s``, ``time 1.2 minutes``, ``time 2.0 hours``:
+    :func:`llmpipe.plan.memory_time.human_time`) in seconds; None without a line, a time, or for a line of an
+    earlier planner (one that does not name ``eval-plan-basis.json``)."""
+    m = re.search(r"; time ([0-9.]+) (s|minutes|hours|days) \(", line or "")
+    if not m or os.path.basename(eval_time.EVAL_PLAN_BASIS_JSON) not in line:   # an earlier planner's line
+        return None
+        return None
+    return float(m.group(1)) * {"s": 1, "minutes": 60, "hours": 3600, "days": 86400}[m.group(2)]
 
 
 def nnls(rows: list[list[float]], ys: list[float]) -> list[float]:
@@ -209,7 +225,8 @@ def fit(args: argparse.Namespace) -> int:
                 p = eval_time.plan_seconds(o["arch"], o["works"], basis)
                 pairs = [("first to last eval batch", o["measured_s"], p["batches_s"])] if o["kind"] == "bench" else [
                     ("eval step", o["measured_s"], p["seconds"])] + (
-                    [("first to last eval batch", o["batches_s"], p["batches_s"])] if o.get("batches_s") else [])
+                    [("first to last eval batch", o["batches_s"], p["batches_s"])] if o.get("batches_s") else []) + (
+                    [("eval step, the dry run's line", o["measured_s"], o["line_s"])] if o.get("line_s") else [])
                 for what, measured, planned in pairs:
                     checks.append({"device": device, "row": name, "path": o["path"], "repeat": o["repeat"],
                                    "measured": what, "measured_s": round(measured, 2), "planned_s": round(planned, 2),
@@ -254,6 +271,8 @@ def record_step(args: argparse.Namespace) -> int:
     subprocess.run(cmd, cwd=REPO, check=True)   # its inputs (and a first evaluation), untimed
     os.remove(target)
     shutil.rmtree(os.path.join(results, args.run, "kept", "eval"), ignore_errors=True)  # or it is restored, not run
+    dry = subprocess.run(cmd + ["-n"], cwd=REPO, check=True, capture_output=True, text=True)
+    line = next((ln for ln in (dry.stdout + dry.stderr).splitlines() if ln.startswith(f"plan eval {args.run}:")), None)
     t0 = time.time()
     subprocess.run(cmd, cwd=REPO, check=True)
     seconds = time.time() - t0
@@ -262,7 +281,8 @@ def record_step(args: argparse.Namespace) -> int:
     atomic_write_json(args.out, {
         "command": " ".join(["python3", "tools/calibrate_eval_plan.py", *sys.argv[1:]]),
         "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "commit": os.environ.get("LLMPIPE_COMMIT"),
-        "phases": {"eval": {"seconds": round(seconds, 1)}}, "suite": suite_cfg, "eval": ev})
+        "phases": {"plan": {"lines": {"eval": line}}, "eval": {"seconds": round(seconds, 1)}}, "suite": suite_cfg,
+        "eval": ev})
     print(f"record-step: eval step of {args.run} {seconds:.1f} s; record {args.out}")
     return 0
 
