@@ -8,7 +8,7 @@ import os
 
 import pytest
 
-from llmpipe.model.mfu import flops_per_token, peak_flops_for_name
+from llmpipe.model.mfu import flops_per_token, mpt_param_count, peak_flops_for_name
 from llmpipe.plan import eval_time
 from tests.conftest import REPO
 from tests.test_eval_suite import standin_tasks, write_tokenizer_folder
@@ -44,6 +44,9 @@ def test_plan_is_start_plus_each_batch_as_hand_computed():
     assert plan["basis"].count("MFU") == 1 and f"MFU {b.forward_mfu:.3f}" in plan["basis"]
     two = eval_time.plan_seconds(ARCH, [dataclass_world(w, 2) for w in (val, mc, gen)], b)
     assert two["batches_s"] == pytest.approx(plan["batches_s"] / 2)
+    loads = eval_time.plan_seconds(ARCH, [val], basis(load_s_per_param=1e-6))   # the model's load joins the start
+    assert loads["start_s"] == pytest.approx(10.0 + 1e-6 * mpt_param_count(ARCH)["total"])
+    assert loads["seconds"] == pytest.approx(loads["start_s"] + expect["eval"])
 
 
 def dataclass_world(work, world):
@@ -133,6 +136,7 @@ def test_calibration_recovers_the_constants_that_made_the_rows(tmp_path, monkeyp
     assert got["forward_s_per_flop"]["value"] == pytest.approx(2e-11, rel=1e-6)
     assert got["decode_s_per_layer"]["value"] == pytest.approx(0.002, rel=1e-6)
     assert got["start_s"]["value"] == pytest.approx(7.0, abs=0.01)
+    assert got["load_s_per_param"]["value"] == 0   # one model size among the start rows: no load term
     assert len(rec["checks"]) == 5 and all(abs(c["error"]) < 1e-3 for c in rec["checks"])
     assert eval_time.load_basis("cpu", str(out)).start_s == pytest.approx(7.0, abs=0.01)
     bench["runs"][0]["tokens_run"]["mc/0-shot"] += 1

@@ -15,8 +15,8 @@ tokens is refused (another tokenizer, suite or file). Then:
 * ``batch_s``, ``forward_s_per_flop`` and ``decode_s_per_layer`` are the non-negative least-squares fit, in relative
   error, of every ICL evaluator's seconds in the ``rates`` rows (``tools/bench_icl_eval.py`` records: both paths,
   every repeat; step records whose ``eval.json`` has ``timing``);
-* ``start_s`` is the mean, over the ``start`` rows (whole eval steps), of the step's seconds minus its planned
-  batches;
+* ``start_s`` (and ``load_s_per_param`` when the ``start`` rows have models of several sizes: a least-squares line
+  in the parameters) from the ``start`` rows (whole eval steps): each step's seconds minus its planned batches;
 * ``checks``: the plan against every row of the device class, ``(planned - measured) / measured``: the first-to-last
   batch time of a benchmark run; the whole step of a step record, and its first-to-last batch time when its
   ``eval.json`` has ``timing``; the step against the dry run's own ``plan eval`` line when the record holds one
@@ -56,11 +56,12 @@ BENCH = os.path.join(REPO, "benchmarks")
 #: Which committed rows fit which constants of which device class, and which only check the plan.
 ROWS = {
     "h200": {"rates": ["icl-eval-h200-mpt-1b-random-acceptance-suite.json"],
-             "start": ["acceptance-h200-mpt-1b-nokill.json"],
-             "checks": ["acceptance-h200-mpt-1b.json", "acceptance-h200-mpt-3b.json"],
+             "start": ["acceptance-h200-mpt-1b-nokill.json", "acceptance-h200-mpt-3b.json"],
+             "checks": ["acceptance-h200-mpt-1b.json"],
              "why": "the rates: the only GPU benchmark with per-evaluator times of both paths (MPT-1B's shape, one "
-                    "H200, bf16, 2,048 context, batch 32); the start: the older 1B acceptance record's eval step "
-                    "(padded, batch 8), so that the newer 1B and the 3B records check it"},
+                    "H200, bf16, 2,048 context, batch 32); the start and the model's load: the eval steps of the "
+                    "older 1B acceptance record and of the 3B record (padded, batch 8), so that the newer 1B record "
+                    "checks them"},
     "cpu": {"rates": ["eval-step-cpu-mpt-tiny-icl-bench.json", "eval-step-cpu-mpt-tiny-icl-bench-padded-b4.json"],
             "start": ["eval-step-cpu-mpt-tiny-icl-bench.json", "eval-step-cpu-mpt-tiny-icl-bench-padded-b4.json"],
             "checks": ["eval-step-cpu-mpt-tiny-icl-bench-b16.json", "icl-eval-cpu-mpt-tiny.json"],
@@ -180,7 +181,7 @@ def nnls(rows: list[list[float]], ys: list[float]) -> list[float]:
 def fit(args: argparse.Namespace) -> int:
     """The ``fit`` subcommand (module docstring)."""
     from llmpipe.evaluation.icl_tokens import Encoder
-    from llmpipe.model.mfu import peak_flops_for_name
+    from llmpipe.model.mfu import mpt_param_count, peak_flops_for_name
 
     encoder = Encoder.from_folder(args.tokenizer)
     devices, checks = {}, []
@@ -200,14 +201,26 @@ def fit(args: argparse.Namespace) -> int:
                                                                            encoder)]
         starts = [o["measured_s"] - eval_time.plan_seconds(o["arch"], o["works"], basis)["batches_s"]
                   for o in start_obs]
-        start = sum(starts) / len(starts)
-        basis = eval_time.DeviceBasis(device, start, *(coef[k] for k in eval_time.RATE_KEYS), peak_flops=peak)
+        params = [float(mpt_param_count(o["arch"])["total"]) for o in start_obs]
+        if len(set(params)) > 1:   # models of several sizes: start = a + b x parameters (least squares)
+            import numpy as np
+
+            (start, load), *_ = np.linalg.lstsq(np.array([[1.0, p] for p in params]), np.array(starts), rcond=None)
+            start, load = float(start), max(0.0, float(load))
+        else:
+            start, load = sum(starts) / len(starts), 0.0
+        basis = eval_time.DeviceBasis(device, start, *(coef[k] for k in eval_time.RATE_KEYS), peak_flops=peak,
+                                      load_s_per_param=load)
         rate_rows = ", ".join(chosen["rates"])
         devices[device] = {
             "rows": chosen["rates"] + chosen["start"], "why": chosen["why"], "peak_flops": peak,
             "start_s": {"value": round(start, 2), "unit": "s per eval step",
-                        "derivation": f"mean over {', '.join(chosen['start'])} of the step's seconds minus its planned "
-                                      f"batches: {', '.join(f'{s:.1f}' for s in starts)}"},
+                        "derivation": f"over {', '.join(chosen['start'])}: the step's seconds minus its planned "
+                                      f"batches ({', '.join(f'{s:.1f}' for s in starts)} s), "
+                                      + ("least squares in the model's parameters ("
+                                         + ", ".join(f"{p:.3g}" for p in params) + ")" if load else "their mean")},
+            "load_s_per_param": {"value": load, "unit": "s per model parameter (added to the start)",
+                                 "derivation": "the same fit" if load else "0: the start rows have one model size"},
             "batch_s": {"value": coef["batch_s"], "unit": "s per batch",
                         "derivation": f"non-negative least squares (relative error) over {len(ys)} evaluator times "
                                       f"of {rate_rows}"},

@@ -18,9 +18,10 @@ An evaluation is a start (job start, imports, model load, the datasets' build) a
 
 With several processes the batches are dealt to the ranks, which run at once: the sum divides by the world size.
 
-The constants are per device class (``h200``, ``cpu``) in ``benchmarks/eval-plan-basis.json``, fitted by
-``tools/calibrate_eval_plan.py`` to committed benchmark rows (each constant's rows are named there). Another GPU type
-gets the ``h200`` constants with its own bf16 peak. The start is the file's ``start_s`` for the device class.
+The start is ``start_s + load_s_per_param x parameters`` (the model's load grows with it). The constants are per
+device class (``h200``, ``cpu``) in ``benchmarks/eval-plan-basis.json``, fitted by ``tools/calibrate_eval_plan.py``
+to committed benchmark rows (each constant's rows are named there). Another GPU type gets the ``h200`` constants
+with its own bf16 peak.
 
 This module imports without torch and takes explicit arguments, never the workflow config.
 """
@@ -33,7 +34,7 @@ import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-from llmpipe.model.mfu import flops_per_token, peak_flops_for_name
+from llmpipe.model.mfu import flops_per_token, mpt_param_count, peak_flops_for_name
 
 #: The committed constants of the plan (module docstring), written by ``tools/calibrate_eval_plan.py``.
 EVAL_PLAN_BASIS_JSON = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
@@ -102,7 +103,8 @@ class DeviceBasis:
     """One device class's constants: ``start_s`` (s per job), ``batch_s`` (s per batch), ``forward_s_per_flop``
     (s per forward FLOP on the basis device: 1 / (forward MFU x its bf16 peak), or 1 / measured FLOP/s on the CPU),
     ``decode_s_per_layer`` (s per decoding step and block), the ``device`` class and its bf16 peak in FLOP/s (None
-    for the CPU), and ``source`` (the file's base name)."""
+    for the CPU), ``source`` (the file's base name) and ``load_s_per_param`` (s per model parameter added to the
+    start)."""
 
     device: str
     start_s: float
@@ -112,6 +114,7 @@ class DeviceBasis:
     peak_flops: float | None = None
     source: str = ""
     rows: tuple[str, ...] = field(default_factory=tuple)
+    load_s_per_param: float = 0.0
 
     def for_gpu(self, gpu_type: str, peak_overrides: Mapping[str, float] | None = None) -> DeviceBasis | None:
         """The constants on ``gpu_type``: the forward rate scaled by its bf16 peak over the basis device's (the same
@@ -122,7 +125,7 @@ class DeviceBasis:
         if not peak:
             return None
         return DeviceBasis(str(gpu_type), self.start_s, self.batch_s, self.forward_s_per_flop * self.peak_flops / peak,
-                           self.decode_s_per_layer, peak, self.source, self.rows)
+                           self.decode_s_per_layer, peak, self.source, self.rows, self.load_s_per_param)
 
     @property
     def forward_mfu(self) -> float | None:
@@ -153,7 +156,8 @@ def load_basis(device: str, path: str = EVAL_PLAN_BASIS_JSON,
         return None
     d = devices[key]
     basis = DeviceBasis(key, *(float(d[k]["value"]) for k in ("start_s",) + RATE_KEYS),
-                        peak_flops=d.get("peak_flops"), source=os.path.basename(path), rows=tuple(d.get("rows", ())))
+                        peak_flops=d.get("peak_flops"), source=os.path.basename(path), rows=tuple(d.get("rows", ())),
+                        load_s_per_param=float((d.get("load_s_per_param") or {}).get("value", 0.0)))
     return basis if key == device or device == "cpu" else basis.for_gpu(device, peak_overrides)
 
 
@@ -161,7 +165,7 @@ def plan_seconds(arch: Mapping, works: Sequence[EvaluatorWork], basis: DeviceBas
     """The planned duration of an evaluation that runs ``works`` with the constants ``basis``.
 
     Returns:
-        ``{"seconds": start + batches, "start_s", "batches_s" (first to last eval batch, what ``eval.json``'s
+        ``{"seconds": start + batches, "start_s" (with the model's load), "batches_s" (first to last eval batch, what ``eval.json``'s
         ``timing.batches_s`` measures), "evaluators_s": {label: s}, "tokens": input tokens, "batches": count,
         "basis": one line naming the constants and their file}``. Seconds of several ranks are divided by the world
         size (they run at once).
@@ -172,13 +176,14 @@ def plan_seconds(arch: Mapping, works: Sequence[EvaluatorWork], basis: DeviceBas
         per[w.label] = (n * basis.batch_s + flops * basis.forward_s_per_flop + steps * basis.decode_s_per_layer
                         ) / w.world_size
     batches_s = sum(per.values())
+    start = basis.start_s + basis.load_s_per_param * mpt_param_count(arch)["total"]
     rate = (f"forward at MFU {basis.forward_mfu:.3f} of {basis.device} bf16 peak" if basis.forward_mfu is not None
             else f"forward at {1 / basis.forward_s_per_flop / 1e9:.1f} GFLOP/s (CPU)")
     n_batches = sum(len(w.batches) for w in works)
     tokens = sum(w.tokens for w in works)
-    text = (f"start {basis.start_s:.0f} s + {len(works)} evaluator(s), {n_batches} batches, {tokens:.3g} tokens: "
+    text = (f"start {start:.0f} s + {len(works)} evaluator(s), {n_batches} batches, {tokens:.3g} tokens: "
             f"{rate}, {basis.batch_s * 1e3:.0f} ms per batch"
             + (f", {basis.decode_s_per_layer * 1e3:.2f} ms per decoding step and block" if any(
                 w.new_tokens for w in works) else "") + f" ({basis.source})")
-    return {"seconds": basis.start_s + batches_s, "start_s": basis.start_s, "batches_s": batches_s,
+    return {"seconds": start + batches_s, "start_s": start, "batches_s": batches_s,
             "evaluators_s": per, "tokens": tokens, "batches": n_batches, "basis": text}
