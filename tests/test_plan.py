@@ -242,6 +242,9 @@ def test_dry_run_plans_70b_inference_on_one_node_of_8_gpus(workdir):
     assert re.search(r"rule eval:(?:\n .*)*?\n    resources: .*gpus_per_node=8", proc.stdout), proc.stdout[-3000:]
     assert re.search(r"rule generate:(?:\n .*)*?\n    resources: .*gpus_per_node=8", proc.stdout)
     assert "projection: " in out and re.search(r"start \d+ s \+ 512 new tokens x [\d.]+ ms \(job-overheads-h200", out)
+    # the evaluation's plan: the held-out batches counted, the standard suite's tasks named as not on disk yet
+    assert re.search(r"plan eval mpt-70b: .*; time [\d.]+ minutes \(start \d+ s \+ 1 evaluator\(s\), 20 batches, "
+                     r".* \(eval-plan-basis\.json\); without \d+ task\(s\) not counted yet", out), out[-3000:]
 
 
 def test_inference_gpu_count_follows_the_model_size():
