@@ -36,8 +36,12 @@ def test_bench_alternates_paths_and_records_agreement(tmp_path, monkeypatch):
     assert tool.main(["--model", model, "--run", "mpt-tiny", "--seq", "64", "--task-data", str(data), "--suite",
                       str(suite), "--batch-size", "2", "--out", str(out)]) == 0
     rec = json.loads(out.read_text())
-    assert [(r["path"], r["repeat"]) for r in rec["runs"]] == [("padded", 1), ("trimmed", 1), ("padded", 2),
-                                                               ("trimmed", 2)]
+    assert [(r["path"], r["repeat"]) for r in rec["runs"]] == [
+        (p, k) for k in (1, 2) for p in ("padded", "trimmed", "shared_prefix")]
+    shared = rec["runs"][2]
+    assert shared["accuracy"] == rec["runs"][0]["accuracy"] and shared["tokens_run"] == rec["runs"][1]["tokens_run"]
+    assert set(rec["by_path"]) == {"trimmed", "shared_prefix"} and rec["speedup"] == rec["by_path"]["trimmed"]["speedup"]
+    assert all(a["fraction"] == 1.0 for a in rec["by_path"]["shared_prefix"]["agreement"].values())
     padded, trimmed = rec["runs"][0], rec["runs"][1]
     assert padded["accuracy"] == trimmed["accuracy"] and padded["accuracy"]["mc/0-shot"] == pytest.approx(5 / 7)
     assert set(rec["accuracy_delta_points"].values()) == {0}

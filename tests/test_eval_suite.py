@@ -72,7 +72,7 @@ def context_tasks(d):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("icl_batches", ["trimmed", "padded"])
+@pytest.mark.parametrize("icl_batches", ["trimmed", "padded", "shared_prefix"])
 def test_standin_suite_is_scored_as_hand_computed(tmp_path, monkeypatch, icl_batches):
     """With trimmed and with padded ICL batches, every task type scores its hand-computed accuracy over every item (7 multiple-choice items need 7 batches of
     one question: more than val_batches, which caps the held-out loader only), the subset is recorded, and the

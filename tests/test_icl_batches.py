@@ -84,11 +84,14 @@ def model():
     return MPTForCausalLM(cfg).eval()
 
 
-def per_item(dl, net, ttype):
+def per_item(dl, net, ttype, shared=False):
     """File index -> per-sequence scores, and the tokens the batches held. Right-padded types: each sequence's
     (answer log-likelihood, mean answer log-likelihood, all answer tokens top-1, smallest top-1 margin); generation:
-    the next-token log-probabilities at the last position and the greedy continuation."""
+    the next-token log-probabilities at the last position and the greedy continuation. ``shared``: multiple-choice
+    and schema logits from :func:`llmpipe.evaluation.shared_prefix.prefix_logits`."""
     import torch
+
+    from llmpipe.evaluation.shared_prefix import prefix_logits
 
     order = list(dl.sampler)
     rows_of = getattr(dl.dataset, "item_order", None)
@@ -100,7 +103,10 @@ def per_item(dl, net, ttype):
         items = [rows_of[i] if rows_of else i for i in order[k:k + n]]
         k += n
         with torch.no_grad():
-            logits = net(input_ids=ids, attention_mask=mask).logits.float()
+            if shared and "choice_groupings" in batch:
+                logits = prefix_logits(net, ids, mask, batch["choice_groupings"]).float()
+            else:
+                logits = net(input_ids=ids, attention_mask=mask).logits.float()
         if ttype == "generation_task_with_answers":
             lp = torch.log_softmax(logits[:, -1], dim=-1)
             gen = net.generate(ids, attention_mask=mask, do_sample=False,
@@ -126,6 +132,17 @@ def per_item(dl, net, ttype):
     return out, tokens
 
 
+class Counting:
+    """A model that counts the tokens forwarded through it."""
+
+    def __init__(self, net):
+        self.net, self.tokens = net, 0
+
+    def __call__(self, input_ids, **kwargs):
+        self.tokens += input_ids.numel()
+        return self.net(input_ids=input_ids, **kwargs)
+
+
 def correct(scores, gold):
     """An item's correctness as llm-foundry's metrics decide it, and its decision margin."""
     if gold is None:  # language modelling: every answer token is the top-1 token
@@ -134,19 +151,27 @@ def correct(scores, gold):
     return means[-1][1] == gold, means[-1][0] - means[-2][0]
 
 
-@pytest.mark.parametrize("ttype", ["multiple_choice", "schema", "language_modeling", "generation_task_with_answers"])
-def test_trimmed_batches_score_every_item_as_the_padded_ones(tmp_path, ttype):
+@pytest.mark.parametrize("ttype, shared", [("multiple_choice", False), ("schema", False), ("language_modeling", False),
+                                           ("generation_task_with_answers", False), ("multiple_choice", True),
+                                           ("schema", True)])
+def test_trimmed_batches_score_every_item_as_the_padded_ones(tmp_path, ttype, shared):
     """Per-item log-likelihoods within 1e-5 and the same correctness for every item decided by more than 1e-4, in
     batches that mix a quarter of the context with the full context, an item cut to fit and contexts holding the
     pad/EOS token; generation (left-padded): the same next-token distribution and greedy tokens. The trimmed path
-    runs fewer than half the padded path's tokens."""
+    runs fewer than half the padded path's tokens. ``shared``: the trimmed batches' multiple-choice and schema items
+    forward their common prefix once (``eval.icl_batches: shared_prefix``), with 2 shots so that prefixes are long."""
     import torch
 
     tok, net = tokenizer(), model()
     uri = task_files(tmp_path)[ttype]
-    padded, p_tokens = per_item(loader(ttype, uri, tok, tmp_path / "p.jsonl", False), net, ttype)
-    trimmed_dl = loader(ttype, uri, tok, tmp_path / "t.jsonl", True)
-    trimmed, t_tokens = per_item(trimmed_dl, net, ttype)
+    shots = 2 if shared else 0
+    padded, p_tokens = per_item(loader(ttype, uri, tok, tmp_path / "p.jsonl", False, shots=shots), net, ttype)
+    trimmed_dl = loader(ttype, uri, tok, tmp_path / "t.jsonl", True, shots=shots)
+    counted = Counting(net)
+    trimmed, t_tokens = per_item(trimmed_dl, counted if shared else net, ttype, shared=shared)
+    if shared:   # the choices' common prefixes ran once: far fewer tokens forwarded than the batches hold
+        assert counted.tokens < 0.7 * t_tokens, (counted.tokens, t_tokens)
+        t_tokens = counted.tokens
     assert sorted(padded) == sorted(trimmed) == list(range(24))
     assert sorted(trimmed_dl.dataset.item_order) == list(range(24))
     assert t_tokens < 0.5 * p_tokens, (t_tokens, p_tokens)

@@ -1,4 +1,5 @@
-"""ICL evaluation speed and agreement: padded against trimmed batches (``eval.icl_batches``), one process, one record.
+"""ICL evaluation speed and agreement: padded against trimmed (and shared-prefix) batches (``eval.icl_batches``), one
+process, one record.
 
 Usage (from the repository root; on the GPU machine with the environment of ../shared/tools/gpu-setup.sh sourced):
 
@@ -9,13 +10,16 @@ Usage (from the repository root; on the GPU machine with the environment of ../s
 is ``tools/icl-bench-suite.yaml`` (nine tasks: 0-, 3-, 10- and 25-shot multiple choice, schema, language modelling,
 generation; the first 300 items of each file). The evaluation is the project's own
 (:func:`llmpipe.evaluation.icl_eval.evaluate` with the run's sequence length and ``--batch-size``), run
-``--repeats`` times per path, the paths alternating (padded first), in this one process. Each run's record holds
+``--repeats`` times per path, the paths (``--paths``: padded, trimmed, shared_prefix) alternating, padded first,
+in this one process. Each run's record holds
 eval.json's ``timing`` (``to_first_batch_s``: model load and dataset build; ``batches_s``: first to last eval batch;
 per evaluator seconds and tokens run; ``planned``: the evaluation time plan's first-to-last batch seconds from the
 committed constants, ``llmpipe.plan.eval_time``) and accuracies. The per-item record (a composer callback at every forward)
-compares the first padded run with the first trimmed run item by item: multiple choice and schema by the choice
+compares the first padded run with the first run of each other path item by item: multiple choice and schema by the choice
 with the best mean answer log-likelihood (llm-foundry's rule), language modelling by every answer token being the
-top-1, generation by the generated text. ``speedup``: mean padded ``batches_s`` / mean trimmed ``batches_s``.
+top-1, generation by the generated text. ``by_path``: for each path but padded, ``speedup`` (mean padded
+``batches_s`` / its mean ``batches_s``), ``accuracy_delta_points`` and ``agreement`` against padded; the record's
+top-level ``speedup``, ``accuracy_delta_points`` and ``agreement`` are trimmed's.
 """
 
 from __future__ import annotations
@@ -127,8 +131,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--suite", default=SUITE)
     ap.add_argument("--batch-size", type=int, default=32, help="eval.batch_size (sequences per device)")
     ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--paths", default="padded,trimmed,shared_prefix",
+                    help="eval.icl_batches values to run, comma-separated, padded first (the reference)")
     ap.add_argument("--out", required=True)
     args = ap.parse_args(argv)
+    paths = [p for p in args.paths.split(",") if p]
+    if not paths or paths[0] != "padded" or len(set(paths)) != len(paths):
+        ap.error("--paths: padded first (the reference), each path once")
 
     import torch
 
@@ -151,7 +160,7 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="bench-icl-") as scratch:
         data = heldout_split(os.path.join(scratch, "mds"), sorted({t["dataset_uri"] for t in tasks}))
         for repeat in range(args.repeats):
-            for path in ("padded", "trimmed"):
+            for path in paths:
                 ITEMS.clear()
                 ev = evaluate(settings, os.path.abspath(args.model), data, {t["label"]: t["dataset_uri"] for t in tasks},
                               eval_settings=EvalSettings(batch_size=args.batch_size, val_batches=1, icl_batches=path),
@@ -170,8 +179,11 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"bench_icl_eval: {path} #{repeat + 1}: first to last batch {timing['batches_s']} s "
                       f"(planned {planned} s), to first batch {timing['to_first_batch_s']} s, "
                       f"{runs[-1]['tokens_run_total']} tokens", flush=True)
-    mean = {p: statistics.mean(r["batches_s"] for r in runs if r["path"] == p) for p in ("padded", "trimmed")}
-    acc = {p: next(r["accuracy"] for r in runs if r["path"] == p) for p in ("padded", "trimmed")}
+    mean = {p: statistics.mean(r["batches_s"] for r in runs if r["path"] == p) for p in paths}
+    acc = {p: next(r["accuracy"] for r in runs if r["path"] == p) for p in paths}
+    by_path = {p: {"speedup": round(mean["padded"] / mean[p], 3),
+                   "accuracy_delta_points": {k: round(100 * (acc[p][k] - acc["padded"][k]), 3) for k in acc["padded"]},
+                   "agreement": agreement(items["padded"], items[p])} for p in paths[1:]}
     record = {
         "command": " ".join(["python3", "tools/bench_icl_eval.py", *(argv if argv is not None else sys.argv[1:])]),
         "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
@@ -182,12 +194,14 @@ def main(argv: list[str] | None = None) -> int:
         "batch_size": args.batch_size, "precision": "amp_bf16" if torch.cuda.is_available() else "fp32",
         "suite": suite_cfg,
         "runs": runs,
-        "speedup": round(mean["padded"] / mean["trimmed"], 3),
-        "accuracy_delta_points": {k: round(100 * (acc["trimmed"][k] - acc["padded"][k]), 3) for k in acc["padded"]},
-        "agreement": agreement(items["padded"], items["trimmed"]),
+        "by_path": by_path,
     }
+    if "trimmed" in by_path:   # the record's headline keys: trimmed against padded
+        record.update(by_path["trimmed"])
     atomic_write_json(args.out, record)
-    print(f"bench_icl_eval: speedup {record['speedup']}x (first to last eval batch); record {args.out}", flush=True)
+    for p, r in by_path.items():
+        print(f"bench_icl_eval: {p}: speedup {r['speedup']}x (first to last eval batch)", flush=True)
+    print(f"bench_icl_eval: record {args.out}", flush=True)
     return 0
 
 

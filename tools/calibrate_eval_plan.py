@@ -109,7 +109,8 @@ def works_of(tasks: list[dict], task_data: str, encoder, seq: int, batch_size: i
 
 
 def observations(path: str, task_data: str, encoder) -> list[dict]:
-    """One observation per evaluation in a committed row: ``{"row", "kind": bench | step, "path", "arch", "works",
+    """One observation per evaluation in a committed row (benchmark runs of ``shared_prefix`` left out: the plan
+    counts its batches as trimmed ones, not the prefixes it shares): ``{"row", "kind": bench | step, "path", "arch", "works",
     "measured_s", "evaluators_s"}`` (bench: first-to-last batch seconds and per-evaluator seconds; step: the whole
     step's seconds).
 
@@ -123,6 +124,8 @@ def observations(path: str, task_data: str, encoder) -> list[dict]:
     if "runs" in rec:   # tools/bench_icl_eval.py
         arch = run_arch(rec["run"])
         for r in rec["runs"]:
+            if r["path"] == "shared_prefix":   # its forward is not the batches' (llmpipe.evaluation.shared_prefix)
+                continue
             works = works_of(tasks, task_data, encoder, int(rec["seq"]), int(rec["batch_size"]), r["path"], 1)
             for w in works[1:]:
                 if r["tokens_run"].get(w.label) != w.tokens:
@@ -316,7 +319,7 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--task-data", required=True, help="llm-foundry's scripts/ layout the suite's files are under")
     r.add_argument("--drop", action="append", default=[], help="a task label to leave out of the suite (e.g. one "
                    "whose answers do not fit the run's context); repeatable")
-    r.add_argument("--icl-batches", default="trimmed", choices=("trimmed", "padded"))
+    r.add_argument("--icl-batches", default="trimmed", choices=("trimmed", "padded", "shared_prefix"))
     r.add_argument("--batch-size", type=int, default=None, help="eval.batch_size (default: the config's)")
     r.add_argument("--out", required=True)
     args = ap.parse_args(argv)

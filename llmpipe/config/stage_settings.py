@@ -112,15 +112,17 @@ class EvalSettings:
     val_batches: int
     #: Evaluation batch size per device (sequences).
     batch_size: int
-    #: ICL batching: ``trimmed`` (:mod:`llmpipe.evaluation.icl_batches`) or ``padded`` (llm-foundry's as they are).
+    #: ICL batching: ``trimmed`` (:mod:`llmpipe.evaluation.icl_batches`), ``padded`` (llm-foundry's as they are) or
+    #: ``shared_prefix`` (:mod:`llmpipe.evaluation.shared_prefix`).
     icl_batches: str
 
     def __post_init__(self) -> None:
         from llmpipe.evaluation.icl_batches import ICL_BATCHES
 
         if self.icl_batches not in ICL_BATCHES:
-            raise ConfigError(f"eval.icl_batches must be trimmed or padded, got {self.icl_batches!r}. Fix: set "
-                              f"eval.icl_batches: trimmed (the default) or padded.")
+            raise ConfigError(f"eval.icl_batches must be one of {', '.join(ICL_BATCHES)}, got "
+                              f"{self.icl_batches!r}. Fix: set eval.icl_batches: trimmed (the default), padded or "
+                              f"shared_prefix.")
         if self.batch_size < 1:
             raise ConfigError(f"eval.batch_size must be at least 1, got {self.batch_size}. Fix: set eval.batch_size "
                               f"to a positive number of sequences per device.")

@@ -34,8 +34,10 @@ DEFAULT_METRICS = {
 }
 #: The registered name of the trimmed dataset of each llm-foundry task type.
 TRIMMED_NAMES = {ttype: f"llmpipe_trimmed_{ttype}" for ttype in DEFAULT_METRICS}
-#: ``eval.icl_batches`` values: ``trimmed`` (this module) or ``padded`` (llm-foundry's datasets as they are).
-ICL_BATCHES = ("trimmed", "padded")
+#: ``eval.icl_batches`` values: ``trimmed`` (this module), ``padded`` (llm-foundry's datasets as they are) or
+#: ``shared_prefix`` (trimmed batches whose multiple-choice and schema items forward their common prefix once,
+#: :mod:`llmpipe.evaluation.shared_prefix`).
+ICL_BATCHES = ("trimmed", "padded", "shared_prefix")
 
 
 def kept_columns(batch: dict[str, Any], padding_side: str) -> tuple[int, int]:
@@ -159,15 +161,15 @@ def icl_task_configs(tasks: list[dict], icl_batches: str) -> list[dict]:
 
     Args:
         tasks: llm-foundry task configs (``icl_task_type`` one of :data:`DEFAULT_METRICS`' keys).
-        icl_batches: ``"trimmed"`` (copies naming the trimmed datasets, with the metric llm-foundry would have built)
-            or ``"padded"`` (``tasks`` as they are).
+        icl_batches: ``"trimmed"`` or ``"shared_prefix"`` (copies naming the trimmed datasets, with the metric
+            llm-foundry would have built) or ``"padded"`` (``tasks`` as they are).
 
     Raises:
         ValueError: ``icl_batches`` is not one of :data:`ICL_BATCHES`, or a task type has no trimmed dataset.
     """
     if icl_batches == "padded":
         return tasks
-    if icl_batches != "trimmed":
+    if icl_batches not in ICL_BATCHES:
         raise ValueError(f"eval.icl_batches must be one of {ICL_BATCHES}, got {icl_batches!r}")
     names = register_trimmed_datasets()
     out = []

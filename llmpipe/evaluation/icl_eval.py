@@ -17,7 +17,7 @@ import time
 
 from llmpipe.config.settings import RunSettings
 from llmpipe.config.stage_settings import EvalSettings
-from llmpipe.evaluation import icl_batches, icl_tokens
+from llmpipe.evaluation import icl_batches, icl_tokens, shared_prefix
 from llmpipe.evaluation import suites as eval_tasks
 
 
@@ -104,7 +104,9 @@ def evaluate(settings: RunSettings, model_dir: str, data_dir: str | None, icl_fi
         "log_config": False,
         "models": [{
             "model_name": run,
-            "model": {"name": "hf_causal_lm", "pretrained_model_name_or_path": os.path.abspath(model_dir),
+            "model": {"name": (shared_prefix.register_prefix_model() if eval_settings.icl_batches == "shared_prefix"
+                               else "hf_causal_lm"),
+                      "pretrained_model_name_or_path": os.path.abspath(model_dir),
                       "pretrained": True, "trust_remote_code": True, "use_auth_token": False},
             "tokenizer": {"name": os.path.abspath(model_dir), "kwargs": {"model_max_length": seq}},
         }],

@@ -342,8 +342,8 @@ def batch_shapes(task_type: str, tokens: Sequence[ItemTokens], max_seq_len: int,
     Each dataset (the file, or one category) is batched on its own. Sequence lengths: context + answer, at most
     ``max_seq_len`` (right-padded types; :func:`context_fit`'s cut), or the context cut to ``max_seq_len - A``
     (generation, ``A`` its longest answer). ``padded``: every row is ``max_seq_len`` (generation: ``max_seq_len -
-    A``) wide. ``trimmed`` (:mod:`llmpipe.evaluation.icl_batches`): items sorted by their longest sequence, longest
-    first, and each batch as wide as its longest sequence. Items go to the processes as llm-foundry's
+    A``) wide. ``trimmed`` and ``shared_prefix`` (:mod:`llmpipe.evaluation.icl_batches`): items sorted by their
+    longest sequence, longest first, and each batch as wide as its longest sequence. Items go to the processes as llm-foundry's
     ``DistributedSampler`` (no shuffle) deals them: item ``i`` to rank ``i mod world_size``, the list padded with its
     first items to a multiple of ``world_size``. A batch holds ``batch_size`` items (multiple choice and schema:
     ``max(batch_size, C) // C`` items of ``C`` rows, ``C`` the first item's choice count, llm-foundry's
@@ -358,7 +358,7 @@ def batch_shapes(task_type: str, tokens: Sequence[ItemTokens], max_seq_len: int,
     from llmpipe.evaluation.icl_batches import ICL_BATCHES
 
     if icl_batches not in ICL_BATCHES:
-        raise ValueError(f"icl_batches must be trimmed or padded, got {icl_batches!r}")
+        raise ValueError(f"icl_batches must be one of {ICL_BATCHES}, got {icl_batches!r}")
     if any(t.context is None for t in tokens):
         raise ValueError("batch_shapes needs the items' contexts counted (item_tokens(..., context=True))")
     seq, world = int(max_seq_len), max(1, int(world_size))
@@ -378,7 +378,7 @@ def batch_shapes(task_type: str, tokens: Sequence[ItemTokens], max_seq_len: int,
             choices = len(part[0].answer)
             per_batch = max(batch_size, choices) // choices
         order = list(range(len(rows)))
-        if icl_batches == "trimmed":
+        if icl_batches != "padded":   # trimmed and shared_prefix batch alike
             order.sort(key=lambda i: (-max(rows[i]), i))
         dealt = order + order[: (-len(order)) % world]
         for rank in range(world):
