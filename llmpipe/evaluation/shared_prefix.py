@@ -10,8 +10,9 @@ read (the answer positions) is the one the whole sequence gives; the sums are me
 
 The batches, sampler, metrics and evaluator stay llm-foundry's (the trimmed datasets); only the model's
 ``eval_forward`` of a multiple-choice or schema batch changes (:func:`register_prefix_model`, llm-foundry's ``models``
-registry). Language modelling and generation batches, and any evaluation over several processes (under FSDP every
-rank must call the model equally often), take the stock path.
+registry). Language modelling and generation batches, any evaluation over several processes (under FSDP every
+rank must call the model equally often) and any model but MPT (other models take positions from the cache, not
+from the attention mask) take the stock path.
 """
 
 from __future__ import annotations
@@ -38,66 +39,84 @@ def common_prefix(ids: Any, mask: Any, lengths: Sequence[int]) -> int:
     return min(n, shortest - 1)
 
 
-def repeat_cache(past: Any, n: int) -> Any:
-    """The key/value cache of one sequence for ``n`` sequences: a transformers ``Cache`` through its
-    ``batch_repeat_interleave``, or a nested tuple/list of tensors (MPT's ``past_key_values``: per block, ``(key,
-    value)`` with the batch first) expanded along the first dimension (a view, no copy)."""
-    if hasattr(past, "batch_repeat_interleave"):
-        past.batch_repeat_interleave(n)
-        return past
+def select_cache(past: Any, index: Any) -> Any:
+    """The key/value cache of ``past``'s sequences picked by ``index`` (a tensor of sequence numbers, repeats
+    allowed): MPT's ``past_key_values``, per block ``(key, value)`` tensors with the batch first."""
     if isinstance(past, (tuple, list)):
-        return type(past)(repeat_cache(p, n) for p in past)
-    return past.expand(n, *past.shape[1:])
+        return type(past)(select_cache(p, index) for p in past)
+    return past.index_select(0, index.to(past.device))
 
 
 def prefix_logits(net: Any, input_ids: Any, attention_mask: Any, groups: Sequence[tuple[int, int]]) -> Any:
     """Logits [rows, width, vocabulary] of a right-padded multiple-choice or schema batch, each group's common
     prefix forwarded once.
 
+    Two forwards: the groups' prefixes (one sequence per group, right-padded to the longest prefix, the padding
+    masked), then every row's rest on the cached keys and values of its group's prefix, with the attention mask of
+    both (the prefix's padding stays masked). MPT counts positions from the attention mask (a masked column takes no
+    position), so every kept column has the position and the context it has in the whole batch.
+
     Args:
-        net: a Hugging Face causal LM (``net(input_ids=..., attention_mask=..., past_key_values=..., use_cache=...)``
-            returning ``.logits`` and ``.past_key_values``; the mask covers the cached columns too).
+        net: an MPT causal LM (llm-foundry's ``MPTForCausalLM``: ``net(input_ids=..., attention_mask=...,
+            past_key_values=..., use_cache=...)``; the mask covers the cached columns too).
         input_ids: [rows, width] token ids, each row's real tokens first.
         attention_mask: [rows, width], as llm-foundry builds it (0 for padding, and for a pad/EOS token inside a
-            context); passed through, so every kept position sees what it sees in the whole batch.
+            context); passed through.
         groups: ``[start, end)`` rows of each item (llm-foundry's ``choice_groupings``), covering every row.
 
     Returns:
-        Logits at every column up to each group's last attended one (later columns are zeros: padding, which no
-        metric reads), in the dtype the model computes.
+        Logits at every column up to each row's last attended one (later columns are zeros: padding, which no metric
+        reads), in the dtype the model computes. A batch where some group shares no column is forwarded whole;
+        one whose longest prefix and longest rest together exceed the model's ``max_seq_len`` shares the shortest
+        group prefix in every group.
     """
     import torch
 
     rows, width = input_ids.shape
-    cols = torch.arange(width, device=attention_mask.device)
-    lengths = ((attention_mask != 0) * (cols + 1)).max(dim=1).values.tolist()   # through the last attended column
-    out = None
-    for a, b in groups:
-        a, b = int(a), int(b)
-        lens = [max(1, int(n)) for n in lengths[a:b]]
-        p = common_prefix(input_ids[a:b], attention_mask[a:b], lens)
-        top = max(lens)
-        parts = []
-        past = None
-        if p:
-            pre = net(input_ids=input_ids[a:a + 1, :p], attention_mask=attention_mask[a:a + 1, :p], use_cache=True)
-            parts.append((slice(0, p), pre.logits.expand(b - a, -1, -1)))
-            past = repeat_cache(pre.past_key_values, b - a)
-        rest = net(input_ids=input_ids[a:b, p:top], attention_mask=attention_mask[a:b, :top], past_key_values=past,
-                   use_cache=False)
-        parts.append((slice(p, top), rest.logits))
-        if out is None:
-            out = torch.zeros(rows, width, parts[-1][1].shape[-1], dtype=parts[-1][1].dtype,
-                              device=parts[-1][1].device)
-        for span, logits in parts:
-            out[a:b, span] = logits.to(out.dtype)
+    dev = input_ids.device
+    cols = torch.arange(width, device=dev)
+    mask = attention_mask.to(dev)
+    lengths = [max(1, int(n)) for n in ((mask != 0) * (cols + 1)).max(dim=1).values.tolist()]
+    spans = [(int(a), int(b)) for a, b in groups]
+    shared = [common_prefix(input_ids[a:b], mask[a:b], lengths[a:b]) for a, b in spans]
+    if not spans or min(shared) == 0:
+        return net(input_ids=input_ids, attention_mask=mask).logits
+    group_of = torch.empty(rows, dtype=torch.long, device=dev)
+    for g, (a, b) in enumerate(spans):
+        group_of[a:b] = g
+    limit = int(getattr(getattr(net, "config", None), "max_seq_len", width) or width)
+    if max(shared) + max(lengths[r] - shared[int(group_of[r])] for r in range(rows)) > limit:
+        # the cached columns and the rest must fit MPT's context (its positions check counts the masked ones too):
+        # one prefix length for every group keeps them within the batch's width
+        shared = [min(shared)] * len(spans)
+    top = max(shared)
+    firsts = torch.tensor([a for a, _ in spans], device=dev)
+    pre_ids = input_ids[firsts, :top]
+    pre_mask = mask[firsts, :top] * (cols[:top].unsqueeze(0) < torch.tensor(shared, device=dev).unsqueeze(1))
+    pre = net(input_ids=pre_ids, attention_mask=pre_mask, use_cache=True)
+    rest_len = [lengths[r] - shared[int(group_of[r])] for r in range(rows)]
+    s = max(rest_len)
+    suf_ids = input_ids.new_zeros(rows, s)
+    suf_mask = mask.new_zeros(rows, s)
+    for r in range(rows):
+        p = shared[int(group_of[r])]
+        suf_ids[r, :rest_len[r]] = input_ids[r, p:lengths[r]]
+        suf_mask[r, :rest_len[r]] = mask[r, p:lengths[r]]
+    rest = net(input_ids=suf_ids, attention_mask=torch.cat([pre_mask[group_of], suf_mask], dim=1),
+               past_key_values=select_cache(pre.past_key_values, group_of), use_cache=False)
+    out = torch.zeros(rows, width, rest.logits.shape[-1], dtype=rest.logits.dtype, device=rest.logits.device)
+    for g, (a, b) in enumerate(spans):
+        out[a:b, :shared[g]] = pre.logits[g, :shared[g]].to(out.dtype)
+    for r in range(rows):
+        p = shared[int(group_of[r])]
+        out[r, p:lengths[r]] = rest.logits[r, :rest_len[r]].to(out.dtype)
     return out
 
 
 def register_prefix_model() -> str:
     """Register (once) llm-foundry's ``hf_causal_lm`` with a prefix-sharing ``eval_forward`` for multiple-choice and
-    schema batches (:func:`prefix_logits`) under :data:`PREFIX_MODEL`; return the name. Other batches, and every
-    batch when more than one process runs, take the stock ``eval_forward``."""
+    schema batches of an MPT model (:func:`prefix_logits`) under :data:`PREFIX_MODEL`; return the name. Other
+    batches and models, and every batch when more than one process runs, take the stock ``eval_forward``."""
     from composer.utils import dist
     from llmfoundry.registry import models
 
@@ -110,7 +129,7 @@ def register_prefix_model() -> str:
 
         def eval_forward(self, batch, outputs=None):
             if (outputs is not None or batch.get("mode") != "icl_task" or "choice_groupings" not in batch
-                    or dist.get_world_size() > 1):
+                    or dist.get_world_size() > 1 or getattr(self.model.config, "model_type", None) != "mpt"):
                 return super().eval_forward(batch, outputs)
             # as composer's HuggingFaceModel.eval_forward for an ICL batch: labels popped and shifted
             self.labels = batch.pop("labels")
