@@ -97,14 +97,8 @@ def works_of(tasks: list[dict], task_data: str, encoder, seq: int, batch_size: i
         items = icl_tokens.read_items(os.path.join(task_data, t["dataset_uri"]))
         if t.get("subset_items") is not None:
             items = items[: int(t["subset_items"])]
-        task = foundry_task(t)
-        width = int(t.get("max_seq_len") or seq)
-        for k in t.get("num_fewshot", [0]):
-            tokens = icl_tokens.item_tokens(task, items, encoder, num_fewshot=int(k))
-            if icl_tokens.context_fit(task["icl_task_type"], tokens, width)["items_too_long"]:
-                continue   # not scored: the evaluation leaves it out (llmpipe.evaluation.icl_tokens.task_fits)
-            works.append(eval_time.icl_work(f"{t['label']}/{int(k)}-shot", task["icl_task_type"], tokens, width,
-                                            batch_size, icl_batches))
+        works.extend(eval_time.task_works(t["label"], foundry_task(t), items, encoder, t.get("num_fewshot", [0]),
+                                          int(t.get("max_seq_len") or seq), batch_size, icl_batches) or [])
     return works
 
 
@@ -190,8 +184,9 @@ def fit(args: argparse.Namespace) -> int:
     devices, checks = {}, []
     for device, chosen in ROWS.items():
         peak = None if device == "cpu" else peak_flops_for_name(device, "bf16")
-        rate_obs = [o for name in chosen["rates"] for o in observations(os.path.join(BENCH, name), args.task_data,
-                                                                          encoder)]
+        names = list(dict.fromkeys(chosen["rates"] + chosen["start"] + chosen["checks"]))
+        obs = {name: observations(os.path.join(BENCH, name), args.task_data, encoder) for name in names}
+        rate_obs = [o for name in chosen["rates"] for o in obs[name]]
         xs, ys = [], []
         for o in rate_obs:
             for w in o["works"][1:]:
@@ -200,8 +195,7 @@ def fit(args: argparse.Namespace) -> int:
                     ys.append(float(o["evaluators_s"][w.label]))
         coef = dict(zip(eval_time.RATE_KEYS, nnls(xs, ys)))
         basis = eval_time.DeviceBasis(device, 0.0, *(coef[k] for k in eval_time.RATE_KEYS), peak_flops=peak)
-        start_obs = [o for name in chosen["start"] for o in observations(os.path.join(BENCH, name), args.task_data,
-                                                                           encoder)]
+        start_obs = [o for name in chosen["start"] for o in obs[name]]
         starts = [o["measured_s"] - eval_time.plan_seconds(o["arch"], o["works"], basis)["batches_s"]
                   for o in start_obs]
         params = [float(mpt_param_count(o["arch"])["total"]) for o in start_obs]
@@ -237,8 +231,8 @@ def fit(args: argparse.Namespace) -> int:
                                    "derivation": "the same fit"},
         }
         in_sample = set(chosen["rates"]) | set(chosen["start"])
-        for name in dict.fromkeys(chosen["rates"] + chosen["start"] + chosen["checks"]):
-            for o in observations(os.path.join(BENCH, name), args.task_data, encoder):
+        for name in names:
+            for o in obs[name]:
                 p = eval_time.plan_seconds(o["arch"], o["works"], basis)
                 pairs = [("first to last eval batch", o["measured_s"], p["batches_s"])] if o["kind"] == "bench" else [
                     ("eval step", o["measured_s"], p["seconds"])] + (

@@ -187,21 +187,14 @@ def _task_works(path: str, mtime_ns: int, size: int, tok_dir: str, tok_mtime_ns:
     """:func:`planned_works` of one task file (cached per file, tokenizer, task and settings: the DAG asks once per
     job); None when an answer leaves no context token (the task is not scored)."""
     from llmpipe.evaluation import icl_tokens
-    from llmpipe.plan.eval_time import icl_work
+    from llmpipe.plan.eval_time import task_works
 
-    task = json.loads(task_json)
     items = icl_tokens.read_items(path)
     if subset is not None:
         items = items[:int(subset)]
-    encoder = icl_tokens.Encoder.from_folder(tok_dir)
-    out = []
-    for k in shots:
-        tokens = icl_tokens.item_tokens(task, items, encoder, num_fewshot=k, fewshot="mean")
-        if icl_tokens.context_fit(task["icl_task_type"], tokens, seq)["items_too_long"]:
-            return None
-        out.append(icl_work(f"{label}/{k}-shot", task["icl_task_type"], tokens, seq, batch_size, icl_batches,
-                            world_size))
-    return tuple(out)
+    works = task_works(label, json.loads(task_json), items, icl_tokens.Encoder.from_folder(tok_dir), shots, seq,
+                       batch_size, icl_batches, world_size, fewshot="mean")
+    return None if works is None else tuple(works)
 
 
 # ------------------------------------------------------------------------------------------- where the data is

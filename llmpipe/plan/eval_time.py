@@ -32,7 +32,7 @@ import functools
 import json
 import os
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from llmpipe.model.mfu import flops_per_token, mpt_param_count, peak_flops_for_name
 
@@ -78,6 +78,36 @@ def icl_work(label: str, task_type: str, tokens: Sequence, max_seq_len: int, bat
     return EvaluatorWork(label, tuple(shapes), int(new), max(1, int(world_size)))
 
 
+def task_works(label: str, task: Mapping, items: Sequence[Mapping], encoder, shots: Sequence[int], max_seq_len: int,
+               batch_size: int, icl_batches: str, world_size: int = 1,
+               fewshot: str = "drawn") -> list[EvaluatorWork] | None:
+    """The :class:`EvaluatorWork` of one ICL task at each of its ``shots`` (labels ``<label>/<k>-shot``), or None when
+    an answer leaves no context token (the evaluation leaves the task out:
+    :func:`llmpipe.evaluation.icl_tokens.task_fits`).
+
+    Args:
+        task: the task as handed to llm-foundry (``icl_task_type`` and its keys).
+        items: the items it is scored on, in file order.
+        encoder: the evaluation's tokenizer (:class:`llmpipe.evaluation.icl_tokens.Encoder`).
+        fewshot: as :func:`llmpipe.evaluation.icl_tokens.item_tokens` (``mean`` in the dry run).
+        max_seq_len, batch_size, icl_batches, world_size: as :func:`icl_work`.
+
+    Raises:
+        ValueError: as :func:`llmpipe.evaluation.icl_tokens.item_tokens` and :func:`icl_work`.
+    """
+    from llmpipe.evaluation.icl_tokens import context_fit, item_tokens
+
+    ttype = task["icl_task_type"]
+    out = []
+    for k in shots:
+        tokens = item_tokens(task, items, encoder, num_fewshot=int(k), fewshot=fewshot)
+        if context_fit(ttype, tokens, max_seq_len)["items_too_long"]:
+            return None
+        out.append(icl_work(f"{label}/{int(k)}-shot", ttype, tokens, max_seq_len, batch_size, icl_batches,
+                            world_size))
+    return out
+
+
 def heldout_work(batches: int, batch_size: int, seq_len: int, world_size: int = 1) -> EvaluatorWork:
     """The held-out split's evaluator: ``batches`` full batches of ``batch_size`` sequences of ``seq_len`` tokens
     (none for ``batches`` <= 0: the split's size is unknown before it is built)."""
@@ -113,7 +143,6 @@ class DeviceBasis:
     decode_s_per_layer: float
     peak_flops: float | None = None
     source: str = ""
-    rows: tuple[str, ...] = field(default_factory=tuple)
     load_s_per_param: float = 0.0
 
     def for_gpu(self, gpu_type: str, peak_overrides: Mapping[str, float] | None = None) -> DeviceBasis | None:
@@ -125,7 +154,7 @@ class DeviceBasis:
         if not peak:
             return None
         return DeviceBasis(str(gpu_type), self.start_s, self.batch_s, self.forward_s_per_flop * self.peak_flops / peak,
-                           self.decode_s_per_layer, peak, self.source, self.rows, self.load_s_per_param)
+                           self.decode_s_per_layer, peak, self.source, self.load_s_per_param)
 
     @property
     def forward_mfu(self) -> float | None:
@@ -156,7 +185,7 @@ def load_basis(device: str, path: str = EVAL_PLAN_BASIS_JSON,
         return None
     d = devices[key]
     basis = DeviceBasis(key, *(float(d[k]["value"]) for k in ("start_s",) + RATE_KEYS),
-                        peak_flops=d.get("peak_flops"), source=os.path.basename(path), rows=tuple(d.get("rows", ())),
+                        peak_flops=d.get("peak_flops"), source=os.path.basename(path),
                         load_s_per_param=float((d.get("load_s_per_param") or {}).get("value", 0.0)))
     return basis if key == device or device == "cpu" else basis.for_gpu(device, peak_overrides)
 
