@@ -15,6 +15,17 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 SNAKEMAKE = [sys.executable, "-m", "snakemake"]
 
+
+def load_tool(name: str):
+    """A fresh module object of ``tools/<name>.py`` (the tools are scripts, not a package the tests import once)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(name, REPO / "tools" / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
 def project_config() -> dict:
     """config/config.yaml as a workflow run sees it: typed, checked, the schema's defaults filled in
     (:func:`llmpipe.config.schema.load_config`)."""

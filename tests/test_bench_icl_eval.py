@@ -4,14 +4,13 @@ accuracies and item-by-item agreement."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 
 import pytest
 import yaml
 
-from tests.conftest import REPO
+from tests.conftest import load_tool
 from tests.helpers.repeat_model import write_repeat_model
 from tests.test_eval_suite import context_tasks, standin_tasks
 
@@ -21,9 +20,7 @@ pytestmark = pytest.mark.slow
 def test_bench_alternates_paths_and_records_agreement(tmp_path, monkeypatch):
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "NODE_RANK", "MASTER_ADDR", "MASTER_PORT"):
         monkeypatch.delenv(key, raising=False)
-    spec = importlib.util.spec_from_file_location("bench_icl_eval", REPO / "tools" / "bench_icl_eval.py")
-    tool = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(tool)
+    tool = load_tool("bench_icl_eval")
     data = tmp_path / "foundry"
     data.mkdir()
     tasks = [t for t in standin_tasks(data) + context_tasks(data) if t["label"] != "long"]

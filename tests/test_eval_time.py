@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 
@@ -10,7 +9,7 @@ import pytest
 
 from llmpipe.model.mfu import flops_per_token, mpt_param_count, peak_flops_for_name
 from llmpipe.plan import eval_time
-from tests.conftest import REPO
+from tests.conftest import REPO, load_tool
 from tests.test_eval_suite import standin_tasks, write_tokenizer_folder
 
 ARCH = {"d_model": 64, "n_heads": 4, "n_layers": 3, "max_seq_len": 128, "vocab_size": 100}
@@ -86,17 +85,10 @@ def test_committed_basis_loads_for_the_shipped_devices():
         assert any(not c["in_sample"] for c in raw["checks"] if c["device"] == device)
 
 
-def load_tool():
-    spec = importlib.util.spec_from_file_location("calibrate_eval_plan", REPO / "tools" / "calibrate_eval_plan.py")
-    tool = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(tool)
-    return tool
-
-
 def test_calibration_recovers_the_constants_that_made_the_rows(tmp_path, monkeypatch):
     """Stand-in benchmark and step rows whose times were made by known constants: the fit finds them again, every
     check is on the mark, and a row whose recorded tokens differ from the rebuilt batches is refused."""
-    tool = load_tool()
+    tool = load_tool("calibrate_eval_plan")
     data = tmp_path / "foundry"
     data.mkdir()
     tasks = standin_tasks(data)

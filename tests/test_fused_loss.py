@@ -10,7 +10,6 @@ llm-foundry's ``train()``) and be the stock model in eval mode.
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import socket
 import warnings
@@ -26,7 +25,7 @@ from llmfoundry.models.mpt.modeling_mpt import compute_loss_from_logits  # noqa:
 
 import llmpipe.model.attention as A  # noqa: E402
 from llmpipe.model import fused_loss as FL  # noqa: E402
-from tests.conftest import REPO, retire_process_groups  # noqa: E402
+from tests.conftest import load_tool, retire_process_groups  # noqa: E402
 
 V, D = 101, 24
 
@@ -618,11 +617,7 @@ def test_convert_config_has_no_fused_loss_keys():
 
 
 def _bench():
-    spec = importlib.util.spec_from_file_location('bench_train_throughput',
-                                                  REPO / 'tools' / 'bench_train_throughput.py')
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_tool('bench_train_throughput')
 
 
 def test_bench_builds_every_variant(tmp_path):

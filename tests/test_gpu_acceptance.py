@@ -5,13 +5,12 @@ finds every phase finished. The acceptance suite reads stand-in files of the fou
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import subprocess
 
 import pytest
 
-from tests.conftest import REPO
+from tests.conftest import REPO, load_tool
 from tests.test_eval_suite import write_jsonl
 
 pytestmark = pytest.mark.slow
@@ -38,10 +37,7 @@ def _standin_foundry_files(root):
 
 
 def _tool():
-    spec = importlib.util.spec_from_file_location("gpu_acceptance", REPO / "tools" / "gpu_acceptance.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_tool("gpu_acceptance")
 
 
 def test_acceptance_tool_runs_kills_resumes_and_records(tmp_path, monkeypatch):

@@ -1,7 +1,6 @@
 """Steady-state throughput and the live step log (llmpipe/train/throughput.py, fed by RunMonitor in llmpipe/train/pretrain.py)."""
 from __future__ import annotations
 
-import importlib.util
 import shutil
 import signal
 import time
@@ -11,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from llmpipe.train.throughput import StepTimer, format_eta, warmup_batches
+from tests.conftest import load_tool
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -90,10 +90,7 @@ def test_progress_line_has_batch_loss_rate_mfu_memory_and_eta():
 # ------------------------------------------------------------------- the benchmark's steady state is train.json's
 
 def _bench():
-    spec = importlib.util.spec_from_file_location("bench_train_throughput", REPO / "tools" / "bench_train_throughput.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_tool("bench_train_throughput")
 
 
 def _state(batch: int, max_batches: int, per_batch: int):
