@@ -21,6 +21,7 @@ def test_bench_alternates_paths_and_records_agreement(tmp_path, monkeypatch):
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "NODE_RANK", "MASTER_ADDR", "MASTER_PORT"):
         monkeypatch.delenv(key, raising=False)
     tool = load_tool("bench_icl_eval")
+    real_write = tool.atomic_write_json
     data = tmp_path / "foundry"
     data.mkdir()
     tasks = [t for t in standin_tasks(data) + context_tasks(data) if t["label"] != "long"]
@@ -30,9 +31,16 @@ def test_bench_alternates_paths_and_records_agreement(tmp_path, monkeypatch):
     suite.write_text(yaml.safe_dump({"eval": {"suites": {"standin": {"icl_tasks": tasks, "eval_gauntlet": None}}}}))
     out = tmp_path / "record.json"
     model = write_repeat_model(str(tmp_path / "model"))
+    written = []
+    monkeypatch.setattr(tool, "atomic_write_json", lambda path, rec: (
+        written.append((len(rec["runs"]), rec["complete"], sorted(rec["by_path"]))), real_write(path, rec)))
     assert tool.main(["--model", model, "--run", "mpt-tiny", "--seq", "64", "--task-data", str(data), "--suite",
                       str(suite), "--batch-size", "2", "--out", str(out)]) == 0
     rec = json.loads(out.read_text())
+    # rewritten after each of the six runs, complete only at the last; the first partial record has no comparison yet
+    assert [w[:2] for w in written] == [(k, False) for k in range(1, 7)] + [(6, True)]
+    assert written[0][2] == [] and written[1][2] == ["trimmed"]
+    assert rec["complete"] and rec["runs_planned"] == 6
     assert [(r["path"], r["repeat"]) for r in rec["runs"]] == [
         (p, k) for k in (1, 2) for p in ("padded", "trimmed", "shared_prefix")]
     shared = rec["runs"][2]

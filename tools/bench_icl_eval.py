@@ -11,8 +11,8 @@ is ``tools/icl-bench-suite.yaml`` (nine tasks: 0-, 3-, 10- and 25-shot multiple 
 generation; the first 300 items of each file). The evaluation is the project's own
 (:func:`llmpipe.evaluation.icl_eval.evaluate` with the run's sequence length and ``--batch-size``), run
 ``--repeats`` times per path, the paths (``--paths``: padded, trimmed, shared_prefix) alternating, padded first,
-in this one process. Each run's record holds
-eval.json's ``timing`` (``to_first_batch_s``: model load and dataset build; ``batches_s``: first to last eval batch;
+in this one process; the record is rewritten after every run, ``complete: false`` until the last. Each run's
+record holds eval.json's ``timing`` (``to_first_batch_s``: model load and dataset build; ``batches_s``: first to last eval batch;
 per evaluator seconds and tokens run; ``planned``: the evaluation time plan's first-to-last batch seconds from the
 committed constants, ``llmpipe.plan.eval_time``) and accuracies. The per-item record (a composer callback at every forward)
 compares the first padded run with the first run of each other path item by item: multiple choice and schema by the choice
@@ -121,6 +121,39 @@ def agreement(padded: dict, trimmed: dict) -> dict:
     return out
 
 
+def build_record(args, argv, settings, suite_cfg, paths: list[str], runs: list[dict], items: dict,
+                 complete: bool) -> dict:
+    """The benchmark's record from the runs so far. ``complete`` is False while runs are still to come (the record is
+    rewritten after every run, so a run cut short keeps what finished); ``by_path`` then covers the paths that ran."""
+    import torch
+
+    from tools.gpu_acceptance import stack
+
+    ran = [p for p in paths if any(r["path"] == p for r in runs)]
+    mean = {p: statistics.mean(r["batches_s"] for r in runs if r["path"] == p) for p in ran}
+    acc = {p: next(r["accuracy"] for r in runs if r["path"] == p) for p in ran}
+    by_path = {p: {"speedup": round(mean["padded"] / mean[p], 3),
+                   "accuracy_delta_points": {k: round(100 * (acc[p][k] - acc["padded"][k]), 3) for k in acc["padded"]},
+                   "agreement": agreement(items["padded"], items[p])} for p in ran[1:]}
+    record = {
+        "command": " ".join(["python3", "tools/bench_icl_eval.py", *(argv if argv is not None else sys.argv[1:])]),
+        "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "host": platform.node(),
+        "commit": os.environ.get("LLMPIPE_COMMIT"),
+        "stack": stack(),
+        "model": os.path.abspath(args.model), "run": args.run, "seq": int(settings.data.concat_tokens),
+        "batch_size": args.batch_size, "precision": "amp_bf16" if torch.cuda.is_available() else "fp32",
+        "complete": complete,
+        "runs_planned": len(paths) * args.repeats,
+        "suite": suite_cfg,
+        "runs": runs,
+        "by_path": by_path,
+    }
+    if "trimmed" in by_path:   # the record's headline keys: trimmed against padded
+        record.update(by_path["trimmed"])
+    return record
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the benchmark and write the record (module docstring); return 0."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -139,13 +172,10 @@ def main(argv: list[str] | None = None) -> int:
     if not paths or paths[0] != "padded" or len(set(paths)) != len(paths):
         ap.error("--paths: padded first (the reference), each path once")
 
-    import torch
-
     from llmpipe.config.runs import run_settings
     from llmpipe.config.schema import load_config
     from llmpipe.config.stage_settings import EvalSettings
     from llmpipe.evaluation.icl_eval import evaluate
-    from tools.gpu_acceptance import stack
 
     with open(args.suite) as fh:
         suite_cfg = yaml.safe_load(fh)
@@ -179,26 +209,11 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"bench_icl_eval: {path} #{repeat + 1}: first to last batch {timing['batches_s']} s "
                       f"(planned {planned} s), to first batch {timing['to_first_batch_s']} s, "
                       f"{runs[-1]['tokens_run_total']} tokens", flush=True)
-    mean = {p: statistics.mean(r["batches_s"] for r in runs if r["path"] == p) for p in paths}
-    acc = {p: next(r["accuracy"] for r in runs if r["path"] == p) for p in paths}
-    by_path = {p: {"speedup": round(mean["padded"] / mean[p], 3),
-                   "accuracy_delta_points": {k: round(100 * (acc[p][k] - acc["padded"][k]), 3) for k in acc["padded"]},
-                   "agreement": agreement(items["padded"], items[p])} for p in paths[1:]}
-    record = {
-        "command": " ".join(["python3", "tools/bench_icl_eval.py", *(argv if argv is not None else sys.argv[1:])]),
-        "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "host": platform.node(),
-        "commit": os.environ.get("LLMPIPE_COMMIT"),
-        "stack": stack(),
-        "model": os.path.abspath(args.model), "run": args.run, "seq": int(settings.data.concat_tokens),
-        "batch_size": args.batch_size, "precision": "amp_bf16" if torch.cuda.is_available() else "fp32",
-        "suite": suite_cfg,
-        "runs": runs,
-        "by_path": by_path,
-    }
-    if "trimmed" in by_path:   # the record's headline keys: trimmed against padded
-        record.update(by_path["trimmed"])
+                atomic_write_json(args.out, build_record(args, argv, settings, suite_cfg, paths, runs, items,
+                                                         complete=False))
+    record = build_record(args, argv, settings, suite_cfg, paths, runs, items, complete=True)
     atomic_write_json(args.out, record)
+    by_path = record["by_path"]
     for p, r in by_path.items():
         print(f"bench_icl_eval: {p}: speedup {r['speedup']}x (first to last eval batch)", flush=True)
     print(f"bench_icl_eval: record {args.out}", flush=True)
