@@ -121,8 +121,8 @@ class EvalSettings:
 
         if self.icl_batches not in ICL_BATCHES:
             raise ConfigError(f"eval.icl_batches must be one of {', '.join(ICL_BATCHES)}, got "
-                              f"{self.icl_batches!r}. Fix: set eval.icl_batches: trimmed (the default), padded or "
-                              f"shared_prefix.")
+                              f"{self.icl_batches!r}. Fix: set eval.icl_batches: shared_prefix (the default), trimmed "
+                              f"or padded.")
         if self.batch_size < 1:
             raise ConfigError(f"eval.batch_size must be at least 1, got {self.batch_size}. Fix: set eval.batch_size "
                               f"to a positive number of sequences per device.")
