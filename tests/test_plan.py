@@ -12,7 +12,7 @@ import re
 import pytest
 
 from llmpipe.plan import memory_time as plan
-from llmpipe.config.runs import run_config, run_settings, step_resources
+from llmpipe.config.runs import inference_plan, run_config, run_settings, step_resources
 from llmpipe.config.settings import ConfigError
 from tests.conftest import REPO, project_config, snakemake
 
@@ -245,6 +245,30 @@ def test_dry_run_plans_70b_inference_on_one_node_of_8_gpus(workdir):
     # the evaluation's plan: the held-out batches counted, the standard suite's tasks named as not on disk yet
     assert re.search(r"plan eval mpt-70b: .*; time [\d.]+ minutes \(start \d+ s \+ 1 evaluator\(s\), 20 batches, "
                      r".* \(eval-plan-basis\.json\); without \d+ task\(s\) not counted yet", out), out[-3000:]
+
+
+def test_shared_prefix_eval_plans_its_cache_on_one_gpu_only():
+    """eval.icl_batches: shared_prefix adds the prefixes' KV cache and its per-sequence copy (1.5 x the batch's
+    sequences of the whole context, K and V in bf16 per block) and a second bf16 logits buffer on one GPU; several
+    GPUs take the trimmed forward, so their plan is unchanged; the dry run's eval line shows the cache."""
+    config = project_config()
+    rc = run_config(config, "mpt-1b")
+    arch, seq = rc["arch"], rc["data"]["concat_tokens"]
+    batch = config["eval"]["batch_size"]
+    base = plan.inference_memory(rc, step="eval", batch_size=batch)
+    shared = plan.inference_memory(rc, step="eval", batch_size=batch, shared_prefix=True)
+    per_seq = 2 * arch["n_layers"] * seq * arch["d_model"] * 2
+    assert base["kv_cache_gb"] == 0
+    assert shared["kv_cache_gb"] * 2**30 == pytest.approx(1.5 * batch * per_seq)
+    assert shared["logits_gb"] == pytest.approx(base["logits_gb"] * 8 / 6)
+    assert plan.inference_memory(rc, step="eval", batch_size=batch, gpus=2, shared_prefix=True) == \
+        plan.inference_memory(rc, step="eval", batch_size=batch, gpus=2)
+    assert plan.inference_memory(rc, step="generate", shared_prefix=True) == plan.inference_memory(rc, step="generate")
+    config["gpu_type"] = "h200"
+    for icl_batches, kv in (("shared_prefix", shared["kv_cache_gb"]), ("trimmed", 0.0)):
+        config["eval"]["icl_batches"] = icl_batches
+        mem = inference_plan(config, "eval", "mpt-1b")["memory"]
+        assert mem["kv_cache_gb"] == pytest.approx(kv)
 
 
 def test_inference_gpu_count_follows_the_model_size():

@@ -439,7 +439,8 @@ def inference_plan(config: dict, step: str, run: str) -> dict | None:
     return inference_placement.plan_gpus(
         rc, step, capacity_gb=gpu_memory(config),
         section_gpus=int(section["gpus_per_node"] or 0), node_gpus=node, requested=override.get("gpus_per_node"),
-        batch_size=int(config["eval"]["batch_size"]) if step == "eval" else 1)
+        batch_size=int(config["eval"]["batch_size"]) if step == "eval" else 1,
+        shared_prefix=step == "eval" and config["eval"]["icl_batches"] == "shared_prefix")
 
 
 def gpu_memory(config: dict) -> float:

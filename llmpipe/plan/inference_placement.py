@@ -49,7 +49,7 @@ HBM_TB_S: dict[str, float] = {
 
 
 def plan_gpus(rc: Mapping, step: str, *, capacity_gb: float, section_gpus: int, node_gpus: int,
-              requested: int | None = None, batch_size: int = 1) -> dict:
+              requested: int | None = None, batch_size: int = 1, shared_prefix: bool = False) -> dict:
     """The GPUs an ``eval`` or ``generate`` job of the run gets, and its per-GPU memory plan there.
 
     Args:
@@ -60,11 +60,12 @@ def plan_gpus(rc: Mapping, step: str, *, capacity_gb: float, section_gpus: int, 
         node_gpus: the GPUs of one node of the run (``models.<run>.resources.gpus_per_node``).
         requested: the run's ``step_resources.<step>.gpus_per_node`` when set (wins over the plan).
         batch_size: evaluation's ``eval.batch_size`` (sequences per GPU); generation 1.
+        shared_prefix: evaluation with ``eval.icl_batches: shared_prefix`` (its cache counts on one GPU only).
 
     Returns:
         ``{'gpus': N, 'source': 'override' | 'one GPU fits' | 'node', 'memory': inference_memory(...) over N GPUs}``.
     """
-    one = inference_memory(rc, step=step, batch_size=batch_size, gpus=1)
+    one = inference_memory(rc, step=step, batch_size=batch_size, gpus=1, shared_prefix=shared_prefix)
     if requested is not None:
         n, source = int(requested), 'override'
     elif one['total_gb'] <= TIGHT * capacity_gb:

@@ -23,7 +23,11 @@ Memory per GPU, in GiB (2**30 bytes), for training (``train_memory``) and infere
   (10 bytes per token x vocabulary).
 * **Inference**: the weights in the step's dtype (generation: bf16; evaluation: fp32, as llm-foundry's
   ``hf_causal_lm`` loads them under ``amp_bf16``), generation's KV cache (K and V, bf16, per layer, for the whole
-  context), one layer's activations of evaluation's batch and one forward's logits (bf16 and fp32).
+  context), one layer's activations of evaluation's batch and one forward's logits (bf16 and fp32). Evaluation
+  with shared prefixes on one GPU (``eval.icl_batches: shared_prefix``, :mod:`llmpipe.evaluation.shared_prefix`)
+  adds the prefixes' KV cache and its copy per sequence (at most 1.5 x the batch's sequences of the whole context:
+  a multiple-choice item has two sequences or more) and a second bf16 logits buffer (the two forwards' logits
+  assembled into one).
 
 The GPU's memory is the datasheet figure of ``gpu_type`` (80 for an 80 GB part), read as GiB: what torch reports as
 ``total_memory`` is within about 1.5% of it (H100 80 GB: 79.6 GiB; H200 141 GB: about 139-140 GiB). A step is refused
@@ -253,7 +257,7 @@ def resolve_settings(settings: RunSettings, rc: Mapping, *, nodes: int, gpus_per
 
 
 def inference_memory(rc: Mapping, *, step: str, batch_size: int = 1, context: int | None = None,
-                     gpus: int = 1) -> dict:
+                     gpus: int = 1, shared_prefix: bool = False) -> dict:
     """Per-GPU memory plan of generation (``step='generate'``: bf16 weights, one prompt at a time) or evaluation
     (``'eval'``: fp32 weights under ``amp_bf16``, ``batch_size`` sequences of the run's length, no KV cache) on
     ``gpus`` GPUs (:mod:`llmpipe.plan.inference_placement`).
@@ -261,7 +265,10 @@ def inference_memory(rc: Mapping, *, step: str, batch_size: int = 1, context: in
     On more than one GPU, evaluation runs under FSDP ``FULL_SHARD``: the weights are divided by ``gpus`` and the
     bf16 weights of two gathered blocks (the one computing and the one prefetched) are added; each GPU keeps its own
     batch's activations and logits. Generation's ``device_map`` splits the blocks, so weights and KV cache are
-    divided by ``gpus``; the logits stay whole on the last GPU.
+    divided by ``gpus``; the logits stay whole on the last GPU. ``shared_prefix`` (evaluation on one GPU with
+    ``eval.icl_batches: shared_prefix``; ignored otherwise, as several processes take the trimmed forward) adds the
+    prefixes' KV cache and its per-sequence copy, 1.5 x ``batch_size`` sequences of ``context`` tokens at most, and a
+    second bf16 logits buffer (module docstring).
 
     ``context`` is the tokens a sequence holds at most (default: generation the model's ``max_seq_len``, as prompt
     + new tokens stay within it; evaluation ``data.concat_tokens``). Returns ``{'params', 'gpus', 'weights_gb',
@@ -278,9 +285,11 @@ def inference_memory(rc: Mapping, *, step: str, batch_size: int = 1, context: in
     n = max(1, int(gpus))
     weights = (2 if gen else 4) * params / n
     buffers = 2 * 2 * counts['non_embedding'] / n_layers if (n > 1 and not gen) else 0
-    kv = 2 * n_layers * ctx * (d * kv_heads // n_heads) * 2 * batch_size / n if gen else 0
+    kv_per_seq = 2 * n_layers * ctx * (d * kv_heads // n_heads) * 2
+    prefixes = shared_prefix and not gen and n == 1
+    kv = kv_per_seq * batch_size / n if gen else (1.5 * kv_per_seq * batch_size if prefixes else 0)
     acts = 0 if gen else ACT_BYTES * batch_size * ctx * d
-    logits = batch_size * ctx * int(arch['vocab_size']) * (2 + 4)
+    logits = batch_size * ctx * int(arch['vocab_size']) * (2 + 4 + (2 if prefixes else 0))
     total = weights + buffers + kv + acts + logits
     return {'params': params, 'gpus': n, 'weights_gb': weights / GB, 'fsdp_buffers_gb': buffers / GB,
             'kv_cache_gb': kv / GB, 'activations_gb': acts / GB, 'logits_gb': logits / GB, 'total_gb': total / GB}
