@@ -351,6 +351,14 @@ def test_item_tokens_match_llm_foundry_datasets(tmp_path):
                     reserved = max(mine[i].answer[0] for i in idx)
                     for j, i in enumerate(idx):
                         got, t = ds[j], mine[i]
+                        # the tokens an item's sequences share (shared_prefix's plan): a choice's context, a
+                        # schema item's preamble (its few-shot examples)
+                        if ttype == "multiple_choice":
+                            assert t.shared == t.context[0]
+                        elif ttype == "schema":
+                            assert 0 <= t.shared < min(t.context) and (shots == 0 or t.shared > 0)
+                        else:
+                            assert t.shared == 0
                         if ttype == "generation_task_with_answers":
                             assert ds.padding_size == seq - reserved
                             kept = (sum(1 for x in got["context"] if x != -1),)

@@ -279,6 +279,30 @@ def test_batch_tokens_as_hand_counted():
         batch_tokens("language_modeling", [ItemTokens(None, (1,))], 8, 2, "trimmed")
 
 
+def test_forward_shapes_count_shared_prefixes_once():
+    """llmpipe.evaluation.icl_tokens.forward_shapes on hand-made counts: with shared_prefix on one process a
+    multiple-choice batch is the items' prefixes (their contexts) then every row's rest on them; a batch whose
+    prefix and rest overflow the context shares the shortest prefix; an item sharing nothing, several processes,
+    other task types and the other paths keep one forward per batch; item_tokens fills ``shared``."""
+    from llmpipe.evaluation.icl_tokens import ItemTokens, batch_shapes, forward_shapes
+
+    mc = [ItemTokens((6, 6), (1, 2), None, 6), ItemTokens((3, 3), (1, 1), None, 3)]  # rows 7,8 | 4,4
+    assert forward_shapes("multiple_choice", mc, 16, 4, "shared_prefix") == [(2, 6, 6), (4, 2, 8)]
+    long_rest = [ItemTokens((6, 6), (1, 2), None, 6), ItemTokens((1, 1), (6, 6), None, 1)]  # rows 7,8 | 7,7
+    # the longest prefix (6) and the longest rest (6) overflow 9 tokens: both items share 1
+    assert forward_shapes("multiple_choice", long_rest, 9, 4, "shared_prefix") == [(2, 1, 1), (4, 7, 8)]
+    for other in (dict(icl_batches="trimmed"), dict(icl_batches="shared_prefix", world_size=2)):
+        path, world = other["icl_batches"], other.get("world_size", 1)
+        assert forward_shapes("multiple_choice", mc, 16, 4, path, world) == [
+            (r, w, w) for r, w in batch_shapes("multiple_choice", mc, 16, 4, path, world)]
+    lone = [ItemTokens((6, 6), (1, 2), None, 6), ItemTokens((1, 1), (1, 1), None, 1)]  # shortest row 2: shares 1
+    assert forward_shapes("multiple_choice", lone, 16, 4, "shared_prefix") == [(2, 6, 6), (4, 2, 8)]
+    assert forward_shapes("multiple_choice", [ItemTokens((0, 0), (1, 1), None, 0)], 16, 4, "shared_prefix") == [
+        (2, 1, 1)]
+    lm = [ItemTokens((3,), (1,))]
+    assert forward_shapes("language_modeling", lm, 8, 2, "shared_prefix") == [(1, 4, 4)]
+
+
 def test_prefix_logits_equal_the_whole_batch_forward_at_every_real_column():
     """Groups of rows with a common prefix (one with a masked pad token inside it), of several lengths: the shared
     forward gives the whole batch's logits at every attended column; a batch whose longest prefix and longest rest

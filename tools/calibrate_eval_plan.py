@@ -57,11 +57,12 @@ BENCH = os.path.join(REPO, "benchmarks")
 ROWS = {
     "h200": {"rates": ["icl-eval-h200-mpt-1b-random-acceptance-suite.json"],
              "start": ["acceptance-h200-mpt-1b-nokill.json", "acceptance-h200-mpt-3b.json"],
-             "checks": ["acceptance-h200-mpt-1b.json"],
+             "checks": ["acceptance-h200-mpt-1b.json", "icl-eval-h100-mpt-1b-random-partial.json"],
              "why": "the rates: the only GPU benchmark with per-evaluator times of both paths (MPT-1B's shape, one "
                     "H200, bf16, 2,048 context, batch 32); the start and the model's load: the eval steps of the "
                     "older 1B acceptance record and of the 3B record (padded, batch 8), so that the newer 1B record "
-                    "checks them"},
+                    "checks them; the nine-task benchmark on an H100 (the same bf16 peak, so the same constants) "
+                    "checks all three paths"},
     "cpu": {"rates": ["eval-step-cpu-mpt-tiny-icl-bench.json", "eval-step-cpu-mpt-tiny-icl-bench-padded-b4.json"],
             "start": ["eval-step-cpu-mpt-tiny-icl-bench.json", "eval-step-cpu-mpt-tiny-icl-bench-padded-b4.json"],
             "checks": ["eval-step-cpu-mpt-tiny-icl-bench-b16.json", "icl-eval-cpu-mpt-tiny.json"],
@@ -103,8 +104,8 @@ def works_of(tasks: list[dict], task_data: str, encoder, seq: int, batch_size: i
 
 
 def observations(path: str, task_data: str, encoder) -> list[dict]:
-    """One observation per evaluation in a committed row (benchmark runs of ``shared_prefix`` left out: the plan
-    counts its batches as trimmed ones, not the prefixes it shares): ``{"row", "kind": bench | step, "path", "arch", "works",
+    """One observation per evaluation in a committed row (every path; ``shared_prefix``'s forwards are the plan's
+    :func:`llmpipe.evaluation.icl_tokens.forward_shapes`): ``{"row", "kind": bench | step, "path", "arch", "works",
     "measured_s", "evaluators_s"}`` (bench: first-to-last batch seconds and per-evaluator seconds; step: the whole
     step's seconds).
 
@@ -118,8 +119,6 @@ def observations(path: str, task_data: str, encoder) -> list[dict]:
     if "runs" in rec:   # tools/bench_icl_eval.py
         arch = run_arch(rec["run"])
         for r in rec["runs"]:
-            if r["path"] == "shared_prefix":   # its forward is not the batches' (llmpipe.evaluation.shared_prefix)
-                continue
             works = works_of(tasks, task_data, encoder, int(rec["seq"]), int(rec["batch_size"]), r["path"], 1)
             for w in works[1:]:
                 if r["tokens_run"].get(w.label) != w.tokens:

@@ -88,12 +88,15 @@ class ItemTokens:
     continuation after each context option; generation: the longest of the item's answer and aliases, with
     special tokens, plus :data:`COT_ANSWER_BUFFER` when ``cot_delimiter`` is set: what llm-foundry reserves for
     generating); ``category``: the item's category for ``has_categories`` tasks (each category is its own
-    dataset), else None.
+    dataset), else None; ``shared``: the tokens every sequence of the item starts with alike, what
+    ``eval.icl_batches: shared_prefix`` forwards once (multiple choice: the context; schema: the preamble; 0 for one
+    sequence or when contexts are not counted).
     """
 
     context: tuple[int, ...] | None
     answer: tuple[int, ...]
     category: str | None = None
+    shared: int = 0
 
 
 def read_items(path: str) -> list[dict]:
@@ -291,10 +294,14 @@ def _dataset_tokens(ttype: str, s: dict, items: list[Mapping], encoder: Encoder,
     for i, texts in enumerate(ctx_texts):
         ctx = tuple(pre_lens[i] + len(ids) for ids in flat[k:k + len(texts)])
         k += len(texts)
-        # a multiple-choice item is one context per choice
+        # a multiple-choice item is one context per choice, all alike; a schema item's options share the preamble
+        shared = 0
         if ttype == "multiple_choice":
             ctx = ctx * len(answers[i])
-        out.append(ItemTokens(ctx, answers[i], category))
+            shared = ctx[0] if len(ctx) > 1 else 0
+        elif ttype == "schema" and len(ctx) > 1:
+            shared = pre_lens[i]
+        out.append(ItemTokens(ctx, answers[i], category, shared))
     return out
 
 
@@ -334,27 +341,10 @@ def context_fit(task_type: str, tokens: Sequence[ItemTokens], max_seq_len: int) 
             "longest_answer_tokens": max((max(t.answer, default=0) for t in tokens), default=0), "max_seq_len": seq}
 
 
-def batch_shapes(task_type: str, tokens: Sequence[ItemTokens], max_seq_len: int, batch_size: int,
-                 icl_batches: str, world_size: int = 1) -> list[tuple[int, int]]:
-    """The batches an evaluation of one task at one shot count runs, over all its ``world_size`` processes, as
-    ``(rows, width)`` pairs: sequences in the batch and its width in tokens (padding included).
-
-    Each dataset (the file, or one category) is batched on its own. Sequence lengths: context + answer, at most
-    ``max_seq_len`` (right-padded types; :func:`context_fit`'s cut), or the context cut to ``max_seq_len - A``
-    (generation, ``A`` its longest answer). ``padded``: every row is ``max_seq_len`` (generation: ``max_seq_len -
-    A``) wide. ``trimmed`` and ``shared_prefix`` (:mod:`llmpipe.evaluation.icl_batches`): items sorted by their
-    longest sequence, longest first, and each batch as wide as its longest sequence. Items go to the processes as llm-foundry's
-    ``DistributedSampler`` (no shuffle) deals them: item ``i`` to rank ``i mod world_size``, the list padded with its
-    first items to a multiple of ``world_size``. A batch holds ``batch_size`` items (multiple choice and schema:
-    ``max(batch_size, C) // C`` items of ``C`` rows, ``C`` the first item's choice count, llm-foundry's
-    ``get_effective_batch_size``).
-
-    Args:
-        tokens: :func:`item_tokens` of the task's items with contexts counted, at that shot count.
-
-    Raises:
-        ValueError: contexts were not counted, or ``icl_batches`` is neither ``trimmed`` nor ``padded``.
-    """
+def _batches(task_type: str, tokens: Sequence[ItemTokens], max_seq_len: int, batch_size: int, icl_batches: str,
+             world_size: int):
+    """Yield each batch of :func:`batch_shapes` as ``(items, rows, width)``: its items, their sequences' lengths
+    (one list per item) and the batch's width."""
     from llmpipe.evaluation.icl_batches import ICL_BATCHES
 
     if icl_batches not in ICL_BATCHES:
@@ -362,7 +352,6 @@ def batch_shapes(task_type: str, tokens: Sequence[ItemTokens], max_seq_len: int,
     if any(t.context is None for t in tokens):
         raise ValueError("batch_shapes needs the items' contexts counted (item_tokens(..., context=True))")
     seq, world = int(max_seq_len), max(1, int(world_size))
-    shapes: list[tuple[int, int]] = []
     for category in sorted({t.category for t in tokens}, key=lambda c: (c is not None, c or "")):
         part = [t for t in tokens if t.category == category]
         if not part:
@@ -384,10 +373,65 @@ def batch_shapes(task_type: str, tokens: Sequence[ItemTokens], max_seq_len: int,
         for rank in range(world):
             mine = dealt[rank::world]
             for b in range(0, len(mine), per_batch):
-                batch = [rows[i] for i in mine[b:b + per_batch]]
-                wide = width if icl_batches == "padded" else max(max(r) for r in batch)
-                shapes.append((sum(len(r) for r in batch), wide))
-    return shapes
+                idx = mine[b:b + per_batch]
+                batch = [rows[i] for i in idx]
+                yield ([part[i] for i in idx], batch,
+                       width if icl_batches == "padded" else max(max(r) for r in batch))
+
+
+def batch_shapes(task_type: str, tokens: Sequence[ItemTokens], max_seq_len: int, batch_size: int,
+                 icl_batches: str, world_size: int = 1) -> list[tuple[int, int]]:
+    """The batches an evaluation of one task at one shot count runs, over all its ``world_size`` processes, as
+    ``(rows, width)`` pairs: sequences in the batch and its width in tokens (padding included).
+
+    Each dataset (the file, or one category) is batched on its own. Sequence lengths: context + answer, at most
+    ``max_seq_len`` (right-padded types; :func:`context_fit`'s cut), or the context cut to ``max_seq_len - A``
+    (generation, ``A`` its longest answer). ``padded``: every row is ``max_seq_len`` (generation: ``max_seq_len -
+    A``) wide. ``trimmed`` and ``shared_prefix`` (:mod:`llmpipe.evaluation.icl_batches`): items sorted by their
+    longest sequence, longest first, and each batch as wide as its longest sequence. Items go to the processes as llm-foundry's
+    ``DistributedSampler`` (no shuffle) deals them: item ``i`` to rank ``i mod world_size``, the list padded with its
+    first items to a multiple of ``world_size``. A batch holds ``batch_size`` items (multiple choice and schema:
+    ``max(batch_size, C) // C`` items of ``C`` rows, ``C`` the first item's choice count, llm-foundry's
+    ``get_effective_batch_size``).
+
+    Args:
+        tokens: :func:`item_tokens` of the task's items with contexts counted, at that shot count.
+
+    Raises:
+        ValueError: contexts were not counted, or ``icl_batches`` is not one of
+            :data:`llmpipe.evaluation.icl_batches.ICL_BATCHES`.
+    """
+    return [(sum(len(r) for r in rows), width)
+            for _, rows, width in _batches(task_type, tokens, max_seq_len, batch_size, icl_batches, world_size)]
+
+
+def forward_shapes(task_type: str, tokens: Sequence[ItemTokens], max_seq_len: int, batch_size: int,
+                   icl_batches: str, world_size: int = 1) -> list[tuple[int, int, int]]:
+    """The model forwards of those batches as ``(rows, width, attended)``: sequences, tokens forwarded per
+    sequence (padding included) and the columns each attends to at most.
+
+    One forward ``(rows, width, width)`` per batch of :func:`batch_shapes`, except with ``shared_prefix`` on one
+    process for a multiple-choice or schema batch (:func:`llmpipe.evaluation.shared_prefix.prefix_logits`): the
+    items' shared prefixes (``ItemTokens.shared``, each at most its item's shortest sequence less one token)
+    ``(items, P, P)``, then every sequence's rest ``(rows, R, P + R)`` on their cache, ``P`` the longest prefix and
+    ``R`` the longest rest; where ``P + R`` exceeds ``max_seq_len`` every item shares the batch's shortest prefix,
+    and a batch with an item that shares nothing is one whole forward. Same arguments and errors as
+    :func:`batch_shapes`.
+    """
+    prefixes = (icl_batches == "shared_prefix" and max(1, int(world_size)) == 1
+                and task_type in ("multiple_choice", "schema"))
+    out: list[tuple[int, int, int]] = []
+    for items, rows, width in _batches(task_type, tokens, max_seq_len, batch_size, icl_batches, world_size):
+        n_rows = sum(len(r) for r in rows)
+        shared = [min(t.shared, min(r) - 1) for t, r in zip(items, rows)]
+        if not prefixes or min(shared) <= 0:
+            out.append((n_rows, width, width))
+            continue
+        if max(shared) + max(n - p for p, r in zip(shared, rows) for n in r) > int(max_seq_len):
+            shared = [min(shared)] * len(shared)
+        top, rest = max(shared), max(n - p for p, r in zip(shared, rows) for n in r)
+        out += [(len(items), top, top), (n_rows, rest, top + rest)]
+    return out
 
 
 def batch_tokens(task_type: str, tokens: Sequence[ItemTokens], max_seq_len: int, batch_size: int, icl_batches: str,

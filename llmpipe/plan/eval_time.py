@@ -47,12 +47,20 @@ RATE_KEYS = ("batch_s", "forward_s_per_flop", "decode_s_per_layer")
 class EvaluatorWork:
     """What one evaluator runs: ``batches`` as ``(rows, width)`` pairs over all ranks (width in tokens, padding
     included) and, for a generation task, ``new_tokens``: the tokens generated per batch (llm-foundry's
-    ``max_new_tokens``, the dataset's longest answer); 0 otherwise."""
+    ``max_new_tokens``, the dataset's longest answer); 0 otherwise. ``forwards``: the model's forwards as
+    ``(rows, width, attended columns)`` where they differ from one per batch (shared prefixes,
+    :func:`llmpipe.evaluation.icl_tokens.forward_shapes`); empty: one ``(rows, width, width)`` per batch."""
 
     label: str
     batches: tuple[tuple[int, int], ...]
     new_tokens: int = 0
     world_size: int = 1
+    forwards: tuple[tuple[int, int, int], ...] = ()
+
+    @property
+    def runs(self) -> tuple[tuple[int, int, int], ...]:
+        """The forwards the model runs, ``(rows, width, attended)`` each (:attr:`forwards`, else the batches)."""
+        return self.forwards or tuple((r, w, w) for r, w in self.batches)
 
     @property
     def tokens(self) -> int:
@@ -71,11 +79,13 @@ def icl_work(label: str, task_type: str, tokens: Sequence, max_seq_len: int, bat
     Raises:
         ValueError: as :func:`llmpipe.evaluation.icl_tokens.batch_shapes`.
     """
-    from llmpipe.evaluation.icl_tokens import batch_shapes
+    from llmpipe.evaluation.icl_tokens import batch_shapes, forward_shapes
 
     shapes = batch_shapes(task_type, tokens, max_seq_len, batch_size, icl_batches, world_size)
     new = max((t.answer[0] for t in tokens), default=0) if task_type == "generation_task_with_answers" else 0
-    return EvaluatorWork(label, tuple(shapes), int(new), max(1, int(world_size)))
+    forwards = forward_shapes(task_type, tokens, max_seq_len, batch_size, icl_batches, world_size)
+    return EvaluatorWork(label, tuple(shapes), int(new), max(1, int(world_size)),
+                         tuple(forwards) if len(forwards) != len(shapes) else ())
 
 
 def task_works(label: str, task: Mapping, items: Sequence[Mapping], encoder, shots: Sequence[int], max_seq_len: int,
@@ -115,17 +125,21 @@ def heldout_work(batches: int, batch_size: int, seq_len: int, world_size: int = 
                          max(1, int(world_size)))
 
 
-def forward_flops(arch: Mapping, work: EvaluatorWork) -> float:
-    """Forward FLOPs of ``work``'s batches: rows x width x ``flops_per_token(arch, width) / 3`` summed
-    (llm-foundry's training count, ``llmpipe.model.mfu``, of which the forward is a third)."""
-    return sum(r * w * flops_per_token(arch, w) / 3 for r, w in work.batches)
+def forward_flops(arch: Mapping, work: EvaluatorWork, prefixes: bool = True) -> float:
+    """Forward FLOPs of ``work``'s forwards (:attr:`EvaluatorWork.runs`; with ``prefixes`` False one per batch):
+    rows x width x ``flops_per_token(arch, attended) / 3`` summed (llm-foundry's training count,
+    ``llmpipe.model.mfu``, of which the forward is a third; its attention term at the columns a token attends to)."""
+    runs = work.runs if prefixes else tuple((r, w, w) for r, w in work.batches)
+    return sum(r * w * flops_per_token(arch, a) / 3 for r, w, a in runs)
 
 
-def features(arch: Mapping, work: EvaluatorWork) -> tuple[float, float, float]:
-    """The three quantities the constants multiply (:data:`RATE_KEYS`): batches, forward FLOPs, and decoding steps x
-    blocks (``len(batches) x new_tokens x n_layers``); all over every rank."""
+def features(arch: Mapping, work: EvaluatorWork, prefixes: bool = True) -> tuple[float, float, float]:
+    """The three quantities the constants multiply (:data:`RATE_KEYS`): forwards, forward FLOPs, and decoding
+    steps x blocks (``len(batches) x new_tokens x n_layers``); all over every rank. ``prefixes`` False counts one
+    forward per batch (the shared prefixes' forwards ignored)."""
     n = len(work.batches)
-    return float(n), forward_flops(arch, work), float(n * work.new_tokens * int(arch["n_layers"]))
+    forwards = len(work.runs) if prefixes else n
+    return float(forwards), forward_flops(arch, work, prefixes), float(n * work.new_tokens * int(arch["n_layers"]))
 
 
 @dataclass(frozen=True)
@@ -197,11 +211,15 @@ def plan_seconds(arch: Mapping, works: Sequence[EvaluatorWork], basis: DeviceBas
         ``{"seconds": start + batches, "start_s" (with the model's load), "batches_s" (first to last eval batch, what ``eval.json``'s
         ``timing.batches_s`` measures), "evaluators_s": {label: s}, "tokens": input tokens, "batches": count,
         "basis": one line naming the constants and their file}``. Seconds of several ranks are divided by the world
-        size (they run at once).
+        size (they run at once). On a GPU shared prefixes count as their forwards (:attr:`EvaluatorWork.runs`); on
+        the CPU as the trimmed batches they are (measured no faster there).
     """
     per: dict[str, float] = {}
+    # on the CPU the prefix path's second forward, cache copies and logits assembly cost about what the shared
+    # prefix saves (benchmarks/icl-eval-cpu-mpt-tiny.json: 0.89x of trimmed), so its batches count as trimmed ones
+    prefixes = basis.forward_mfu is not None
     for w in works:
-        n, flops, steps = features(arch, w)
+        n, flops, steps = features(arch, w, prefixes)
         per[w.label] = (n * basis.batch_s + flops * basis.forward_s_per_flop + steps * basis.decode_s_per_layer
                         ) / w.world_size
     batches_s = sum(per.values())
