@@ -65,11 +65,14 @@ ROWS = {
                     "checks all three paths"},
     "cpu": {"rates": ["eval-step-cpu-mpt-tiny-icl-bench.json", "eval-step-cpu-mpt-tiny-icl-bench-padded-b4.json"],
             "start": ["eval-step-cpu-mpt-tiny-icl-bench.json", "eval-step-cpu-mpt-tiny-icl-bench-padded-b4.json"],
-            "checks": ["eval-step-cpu-mpt-tiny-icl-bench-b16.json", "icl-eval-cpu-mpt-tiny.json"],
+            "checks": ["eval-step-cpu-mpt-tiny-icl-bench-b16.json", "icl-eval-cpu-mpt-tiny.json",
+                       "eval-step-cpu-mpt-tiny-icl-bench-shared-prefix.json",
+                       "eval-step-cpu-mpt-tiny-icl-bench-trimmed-beside-shared-prefix.json"],
             "why": "two eval steps of the tiny chain (the 2-core VM, 128 context) with the benchmark suite less "
                    "piqa: trimmed at batch 8 (the shipped eval settings) and padded at batch 4, so that the batch "
-                   "count and the tokens vary apart; checked on a third step (trimmed, batch 16) and on the CPU "
-                   "benchmark's in-process runs"},
+                   "count and the tokens vary apart; checked on a third step (trimmed, batch 16), on the CPU "
+                   "benchmark's in-process runs and on a shared_prefix step with a trimmed step run beside it, "
+                   "on another day"},
 }
 
 
