@@ -147,7 +147,7 @@ def test_off_by_default_and_a_request_without_tasks_fails_the_dry_run(workdir):
     if harness.installed_version() is not None:
         assert proc.returncode != 0 and "lm_eval.data_dir: 'no/such/dir' is not a folder" in out, out[-3000:]
     else:
-        assert proc.returncode != 0 and "lm_eval is not installed" in out, out[-3000:]
+        assert proc.returncode != 0 and "lm-evaluation-harness (lm_eval) is not installed" in out, out[-3000:]
 
 
 # ---------------------------------------------------------------------------------------------- the result file
