@@ -135,3 +135,36 @@ def test_calibration_recovers_the_constants_that_made_the_rows(tmp_path, monkeyp
     (bench_dir / "bench.json").write_text(json.dumps(bench))
     with pytest.raises(SystemExit, match="mc/0-shot: recorded .* tokens, the rebuilt batches"):
         tool.main(["fit", "--tokenizer", str(tok), "--task-data", str(data), "--out", str(out)])
+
+
+def test_the_job_plans_shared_prefixes_as_the_dry_run_does(tmp_path):
+    """eval.json's timing.planned (llmpipe.evaluation.icl_eval.planned_batches, from task_fits) counts the
+    shared-prefix forwards on a GPU as llmpipe.plan.eval_time.task_works (the dry run's and the tool's builder)
+    does: the same seconds per evaluator, and for multiple choice not the trimmed batches' (the stand-in items are so
+    short that the second forward per batch costs more than the FLOPs it saves)."""
+    from llmpipe.config.runs import run_settings
+    from llmpipe.config.stage_settings import EvalSettings
+    from llmpipe.evaluation.icl_eval import planned_batches
+    from llmpipe.evaluation.icl_tokens import Encoder, task_fits
+    from tests.conftest import project_config
+
+    tool = load_tool("calibrate_eval_plan")
+    data = tmp_path / "foundry"
+    data.mkdir()
+    # the job reads the subset's own file, the tool cuts the whole one: tasks without a subset here
+    tasks = [t for t in standin_tasks(data) if t.get("subset_items") is None]
+    enc = Encoder.from_folder(str(write_tokenizer_folder(tmp_path / "tok")))
+    settings = run_settings(project_config(), "mpt-tiny")
+    seq = int(settings.data.concat_tokens)
+    plans = {}
+    for path in ("trimmed", "shared_prefix"):
+        fits, refused = task_fits(tasks, enc, seq, "test", batching=(4, path, 1))
+        assert not refused
+        job = planned_batches(settings, fits, tasks, EvalSettings(val_batches=2, batch_size=4, icl_batches=path), 1,
+                              "h200")
+        rel = [dict(t, dataset_uri=os.path.relpath(t["dataset_uri"], data)) for t in tasks]
+        works = tool.works_of(rel, str(data), enc, seq, 4, path, 2)
+        dry = eval_time.plan_seconds(settings.arch.as_dict(), works, eval_time.load_basis("h200"))
+        assert job["evaluators_s"] == {k: round(v, 3) for k, v in dry["evaluators_s"].items()}
+        plans[path] = job["evaluators_s"]
+    assert plans["shared_prefix"]["mc/0-shot"] > plans["trimmed"]["mc/0-shot"]

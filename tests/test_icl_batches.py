@@ -283,7 +283,8 @@ def test_forward_shapes_count_shared_prefixes_once():
     """llmpipe.evaluation.icl_tokens.forward_shapes on hand-made counts: with shared_prefix on one process a
     multiple-choice batch is the items' prefixes (their contexts) then every row's rest on them; a batch whose
     prefix and rest overflow the context shares the shortest prefix; an item sharing nothing, several processes,
-    other task types and the other paths keep one forward per batch; item_tokens fills ``shared``."""
+    other task types and the other paths keep one forward per batch (``ItemTokens.shared`` from item_tokens:
+    tests/test_eval_suite.py::test_item_tokens_match_llm_foundry_datasets)."""
     from llmpipe.evaluation.icl_tokens import ItemTokens, batch_shapes, forward_shapes
 
     mc = [ItemTokens((6, 6), (1, 2), None, 6), ItemTokens((3, 3), (1, 1), None, 3)]  # rows 7,8 | 4,4
@@ -291,8 +292,7 @@ def test_forward_shapes_count_shared_prefixes_once():
     long_rest = [ItemTokens((6, 6), (1, 2), None, 6), ItemTokens((1, 1), (6, 6), None, 1)]  # rows 7,8 | 7,7
     # the longest prefix (6) and the longest rest (6) overflow 9 tokens: both items share 1
     assert forward_shapes("multiple_choice", long_rest, 9, 4, "shared_prefix") == [(2, 1, 1), (4, 7, 8)]
-    for other in (dict(icl_batches="trimmed"), dict(icl_batches="shared_prefix", world_size=2)):
-        path, world = other["icl_batches"], other.get("world_size", 1)
+    for path, world in (("trimmed", 1), ("shared_prefix", 2)):
         assert forward_shapes("multiple_choice", mc, 16, 4, path, world) == [
             (r, w, w) for r, w in batch_shapes("multiple_choice", mc, 16, 4, path, world)]
     lone = [ItemTokens((6, 6), (1, 2), None, 6), ItemTokens((1, 1), (1, 1), None, 1)]  # shortest row 2: shares 1

@@ -206,7 +206,8 @@ def planned_batches(settings: RunSettings, fits: dict, tasks: list[dict], eval_s
     measured ``timing``, or None without the committed constants for ``device`` (``cpu`` or the GPU's name).
 
     Args:
-        fits: :func:`llmpipe.evaluation.icl_tokens.task_fits` with ``batching`` (each fit's ``batch_shapes``).
+        fits: :func:`llmpipe.evaluation.icl_tokens.task_fits` with ``batching`` (each fit's ``batch_shapes`` and
+            ``forward_shapes``).
         tasks: llm-foundry's task list of the scored tasks (``label``, ``icl_task_type``).
         world: the job's processes.
     """
@@ -221,7 +222,8 @@ def planned_batches(settings: RunSettings, fits: dict, tasks: list[dict], eval_s
         generation = t["icl_task_type"] == "generation_task_with_answers"
         for shots, fit in fits[t["label"]].items():
             works.append(eval_time.EvaluatorWork(f"{t['label']}/{shots}", tuple(fit["batch_shapes"]),
-                                                 int(fit["longest_answer_tokens"]) if generation else 0, world))
+                                                 int(fit["longest_answer_tokens"]) if generation else 0, world,
+                                                 tuple(fit["forward_shapes"])))
     plan = eval_time.plan_seconds(settings.arch.as_dict(), works, basis)
     return {"batches_s": round(plan["batches_s"], 3),
             "evaluators_s": {k: round(v, 3) for k, v in plan["evaluators_s"].items()}, "basis": plan["basis"]}

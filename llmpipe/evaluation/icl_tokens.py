@@ -427,9 +427,12 @@ def forward_shapes(task_type: str, tokens: Sequence[ItemTokens], max_seq_len: in
         if not prefixes or min(shared) <= 0:
             out.append((n_rows, width, width))
             continue
-        if max(shared) + max(n - p for p, r in zip(shared, rows) for n in r) > int(max_seq_len):
+        def longest_rest(shared: list[int]) -> int:
+            return max(n - p for p, r in zip(shared, rows) for n in r)
+
+        if max(shared) + longest_rest(shared) > int(max_seq_len):
             shared = [min(shared)] * len(shared)
-        top, rest = max(shared), max(n - p for p, r in zip(shared, rows) for n in r)
+        top, rest = max(shared), longest_rest(shared)
         out += [(len(items), top, top), (n_rows, rest, top + rest)]
     return out
 
@@ -465,7 +468,8 @@ def task_fits(tasks: Sequence[Mapping], encoder: Encoder, max_seq_len: int, sett
         max_seq_len: the evaluation's context in tokens (a task's own ``max_seq_len`` wins).
         setting: the setting that gives ``max_seq_len``, for messages (e.g. ``data.concat_tokens of mpt-tiny``).
         batching: ``(batch_size, icl_batches, world_size)``: each fit also holds ``batch_shapes``
-            (:func:`batch_shapes`) and ``tokens_planned``, their tokens (:func:`batch_tokens`).
+            (:func:`batch_shapes`), ``tokens_planned``, their tokens (:func:`batch_tokens`), and
+            ``forward_shapes``, the model's forwards of those batches (:func:`forward_shapes`).
 
     Returns:
         (``{label: {"<k>-shot": context_fit}}`` of the tasks that can be scored, ``{label: {"reason", "items",
@@ -491,4 +495,5 @@ def task_fits(tasks: Sequence[Mapping], encoder: Encoder, max_seq_len: int, sett
             if batching is not None:
                 fit["batch_shapes"] = batch_shapes(ttype, counted, seq, *batching)
                 fit["tokens_planned"] = sum(rows * width for rows, width in fit["batch_shapes"])
+                fit["forward_shapes"] = forward_shapes(ttype, counted, seq, *batching)
     return fits, refused

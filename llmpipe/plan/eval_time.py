@@ -48,8 +48,8 @@ class EvaluatorWork:
     """What one evaluator runs: ``batches`` as ``(rows, width)`` pairs over all ranks (width in tokens, padding
     included) and, for a generation task, ``new_tokens``: the tokens generated per batch (llm-foundry's
     ``max_new_tokens``, the dataset's longest answer); 0 otherwise. ``forwards``: the model's forwards as
-    ``(rows, width, attended columns)`` where they differ from one per batch (shared prefixes,
-    :func:`llmpipe.evaluation.icl_tokens.forward_shapes`); empty: one ``(rows, width, width)`` per batch."""
+    ``(rows, width, attended columns)`` (:func:`llmpipe.evaluation.icl_tokens.forward_shapes`); empty (the held-out
+    split): one ``(rows, width, width)`` per batch."""
 
     label: str
     batches: tuple[tuple[int, int], ...]
@@ -84,8 +84,7 @@ def icl_work(label: str, task_type: str, tokens: Sequence, max_seq_len: int, bat
     shapes = batch_shapes(task_type, tokens, max_seq_len, batch_size, icl_batches, world_size)
     new = max((t.answer[0] for t in tokens), default=0) if task_type == "generation_task_with_answers" else 0
     forwards = forward_shapes(task_type, tokens, max_seq_len, batch_size, icl_batches, world_size)
-    return EvaluatorWork(label, tuple(shapes), int(new), max(1, int(world_size)),
-                         tuple(forwards) if len(forwards) != len(shapes) else ())
+    return EvaluatorWork(label, tuple(shapes), int(new), max(1, int(world_size)), tuple(forwards))
 
 
 def task_works(label: str, task: Mapping, items: Sequence[Mapping], encoder, shots: Sequence[int], max_seq_len: int,

@@ -259,7 +259,8 @@ def resolve_settings(settings: RunSettings, rc: Mapping, *, nodes: int, gpus_per
 def inference_memory(rc: Mapping, *, step: str, batch_size: int = 1, context: int | None = None,
                      gpus: int = 1, shared_prefix: bool = False) -> dict:
     """Per-GPU memory plan of generation (``step='generate'``: bf16 weights, one prompt at a time) or evaluation
-    (``'eval'``: fp32 weights under ``amp_bf16``, ``batch_size`` sequences of the run's length, no KV cache) on
+    (``'eval'``: fp32 weights under ``amp_bf16``, ``batch_size`` sequences of the run's length, no KV cache but
+    shared prefixes', below) on
     ``gpus`` GPUs (:mod:`llmpipe.plan.inference_placement`).
 
     On more than one GPU, evaluation runs under FSDP ``FULL_SHARD``: the weights are divided by ``gpus`` and the
