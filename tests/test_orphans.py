@@ -145,18 +145,24 @@ def test_kill_of_snakemake_alone_ends_its_rule_script_and_the_history_keeps_the_
     wd = copy_run(tiny_run, tmp_path / "wd")
     shutil.rmtree(wd / "results/mpt-tiny/checkpoints")
     (wd / TRAIN).unlink()
+    log = wd / "results/logs/train/mpt-tiny.log"
+    log.unlink()   # the copied run's log has its own submission line and no THIS_RUN marker before it
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     cmd = [*SNAKEMAKE, "-s", str(REPO / "Snakefile"), "-d", str(wd), "--cores", "2", TRAIN]
     proc = subprocess.Popen(cmd, cwd=wd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                             start_new_session=True)
-    log = wd / "results/logs/train/mpt-tiny.log"
+
+    def submission() -> re.Match | None:
+        text = log.read_text() if log.exists() else ""
+        return re.search(r".*submitted job (\d+) \(local.*\n", text.split(THIS_RUN)[-1]) if THIS_RUN in text else None
+
     t0 = time.time()
-    while not (log.exists() and "submitted job" in log.read_text().split(THIS_RUN)[-1]) and time.time() - t0 < 600:
+    while submission() is None and time.time() - t0 < 600:
         assert proc.poll() is None
         time.sleep(0.2)
     time.sleep(3)   # the job's controller and task start
     below = _descendants(proc.pid)
-    line = re.search(r".*submitted job (\d+) \(local.*", log.read_text().split(THIS_RUN)[-1]).group(0)
+    line = submission().group(0).rstrip("\n")
     assert int(re.search(r"job (\d+)", line).group(1)) in below
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait()
