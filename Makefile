@@ -70,6 +70,12 @@ run: install
 slurm-packages:
 	@if [ "$$(id -u)" = 0 ]; then bash .ci/slurm.sh install; else echo "not root: Slurm tests will skip"; fi
 
+# Two pytest-xdist workers: one runs the Slurm tests (one test cluster per host), starting with them; the other runs
+# the rest, one test file at a time (tests/conftest.py groups them); then both take what is left. TEST_WORKERS=1 runs
+# the suite in one process.
+TEST_WORKERS ?= 2
+XDIST = $(if $(filter-out 1,$(TEST_WORKERS)),-n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder)
+
 # then the second lock's checks (test-torch211) whether or not the suite passed; `make`, not $(MAKE), so that
 # `make -n test` only prints this line instead of running it
 # -v: the log names the test that runs. --timeout-method=thread: a test stuck in C code that released the GIL still
@@ -80,12 +86,12 @@ test: install lm-eval slurm-packages
 	@if [ "$$(id -u)" = 0 ]; then export LLMPIPE_REQUIRE_SLURM=1; fi; \
 	export LLMPIPE_REQUIRE_LM_EVAL=1; \
 	trap 'bash .ci/slurm.sh cleanup >/dev/null 2>&1 || true' EXIT; \
-	timeout --foreground --kill-after=30 4500 $(PY) -m pytest -v -p no:cacheprovider --timeout 1200 --timeout-method=thread \
+	timeout --foreground --kill-after=30 4500 $(PY) -m pytest -v -p no:cacheprovider $(XDIST) --timeout 1200 --timeout-method=thread \
 	  -o faulthandler_timeout=1260 --durations=40 tests; rc=$$?; \
 	env -u LLMPIPE_REQUIRE_SLURM -u LLMPIPE_REQUIRE_LM_EVAL make --no-print-directory test-torch211 || rc=1; exit $$rc
 
 test-fast: install lm-eval
-	$(PY) -m pytest -q -m "not slow and not slurm" tests
+	$(PY) -m pytest -q -p no:cacheprovider $(XDIST) -m "not slow and not slurm" tests
 
 clean:
 	rm -rf results .snakemake .llmpipe

@@ -112,16 +112,56 @@ def workdir(tmp_path: Path) -> Path:
 
 @pytest.fixture(scope="session")
 def tiny_run(tmp_path_factory) -> Path:
-    """The embedded default run end to end once (CPU, a few minutes); returns its working folder.
+    """The embedded default run end to end once per test session (CPU, a few minutes); returns its working folder.
 
-    Runs with symlinks refused (tests/helpers/sitecustomize.py), as on shared drives that refuse them.
+    Runs with symlinks refused (tests/helpers/sitecustomize.py), as on shared drives that refuse them. Under
+    pytest-xdist the workers share one run: the first to need it builds it under a file lock in the session's common
+    temporary folder, the others wait for it and reuse it (every user copies it before changing anything). A run that
+    failed is not reused: each worker that needs it fails with the same error.
     """
-    wd = tmp_path_factory.mktemp("tiny-run")
+    worker = os.environ.get("PYTEST_XDIST_WORKER")
+    if worker is None:
+        return _run_tiny(tmp_path_factory.mktemp("tiny-run"))
+    from filelock import FileLock
+
+    shared = tmp_path_factory.getbasetemp().parent      # pytest-N/, above every worker's popen-gwK/
+    wd = shared / "tiny-run-shared"
+    with FileLock(str(shared / "tiny-run-shared.lock")):
+        if not (wd / "pipeline-stdout.txt").exists():
+            shutil.rmtree(wd, ignore_errors=True)
+            wd.mkdir()
+            _run_tiny(wd)
+    return wd
+
+
+def _run_tiny(wd: Path) -> Path:
+    """The tiny pipeline end to end in ``wd``; writes its console output to ``pipeline-stdout.txt`` once it passed.
+
+    Raises:
+        AssertionError: the pipeline failed (its output in the message)."""
     t0 = time.time()
     # progress lines every second (dispatch.progress_s), so that the console output shows them for every step
     proc = snakemake(wd, "--cores", "2", "--config", "dispatch={'progress_s': 1}", env=no_symlink_env(wd))
     (wd / "pipeline-stdout.txt").write_text(proc.stdout + proc.stderr + f"\nseconds: {time.time() - t0:.1f}\n")
     return wd
+
+
+#: The xdist group of every test that needs the Slurm test cluster: one cluster per host (its lock file), so these
+#: tests run one after the other on one worker, which starts them first (they are the longest unit of work).
+SLURM_GROUP = "slurm-cluster"
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config, items):
+    """Under pytest-xdist (``--dist loadgroup``), one unit of work per test file, except the Slurm tests, which form
+    one unit across files (:data:`SLURM_GROUP`) and go first; module and session fixtures are then built once per
+    unit. Runs before xdist's own hook, which reads the ``xdist_group`` marks."""
+    if os.environ.get("PYTEST_XDIST_WORKER") is None:
+        return
+    for item in items:
+        slurm = "slurm_cluster" in item.fixturenames or item.get_closest_marker("slurm") is not None
+        item.add_marker(pytest.mark.xdist_group(SLURM_GROUP if slurm else item.path.name))
+    items.sort(key=lambda item: item.get_closest_marker("xdist_group").args[0] != SLURM_GROUP)   # stable
 
 
 def no_symlink_env(workdir: Path) -> dict:

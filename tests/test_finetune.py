@@ -146,18 +146,15 @@ def test_dry_run_plans_hub_finetune_with_resources(workdir, run, nodes, extra):
     blocked.mkdir()
     for name in ("torch", "transformers", "llmfoundry", "composer", "peft"):
         (blocked / f"{name}.py").write_text(f"raise ImportError('{name} must not be imported by a dry run')\n")
-    t0 = time.time()
     proc = snakemake(workdir, "-n", f"results/{run}/eval.json", f"results/{run}/generate.json",
                      *(["--config", f"finetunes={{'{run}': {{'lora': {extra!r}}}}}"] if extra else []),
                      env={"PYTHONPATH": os.pathsep.join([str(blocked), str(REPO)])})
-    elapsed = time.time() - t0
     jobs = planned_jobs(proc)
     # hub weights: no pretraining, but the hub tokenizer, the instruction set and the ICL tasks (from C4) are there
     assert {k: jobs.get(k) for k in ("instructions", "tokenizer", "finetune", "convert", "generate",
                                      "finetune_eval")} == {k: 1 for k in ("instructions", "tokenizer", "finetune",
                                                                           "convert", "generate", "finetune_eval")}
     assert "train" not in jobs and "mds" not in jobs and "eval" not in jobs, jobs
-    assert elapsed < 10.0, f"dry run took {elapsed:.1f} s"
     out = proc.stdout
     block = out[out.index("rule finetune:"):]
     block = block[: block.index("\n\n")] if "\n\n" in block else block

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -83,3 +84,30 @@ def test_two_trainings_starting_at_once_on_one_node(mds, tmp_path):
     got = [json.loads(out.strip().splitlines()[-1]) for out, _ in outs]
     assert got[0]["prefix"] != got[1]["prefix"], got
     assert [g["prefix"] for g in got] == [g["start"] for g in got], got
+
+
+def test_a_reader_removes_its_own_segments_and_leaves_other_jobs_ones(mds):
+    """The MDS checks' reader (llmpipe.train.shm_names.reader_segments): its dataset's segments are in this job's
+    slot and gone after the block; a live job's segment elsewhere on the node stays (streaming's
+    ``clean_stale_shared_memory()``, which the checks used before, unlinks every segment from prefix 0 on)."""
+    from streaming import StreamingDataset
+
+    start = shm_names.prefix_start()
+    foreign = os.path.join(shm_names.SHM_DIR, f"{(start + shm_names.SLOT + 50) % 999_900:06d}_locals")
+    with open(foreign, "wb") as fh:        # another job's segment: no owner mark, so never stale
+        fh.write(b"x")
+    try:
+        with shm_names.reader_segments() as slot:
+            ds = StreamingDataset(local=str(mds), batch_size=1, shuffle=False)
+            assert ds[0]["text"] and ds._shm_prefix_int >= slot == start
+            mine = [p for p in os.listdir(shm_names.SHM_DIR) if p[:6] == f"{ds._shm_prefix_int:06d}"]
+            assert mine, "the dataset made no segment in this job's slot"
+            del ds
+        assert not [p for p in mine if os.path.exists(os.path.join(shm_names.SHM_DIR, p))], mine
+        assert os.path.exists(foreign)
+    finally:
+        os.remove(foreign)
+    # and no step opens a reader with streaming's node-wide clean-up
+    users = [str(p.relative_to(REPO)) for p in (REPO / "llmpipe").rglob("*.py")
+             if re.search(r"import[^\n]*\bclean_stale_shared_memory\b", p.read_text())]
+    assert not users, users

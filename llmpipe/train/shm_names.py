@@ -16,6 +16,7 @@ marks), is never touched; streaming's own ``clean_stale_shared_memory()`` would 
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import os
 import re
@@ -72,6 +73,27 @@ def per_job_prefixes(environ: dict | None = None) -> int:
         remove_stale_segments(SHM_DIR)
         mark_owner(start, SHM_DIR)
     return start
+
+
+@contextlib.contextmanager
+def reader_segments(shm_dir: str = SHM_DIR) -> Iterator[int]:
+    """Around a ``StreamingDataset`` opened only to read a dataset back (the MDS checks, not training): its
+    shared-memory names come from this job's slot (:func:`per_job_prefixes`, which also removes dead jobs' segments),
+    and the segments of that slot that appeared during the block are removed when it ends, open or not (streaming's
+    own clean-up at exit ignores names already gone). Yields the slot's first prefix number.
+
+    This replaces streaming's ``clean_stale_shared_memory()``, which unlinks every segment from prefix 0 on, those of
+    live trainings on the same node included."""
+    start = per_job_prefixes()
+    pattern = os.path.join(shm_dir, "[0-9]" * 6 + "_*")
+    before = set(glob.glob(pattern))
+    try:
+        yield start
+    finally:
+        for path in set(glob.glob(pattern)) - before:
+            if start <= int(os.path.basename(path)[:6]) < start + SLOT:
+                with contextlib.suppress(FileNotFoundError):
+                    os.remove(path)
 
 
 def mark_owner(start: int, shm_dir: str = SHM_DIR, pid: int | None = None) -> str:
