@@ -167,7 +167,8 @@ def test_dry_run_plans_hub_finetune_with_resources(workdir, run, nodes, extra):
     rc = cfg.run_config(config, run)
     mem = plan.train_memory(rc, nodes=nodes, gpus_per_node=8, capacity_gb=141)
     m = re.search(rf"plan train {run}: ([\d.]+) GiB per GPU of 141 GiB \(h200\) = states ([\d.]+) .*"
-                  rf"FULL_SHARD over {nodes * 8} GPU\(s\).*activation checkpointing (on|off) \(auto: [^)]*\)"
+                  rf"FULL_SHARD over {nodes * 8} GPU\(s\) \({nodes} node\(s\) x 8\).*"
+                  r"activation checkpointing (on|off) \(auto: [^)]*\)"
                   r"(, LoRA: ([\d,]+) trained)?.*; time ([\d.]+) (minutes|hours|days) \(projection: MFU", out)
     assert m, out[-3000:]
     # the shipped auto: the plan's own choice for 141 GiB GPUs (7B and 30B finetunes fit without recompute)

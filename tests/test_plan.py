@@ -200,7 +200,8 @@ def test_dry_run_shows_70b_memory_and_time(workdir):
     proc = snakemake(workdir, "-n", "results/mpt-70b/train.json", "--config", "gpu_type=h100")
     out = proc.stdout + proc.stderr
     m = re.search(r"plan train mpt-70b: ([\d.]+) GiB per GPU of 80 GiB \(h100\) = states .*FULL_SHARD over 64 "
-                  r"GPU\(s\), microbatch 4 x 2048, activation checkpointing on \(auto: [\d.]+ GiB without it, off up to 85% "
+                  r"GPU\(s\) \(8 node\(s\) x 8\), microbatch 4 x 2048, activation checkpointing on "
+                  r"\(auto: [\d.]+ GiB without it, off up to 85% "
                   r"of the GPU\); "
                   r"time (\d+) days", out)
     assert m, out[-3000:]

@@ -177,7 +177,8 @@ def train_memory(rc: Mapping, *, nodes: int, gpus_per_node: int, activation_chec
             the plan without it is at most :data:`AUTO_AC_SHARE` of it; on when not given).
 
     Returns:
-        ``{'params': P, 'trained_params': P, or the LoRA adapters' count, 'lora': bool, 'world_size', 'fsdp':
+        ``{'params': P, 'trained_params': P, or the LoRA adapters' count, 'lora': bool, 'world_size', 'nodes',
+        'gpus_per_node', 'fsdp':
         sharding strategy or None, 'activation_checkpointing': bool, 'activation_checkpointing_auto': bool (the
         setting was ``auto``), 'without_checkpointing_gb': the total without recompute that decided ``auto`` (else
         None), 'microbatch_size' (capped at the per-device batch, as the training runs it), 'seq_len', 'states_gb',
@@ -221,7 +222,8 @@ def train_memory(rc: Mapping, *, nodes: int, gpus_per_node: int, activation_chec
     logits = _logits_bytes(rc, tokens, vocab)
     total = states + buffers + acts + logits
     return {'params': params, 'trained_params': trained, 'lora': bool(rc.get('lora')), 'world_size': world,
-            'fsdp': strategy, 'activation_checkpointing': ac, 'activation_checkpointing_auto': auto,
+            'nodes': max(1, int(nodes)), 'gpus_per_node': max(1, int(gpus_per_node)), 'fsdp': strategy,
+            'activation_checkpointing': ac, 'activation_checkpointing_auto': auto,
             'without_checkpointing_gb': without_gb,
             'microbatch_size': mb, 'seq_len': seq, 'states_gb': states / GB, 'fsdp_buffers_gb': buffers / GB,
             'activations_gb': acts / GB, 'logits_gb': logits / GB, 'total_gb': total / GB}
@@ -498,7 +500,8 @@ def plan_line(step: str, run: str, plan: Mapping, capacity_gb: float, gpu_type: 
     if 'states_gb' in plan:
         parts = (f"states {plan['states_gb']:.1f} + fsdp buffers {plan['fsdp_buffers_gb']:.1f} + activations "
                  f"{plan['activations_gb']:.1f} + logits {plan['logits_gb']:.1f}; "
-                 f"{plan['fsdp'] or 'no FSDP'} over {plan['world_size']} GPU(s), microbatch "
+                 f"{plan['fsdp'] or 'no FSDP'} over {plan['world_size']} GPU(s) ({plan['nodes']} node(s) x "
+                 f"{plan['gpus_per_node']}), microbatch "
                  f"{plan['microbatch_size']} x {plan['seq_len']}, activation checkpointing "
                  f"{'on' if plan['activation_checkpointing'] else 'off'}"
                  + (f" (auto: {plan['without_checkpointing_gb']:.1f} GiB without it, off up to {AUTO_AC_SHARE:.0%} "
