@@ -70,11 +70,12 @@ run: install
 slurm-packages:
 	@if [ "$$(id -u)" = 0 ]; then bash .ci/slurm.sh install; else echo "not root: Slurm tests will skip"; fi
 
-# Two pytest-xdist workers: one runs the Slurm tests (one test cluster per host), starting with them; the other runs
-# the rest, one test file at a time (tests/conftest.py groups them); then both take what is left. TEST_WORKERS=1 runs
+# Two pytest-xdist workers, one test file at a time (module fixtures once): one worker starts with the files that use
+# the Slurm test cluster, as one unit (one cluster per host; tests/conftest.py's scheduler), the other runs the rest;
+# then both take what is left. TEST_WORKERS=1 runs
 # the suite in one process.
 TEST_WORKERS ?= 2
-XDIST = $(if $(filter-out 1,$(TEST_WORKERS)),-n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder)
+XDIST = $(if $(filter-out 1,$(TEST_WORKERS)),-n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder)
 
 # then the second lock's checks (test-torch211) whether or not the suite passed; `make`, not $(MAKE), so that
 # `make -n test` only prints this line instead of running it

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 import shutil
@@ -146,22 +147,39 @@ def _run_tiny(wd: Path) -> Path:
     return wd
 
 
-#: The xdist group of every test that needs the Slurm test cluster: one cluster per host (its lock file), so these
-#: tests run one after the other on one worker, which starts them first (they are the longest unit of work).
-SLURM_GROUP = "slurm-cluster"
+#: The unit of work of every test file that uses the Slurm test cluster: one cluster per host (its lock file), so
+#: these files run one after the other on one worker, which starts with them (they are the longest unit, mostly
+#: waiting on Slurm's clocks).
+SLURM_UNIT = "slurm-cluster"
+
+
+@functools.cache
+def xdist_unit(test_file: str) -> str:
+    """The pytest-xdist unit of work of a test file (a path relative to the repository): :data:`SLURM_UNIT` when
+    the file uses the ``slurm_cluster`` fixture, else the file itself, so that its module fixtures are built once."""
+    return SLURM_UNIT if "slurm_cluster" in (REPO / test_file).read_text() else test_file
 
 
 @pytest.hookimpl(tryfirst=True)
+def pytest_xdist_make_scheduler(config, log):
+    """``--dist loadfile`` with the Slurm files as one unit (:func:`xdist_unit`); xdist's own ``loadgroup`` marks
+    do not reach pytest 9's node ids."""
+    if config.getvalue("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class FileOrSlurmScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return xdist_unit(nodeid.split("::", 1)[0])
+
+    return FileOrSlurmScheduling(config, log)
+
+
 def pytest_collection_modifyitems(config, items):
-    """Under pytest-xdist (``--dist loadgroup``), one unit of work per test file, except the Slurm tests, which form
-    one unit across files (:data:`SLURM_GROUP`) and go first; module and session fixtures are then built once per
-    unit. Runs before xdist's own hook, which reads the ``xdist_group`` marks."""
-    if os.environ.get("PYTEST_XDIST_WORKER") is None:
-        return
-    for item in items:
-        slurm = "slurm_cluster" in item.fixturenames or item.get_closest_marker("slurm") is not None
-        item.add_marker(pytest.mark.xdist_group(SLURM_GROUP if slurm else item.path.name))
-    items.sort(key=lambda item: item.get_closest_marker("xdist_group").args[0] != SLURM_GROUP)   # stable
+    """Under pytest-xdist the Slurm files' tests come first, so that their unit is the first one handed out (the
+    Makefile passes ``--no-loadscope-reorder``: units in collection order)."""
+    if os.environ.get("PYTEST_XDIST_WORKER") is not None:
+        items.sort(key=lambda item: xdist_unit(item.nodeid.split("::", 1)[0]) != SLURM_UNIT)   # stable
 
 
 def no_symlink_env(workdir: Path) -> dict:
