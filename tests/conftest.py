@@ -160,10 +160,11 @@ def xdist_unit(test_file: str) -> str:
     return SLURM_UNIT if "slurm_cluster" in (REPO / test_file).read_text() else test_file
 
 
-@pytest.hookimpl(tryfirst=True)
+@pytest.hookimpl(tryfirst=True, optionalhook=True)
 def pytest_xdist_make_scheduler(config, log):
     """``--dist loadfile`` with the Slurm files as one unit (:func:`xdist_unit`); xdist's own ``loadgroup`` marks
-    do not reach pytest 9's node ids."""
+    do not reach pytest 9's node ids. An optional hook: the second lock's venv (``make test-torch211``) has no
+    pytest-xdist."""
     if config.getvalue("dist") != "loadfile":
         return None
     from xdist.scheduler import LoadScopeScheduling

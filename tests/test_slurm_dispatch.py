@@ -239,7 +239,7 @@ def test_checkpointable_step_is_requeued_and_resumes(slurm_cluster, tmp_path):
     job_id = wait_for_state(slurm_cluster, name.replace(" ", "_"))
     time.sleep(4)
     slurm_cluster.run("scancel", "--signal=USR2", job_id)   # what --signal=USR2@N does before the time limit
-    slurm_cluster.release_requeued(job_id)  # skip Slurm's ~2 minute hold of a requeued job
+    slurm_cluster.release_requeued(job_id)  # skip Slurm's hold of a requeued job
     t.join(120)
     assert not t.is_alive() and out, "run_step did not return"
     res = out[0]

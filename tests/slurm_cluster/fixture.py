@@ -82,7 +82,7 @@ class SlurmCluster:
         return dict(tok.split("=", 1) for tok in out.split() if "=" in tok)
 
     def release_requeued(self, job_id: str, timeout: float = 60) -> None:
-        """Wait until ``job_id`` was requeued (PENDING, Reason=BeginTime: Slurm holds a requeued job ~2 minutes)
+        """Wait until ``job_id`` was requeued (PENDING, Reason=BeginTime: Slurm holds a requeued job for AuthInfo's cred_expire, 30 s on this cluster)
         and its earlier run is cleaned up on every node, then release it with ``StartTime=now``.
 
         Releasing sooner makes Slurm start it on a node still cleaning up, which kills it ("Job credential
