@@ -82,15 +82,19 @@ class SlurmCluster:
         return dict(tok.split("=", 1) for tok in out.split() if "=" in tok)
 
     def release_requeued(self, job_id: str, timeout: float = 60) -> None:
-        """Wait until ``job_id`` was requeued (PENDING, Reason=BeginTime: Slurm holds a requeued job for AuthInfo's cred_expire, 30 s on this cluster)
-        and its earlier run is cleaned up on every node, then release it with ``StartTime=now``.
+        """Wait until ``job_id`` was requeued (PENDING, Reason=BeginTime: Slurm holds a requeued job for AuthInfo's
+        cred_expire, 30 s on this cluster) and its earlier run is cleaned up on every node, then release it with
+        ``StartTime=now``; return as well when the hold ended first (the job runs again).
 
         Releasing sooner makes Slurm start it on a node still cleaning up, which kills it ("Job credential
         revoked", state FAILED). Raises AssertionError when the job is not requeued within ``timeout`` seconds.
         """
         deadline = time.time() + timeout
+        restarts = self.job_fields(job_id).get("Restarts", "0")
         while time.time() < deadline:
             f = self.job_fields(job_id)
+            if f.get("Restarts", "0") != restarts and f.get("JobState") in ("RUNNING", "COMPLETED"):
+                return   # requeued, and Slurm's own hold ended before the nodes were clean for a release
             if f.get("JobState") == "PENDING" and f.get("Reason") == "BeginTime":
                 busy = self.run("sinfo", "--noheader", "--Node", "--partition", self.partition, "--format", "%t")
                 if not any(s.strip().startswith("comp") for s in busy.splitlines()):
