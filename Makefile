@@ -72,8 +72,7 @@ slurm-packages:
 
 # Two pytest-xdist workers, one test file at a time (module fixtures once): one worker starts with the files that use
 # the Slurm test cluster, as one unit (one cluster per host; tests/conftest.py's scheduler), the other runs the rest;
-# then both take what is left. TEST_WORKERS=1 runs
-# the suite in one process.
+# then both take what is left. TEST_WORKERS=1 runs the suite in one process.
 TEST_WORKERS ?= 2
 XDIST = $(if $(filter-out 1,$(TEST_WORKERS)),-n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder)
 

@@ -154,9 +154,10 @@ SLURM_UNIT = "slurm-cluster"
 
 
 @functools.cache
-def xdist_unit(test_file: str) -> str:
-    """The pytest-xdist unit of work of a test file (a path relative to the repository): :data:`SLURM_UNIT` when
-    the file uses the ``slurm_cluster`` fixture, else the file itself, so that its module fixtures are built once."""
+def xdist_unit(nodeid: str) -> str:
+    """The pytest-xdist unit of work of a test (its node id, relative to the repository): :data:`SLURM_UNIT` when its
+    file uses the ``slurm_cluster`` fixture, else the file, so that the file's module fixtures are built once."""
+    test_file = nodeid.split("::", 1)[0]
     return SLURM_UNIT if "slurm_cluster" in (REPO / test_file).read_text() else test_file
 
 
@@ -171,7 +172,7 @@ def pytest_xdist_make_scheduler(config, log):
 
     class FileOrSlurmScheduling(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:
-            return xdist_unit(nodeid.split("::", 1)[0])
+            return xdist_unit(nodeid)
 
     return FileOrSlurmScheduling(config, log)
 
@@ -180,7 +181,7 @@ def pytest_collection_modifyitems(config, items):
     """Under pytest-xdist the Slurm files' tests come first, so that their unit is the first one handed out (the
     Makefile passes ``--no-loadscope-reorder``: units in collection order)."""
     if os.environ.get("PYTEST_XDIST_WORKER") is not None:
-        items.sort(key=lambda item: xdist_unit(item.nodeid.split("::", 1)[0]) != SLURM_UNIT)   # stable
+        items.sort(key=lambda item: xdist_unit(item.nodeid) != SLURM_UNIT)   # stable
 
 
 def no_symlink_env(workdir: Path) -> dict:

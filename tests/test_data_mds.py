@@ -101,16 +101,10 @@ def reference(t, texts: list[str]) -> tuple[np.ndarray, int]:
 
 def read_split(out: str, split: str) -> np.ndarray:
     """All samples of a split, read with streaming's StreamingDataset (what llm-foundry's dataloader uses)."""
-    from streaming import StreamingDataset
+    from llmpipe.train.shm_names import open_reader
 
-    from llmpipe.train.shm_names import reader_segments
-
-    with reader_segments():
-        ds = StreamingDataset(local=out, split=split, shuffle=False, batch_size=1)
-        try:
-            rows = [ds[i]["tokens"] for i in range(len(ds))]
-        finally:
-            del ds
+    with open_reader(out, split) as ds:
+        rows = [ds[i]["tokens"] for i in range(len(ds))]
     for r in rows:
         assert isinstance(r, np.ndarray) and r.dtype == np.int32 and r.shape == (C,)
     return np.stack(rows) if rows else np.zeros((0, C), np.int32)

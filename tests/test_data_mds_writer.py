@@ -51,21 +51,15 @@ def test_same_bytes_as_streaming(tmp_path, seq_len, n, compression, size_limit, 
 
 
 def test_streaming_reads_it_back(tmp_path):
-    from streaming import StreamingDataset
-
-    from llmpipe.train.shm_names import reader_segments
+    from llmpipe.train.shm_names import open_reader
 
     rows = np.arange(40 * 64, dtype=np.int32).reshape(40, 64)
     w = TokenMDSWriter(str(tmp_path / "ds"), 64, "zstd", 4000)
     w.write(rows)
     idx = w.finish()
     assert len(idx["shards"]) > 2 and sum(s["samples"] for s in idx["shards"]) == 40
-    with reader_segments():
-        ds = StreamingDataset(local=str(tmp_path / "ds"), shuffle=False, batch_size=1)
-        try:
-            got = np.stack([ds[i]["tokens"] for i in range(len(ds))])
-        finally:
-            del ds
+    with open_reader(str(tmp_path / "ds")) as ds:
+        got = np.stack([ds[i]["tokens"] for i in range(len(ds))])
     np.testing.assert_array_equal(got, rows)
 
 

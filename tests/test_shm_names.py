@@ -87,22 +87,18 @@ def test_two_trainings_starting_at_once_on_one_node(mds, tmp_path):
 
 
 def test_a_reader_removes_its_own_segments_and_leaves_other_jobs_ones(mds):
-    """The MDS checks' reader (llmpipe.train.shm_names.reader_segments): its dataset's segments are in this job's
+    """The MDS checks' reader (llmpipe.train.shm_names.open_reader): its dataset's segments are in this job's
     slot and gone after the block; a live job's segment elsewhere on the node stays (streaming's
     ``clean_stale_shared_memory()``, which the checks used before, unlinks every segment from prefix 0 on)."""
-    from streaming import StreamingDataset
-
     start = shm_names.prefix_start()
     foreign = os.path.join(shm_names.SHM_DIR, f"{(start + shm_names.SLOT + 50) % 999_900:06d}_locals")
     with open(foreign, "wb") as fh:        # another job's segment: no owner mark, so never stale
         fh.write(b"x")
     try:
-        with shm_names.reader_segments() as slot:
-            ds = StreamingDataset(local=str(mds), batch_size=1, shuffle=False)
-            assert ds[0]["text"] and ds._shm_prefix_int >= slot == start
+        with shm_names.open_reader(str(mds)) as ds:
+            assert ds[0]["text"] and start <= ds._shm_prefix_int < start + shm_names.SLOT
             mine = [p for p in os.listdir(shm_names.SHM_DIR) if p[:6] == f"{ds._shm_prefix_int:06d}"]
             assert mine, "the dataset made no segment in this job's slot"
-            del ds
         assert not [p for p in mine if os.path.exists(os.path.join(shm_names.SHM_DIR, p))], mine
         assert os.path.exists(foreign)
     finally:

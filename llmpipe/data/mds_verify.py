@@ -143,19 +143,13 @@ def _find_in_source(path: str, fragments: list[str], canon: Any) -> set[int]:
 
 def _streaming_read(out_dir: str, split: str, indices: list[int]) -> tuple[int, list]:
     """Open the split with streaming's StreamingDataset (as training does); return its length and samples. Its
-    shared memory lives in this job's slot and goes when it is read (:func:`llmpipe.train.shm_names.reader_segments`);
+    shared memory lives in this job's slot and goes when it is read (:func:`llmpipe.train.shm_names.open_reader`);
     other jobs' segments on the node are left alone."""
-    from streaming import StreamingDataset
+    from llmpipe.train.shm_names import open_reader
 
-    from llmpipe.train.shm_names import reader_segments
-
-    with reader_segments():
-        ds = StreamingDataset(local=out_dir, split=split, shuffle=False, batch_size=1)
-        try:
-            n = len(ds)
-            return n, [ds[i]["tokens"] for i in indices if 0 <= i < n]
-        finally:
-            del ds
+    with open_reader(out_dir, split) as ds:
+        n = len(ds)
+        return n, [ds[i]["tokens"] for i in indices if 0 <= i < n]
 
 
 def verify_dataset(out_dir: str, tokenizer_dir: str, concat_tokens: int, vocab_size: int, out_json: str) -> dict:

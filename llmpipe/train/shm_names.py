@@ -75,22 +75,28 @@ def per_job_prefixes(environ: dict | None = None) -> int:
     return start
 
 
+def segment_paths(shm_dir: str = SHM_DIR) -> list[str]:
+    """The streaming library's shared-memory segments in ``shm_dir`` (``NNNNNN_*``), every job's."""
+    return glob.glob(os.path.join(shm_dir, "[0-9]" * 6 + "_*"))
+
+
 @contextlib.contextmanager
-def reader_segments(shm_dir: str = SHM_DIR) -> Iterator[int]:
-    """Around a ``StreamingDataset`` opened only to read a dataset back (the MDS checks, not training): its
-    shared-memory names come from this job's slot (:func:`per_job_prefixes`, which also removes dead jobs' segments),
-    and the segments of that slot that appeared during the block are removed when it ends, open or not (streaming's
-    own clean-up at exit ignores names already gone). Yields the slot's first prefix number.
+def open_reader(local: str, split: str | None = None) -> Iterator:
+    """A ``StreamingDataset`` of ``local`` (``split``; unshuffled, batch size 1) opened only to read a dataset back
+    (the MDS checks, not training). Its shared-memory names come from this job's slot (:func:`per_job_prefixes`,
+    which also removes dead jobs' segments), and the segments of that slot that appeared while it was open are removed
+    when the block ends (streaming's own clean-up at exit ignores names already gone).
 
     This replaces streaming's ``clean_stale_shared_memory()``, which unlinks every segment from prefix 0 on, those of
     live trainings on the same node included."""
+    from streaming import StreamingDataset
+
     start = per_job_prefixes()
-    pattern = os.path.join(shm_dir, "[0-9]" * 6 + "_*")
-    before = set(glob.glob(pattern))
+    before = set(segment_paths())
     try:
-        yield start
+        yield StreamingDataset(local=local, split=split, shuffle=False, batch_size=1)
     finally:
-        for path in set(glob.glob(pattern)) - before:
+        for path in set(segment_paths()) - before:
             if start <= int(os.path.basename(path)[:6]) < start + SLOT:
                 with contextlib.suppress(FileNotFoundError):
                     os.remove(path)
@@ -124,7 +130,7 @@ def remove_stale_segments(shm_dir: str = SHM_DIR) -> list[str]:
     stale = [start for start, marks in owners.items() if not any(alive for _, alive in marks)]
     if not stale:
         return []
-    segments = glob.glob(os.path.join(shm_dir, "[0-9]" * 6 + "_*"))
+    segments = segment_paths(shm_dir)
     removed = []
     for start in stale:
         doomed = [p for p in segments if start <= int(os.path.basename(p)[:6]) < start + SLOT]
