@@ -58,3 +58,22 @@ def test_bench_alternates_paths_and_records_agreement(tmp_path, monkeypatch):
         # items scored = keys recorded (the 'cut' items differ in context, so none collapse)
         assert a["items_compared"] == a["items_padded"] == padded["items"][label.replace("/", "/", 1)], label
         assert a["fraction"] == 1.0, label
+        choice_task = label.split("/")[0] in {"mc", "mc_first3", "schema"}
+        assert ("margin_median" in a) == choice_task, (label, a)
+        if choice_task:
+            assert a["differing_margins"] == [] and a["margin_median"] >= 0, (label, a)
+
+
+def test_agreement_gives_the_margins_of_the_items_decided_differently():
+    """A near-tie decided differently shows its padded margin; a clear item decided alike does not."""
+    tool = load_tool("bench_icl_eval")
+    padded = {"mc/0-shot": {(1,): {"choice": 0, "margin": 0.5}, (2,): {"choice": 1, "margin": 0.001},
+                            (3,): {"choice": 0, "margin": 0.2}},
+              "lm/0-shot": {(4,): True, (5,): False}}
+    other = {"mc/0-shot": {(1,): {"choice": 0, "margin": 0.49}, (2,): {"choice": 0, "margin": 0.002},
+                           (3,): {"choice": 0, "margin": 0.21}},
+             "lm/0-shot": {(4,): True, (5,): True}}
+    a = tool.agreement(padded, other)
+    assert a["mc/0-shot"]["same_decision"] == 2 and a["mc/0-shot"]["differing_margins"] == [0.001]
+    assert a["mc/0-shot"]["margin_median"] == 0.2 and a["mc/0-shot"]["fraction"] == pytest.approx(0.6667)
+    assert a["lm/0-shot"]["same_decision"] == 1 and "differing_margins" not in a["lm/0-shot"]

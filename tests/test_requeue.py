@@ -99,6 +99,50 @@ def test_a_finished_slurm_task_ignores_a_late_time_limit_signal(tmp_path):
     assert killed.returncode == -12 and "alive" not in killed.stdout      # what the wrapper prevents
 
 
+#: A Slurm task in miniature: its own USR2 handler (the training's), shared memory before the signal, USR2 to the
+#: whole process group (as slurmstepd signals every process of a step), then shared memory again (an evaluation
+#: right after the signal). Prints whether multiprocessing's resource tracker outlived the signal.
+SIGNALLED_TASK = """
+import os, signal, sys, time
+sys.path.insert(0, {repo!r})
+from multiprocessing import resource_tracker, shared_memory
+from llmpipe.dispatch.requeue import IgnoreSignalAfterReturn
+
+def task():
+    signal.signal(signal.SIGUSR2, lambda *a: print("rank handler", flush=True))
+    first = shared_memory.SharedMemory(create=True, size=64)
+    pid = resource_tracker._resource_tracker._pid
+    os.killpg(0, signal.SIGUSR2)
+    time.sleep(1.0)
+    alive = os.waitpid(pid, os.WNOHANG) == (0, 0)
+    second = shared_memory.SharedMemory(create=True, size=64)
+    for shm in (first, second):
+        shm.close(); shm.unlink()
+    return alive, resource_tracker._resource_tracker._pid == pid
+
+print("tracker alive, same:", {call})
+"""
+
+
+@pytest.mark.parametrize("wrapped", [True, False])
+def test_the_resource_tracker_outlives_slurms_time_limit_signal(wrapped):
+    """Slurm signals every process of the step: wrapped, the task's resource tracker ignores USR2 and the shared
+    memory made after the signal registers with the same tracker; bare, the tracker dies (what the wrapper fixes)."""
+    import subprocess
+    import sys
+
+    repo = str(Path(__file__).resolve().parents[1])
+    code = SIGNALLED_TASK.format(repo=repo, call="IgnoreSignalAfterReturn(task)()" if wrapped else "task()")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                         start_new_session=True)
+    assert out.returncode == 0 and "rank handler" in out.stdout, out.stdout + out.stderr
+    if wrapped:
+        assert "tracker alive, same: (True, True)" in out.stdout, out.stdout + out.stderr
+        assert "died unexpectedly" not in out.stderr, out.stderr
+    else:
+        assert "tracker alive, same: (False, False)" in out.stdout, out.stdout + out.stderr
+
+
 def test_the_wrapper_keeps_the_task_and_wraps_every_requeued_allocation(tmp_path):
     import cloudpickle
 

@@ -404,20 +404,22 @@ def test_requeued_twice_resumes_and_ends_at_the_step_count(two_node_run, site, s
 @pytest.mark.timeout(1800)
 def test_training_over_several_time_limits_with_a_long_setup_finishes_by_itself(two_node_run, site, slurm_cluster,
                                                                                 tmp_path):
-    """A 3-minute time limit, a 50 s batch-script set-up and a training that needs at least two allocations: it
+    """A 3-minute time limit, a 30 s batch-script set-up and a training that needs at least two allocations: it
     finishes without a rerun by hand (Slurm's early time-limit signal, a requeue or the step's own resubmission after
     TIMEOUT), and the rule log shows the batch each later allocation resumed from. No allocation is left FAILED."""
     wd = copy_run(two_node_run.wd, tmp_path / "wd")
     done = read_json(wd, TRAIN_JSON)
     tokens_per_s = done.get("steady_tokens_per_s") or done["tokens_per_s"]   # without the warm-up batches
     batches_per_s = tokens_per_s / (done["global_batch_size"] * done["concat_tokens"])
-    # one allocation trains less than 180 - 50 (set-up) - 10 (signal delay) = 120 s: ask for 150 s of training
-    steps = max(3 * SAVE_EVERY, int(batches_per_s * 150))
+    # one allocation trains less than 180 - 30 (set-up) - 10 (signal delay) - 15 (start-up) = 125 s, up to 60 s less
+    # when the signal comes early, and its ~20 checkpoints cost about a third of that: 135 s at the copied run's
+    # steady rate needs two allocations, and the second holds the rest unless its signal comes early too
+    steps = max(3 * SAVE_EVERY, int(batches_per_s * 135))
     every = max(1, steps // 20)
     fresh_training(wd)
     extra = tmp_path / "time-limits.yaml"
     extra.write_text(yaml.safe_dump({
-        "slurm": {"setup": ["export LLMPIPE_TEST_SETUP=from-setup", "sleep 50"], "setup_s": 50, "signal_delay_s": 10},
+        "slurm": {"setup": ["export LLMPIPE_TEST_SETUP=from-setup", "sleep 30"], "setup_s": 30, "signal_delay_s": 10},
         "models": {"mpt-tiny": {"train": {"max_duration_batches": steps, "save_interval_batches": every},
                                 "resources": {"time_min": 3}}}}))
     t0 = time.time()

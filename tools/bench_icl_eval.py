@@ -16,7 +16,8 @@ record holds eval.json's ``timing`` (``to_first_batch_s``: model load and datase
 per evaluator seconds and tokens run; ``planned``: the evaluation time plan's first-to-last batch seconds from the
 committed constants, ``llmpipe.plan.eval_time``) and accuracies. The per-item record (a composer callback at every forward)
 compares the first padded run with the first run of each other path item by item: multiple choice and schema by the choice
-with the best mean answer log-likelihood (llm-foundry's rule), language modelling by every answer token being the
+with the best mean answer log-likelihood (llm-foundry's rule; with the padded run's margins of the items decided
+differently, beside the median margin), language modelling by every answer token being the
 top-1, generation by the generated text. ``by_path``: for each path but padded, ``speedup`` (mean padded
 ``batches_s`` / its mean ``batches_s``), ``accuracy_delta_points`` and ``agreement`` against padded; the record's
 top-level ``speedup``, ``accuracy_delta_points`` and ``agreement`` are trimmed's.
@@ -68,8 +69,9 @@ def item_decisions(batch: dict, outputs) -> dict:
     """Item key (its token ids without padding) -> decision, for one (micro)batch of an ICL evaluator.
 
     ``outputs``: logits [rows, length, vocabulary] (right-padded task types) or the generated strings (generation).
-    Decisions: the chosen choice (multiple choice, schema), whether every answer token is the top-1 (language
-    modelling), the generated text (generation)."""
+    Decisions: the chosen choice and its margin (multiple choice, schema: ``{"choice": index, "margin": best minus
+    second-best mean answer log-likelihood, nats per token}``, margin None for one choice), whether every answer
+    token is the top-1 (language modelling), the generated text (generation)."""
     import torch
 
     ids, mask = batch["input_ids"], batch["attention_mask"].bool()
@@ -86,7 +88,9 @@ def item_decisions(batch: dict, outputs) -> dict:
         out = {}
         for a, b in batch["choice_groupings"]:
             means = [row[1] for row in rows[a:b]]
-            out[tuple(row[0] for row in rows[a:b])] = means.index(max(means))
+            ranked = sorted(means, reverse=True)
+            out[tuple(row[0] for row in rows[a:b])] = {
+                "choice": means.index(ranked[0]), "margin": ranked[0] - ranked[1] if len(ranked) > 1 else None}
         return out
     return {key: top1 for key, _, top1 in rows}
 
@@ -109,15 +113,29 @@ def heldout_split(folder: str, files: list[str]) -> str:
     return folder
 
 
+def decision_of(value):
+    """The comparable decision of an :func:`item_decisions` value (a choice's index without its margin)."""
+    return value["choice"] if isinstance(value, dict) else value
+
+
 def agreement(padded: dict, trimmed: dict) -> dict:
-    """Per evaluator: items in both runs, items decided alike, and their fraction."""
+    """Per evaluator: items in both runs, items decided alike, and their fraction. Multiple choice and schema also
+    give the padded run's margins (nats per answer token, :func:`item_decisions`): their median over the compared
+    items and, sorted, those of the items decided differently, so that a difference can be told from a near-tie."""
     out = {}
     for label in sorted(padded):
         p, t = padded[label], trimmed.get(label, {})
-        common = set(p) & set(t)
-        same = sum(p[k] == t[k] for k in common)
-        out[label] = {"items_padded": len(p), "items_trimmed": len(t), "items_compared": len(common),
-                      "same_decision": same, "fraction": round(same / len(common), 4) if common else None}
+        common = sorted(set(p) & set(t))
+        differ = [k for k in common if decision_of(p[k]) != decision_of(t[k])]
+        row = {"items_padded": len(p), "items_trimmed": len(t), "items_compared": len(common),
+               "same_decision": len(common) - len(differ),
+               "fraction": round((len(common) - len(differ)) / len(common), 4) if common else None}
+        margins = [p[k]["margin"] for k in common if isinstance(p[k], dict) and p[k]["margin"] is not None]
+        if margins:
+            row["margin_median"] = round(statistics.median(margins), 5)
+            row["differing_margins"] = sorted(round(p[k]["margin"], 5) for k in differ
+                                              if p[k]["margin"] is not None)
+        out[label] = row
     return out
 
 

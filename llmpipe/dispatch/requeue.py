@@ -37,20 +37,49 @@ class DelayedSubmission(submitit.helpers.DelayedSubmission):
         super().set_timeout(timeout_min, self.allowed)
 
 
-class IgnoreSignalAfterReturn:
-    """A picklable wrapper of the function a Slurm job runs: once ``fn`` returned, the task ignores ``USR2``.
+def start_resource_tracker_immune_to_usr2() -> None:
+    """Start multiprocessing's resource tracker (if it is not running yet) with ``USR2`` ignored, so that Slurm's
+    time-limit signal does not kill it.
 
-    Slurm sends ``USR2`` up to 60 s before the time asked for (``--signal``): one that reaches a finished task while
-    it writes its result and exits would requeue a finished job (submitit's handler) or, after the interpreter reset
-    its handlers, kill the task (exit 140), which records the job's last allocation FAILED although its result was
-    written. Other attributes are ``fn``'s (submitit sees the same task); the submission that ``fn.checkpoint``
-    returns for a requeue runs wrapped too, so every allocation ends the same way.
+    Slurm delivers ``--signal=USR2@N`` to every process of a job step, helpers included. The tracker is a separate
+    interpreter (fork + exec, so a Python handler is not inherited) whose default action for ``USR2`` is to die;
+    every later ``SharedMemory`` of the task (streaming creates some for each dataset iteration, an evaluation right
+    after the signal included) then fails with ``BrokenPipeError``, or the tracker is restarted and the segments it
+    knew leak. An ignored disposition survives exec, so the tracker started here keeps running.
+
+    Raises nothing: outside the main thread (no signal disposition can be changed) it does nothing.
+    """
+    from multiprocessing import resource_tracker
+
+    try:
+        previous = signal.signal(signal.SIGUSR2, signal.SIG_IGN)
+    except ValueError:   # not the main thread
+        return
+    try:
+        resource_tracker.ensure_running()
+    finally:
+        signal.signal(signal.SIGUSR2, previous)
+
+
+class IgnoreSignalAfterReturn:
+    """A picklable wrapper of the function a Slurm job runs: the task's helpers survive ``USR2``, and once ``fn``
+    returned the task ignores it.
+
+    Slurm sends ``USR2`` up to 60 s before the time asked for (``--signal``) to every process of the step:
+    - before ``fn`` runs, multiprocessing's resource tracker is started with ``USR2`` ignored
+      (:func:`start_resource_tracker_immune_to_usr2`); the task's own handler checkpoints and requeues;
+    - a signal that reaches a finished task while it writes its result and exits would requeue a finished job
+      (submitit's handler) or, after the interpreter reset its handlers, kill the task (exit 140), which records the
+      job's last allocation FAILED although its result was written.
+    Other attributes are ``fn``'s (submitit sees the same task); the submission that ``fn.checkpoint`` returns for a
+    requeue runs wrapped too, so every allocation starts and ends the same way.
     """
 
     def __init__(self, fn: Callable[..., Any]):
         self.fn = fn
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        start_resource_tracker_immune_to_usr2()
         out = self.fn(*args, **kwargs)
         with contextlib.suppress(ValueError):   # not the main thread (the debug executor): nothing to ignore
             signal.signal(signal.SIGUSR2, signal.SIG_IGN)
