@@ -10,8 +10,8 @@ from llmpipe.dispatch import slurm_watch
 from llmpipe.dispatch.slurm_watch import NeverRuns, StateLog
 
 
-def view(state, reason="None", restarts="0", nodes="(null)"):
-    return {"JobState": state, "Reason": reason, "Restarts": restarts, "NodeList": nodes}
+def view(state, reason="None", restarts="0", nodes="(null)", eligible="2026-12-05T17:38:30"):
+    return {"JobState": state, "Reason": reason, "Restarts": restarts, "NodeList": nodes, "EligibleTime": eligible}
 
 
 def test_each_change_once_with_reason_nodes_and_requeue(monkeypatch):
@@ -31,8 +31,9 @@ def test_each_change_once_with_reason_nodes_and_requeue(monkeypatch):
         "batch 40",
         "train r: (submitit's lines 'this job is timed-out' and 'N remaining timeouts' in the task log count time "
         "limits, not failures: the training requeues while its allocations checkpoint progress, as its 'allocation N "
-        "ends at checkpoint batch B' lines say; Slurm holds a requeued job PENDING (BeginTime) for about 2 minutes)",
-        "train r: job 42 is PENDING (BeginTime)",
+        "ends at checkpoint batch B' lines say; Slurm holds a requeued job PENDING (BeginTime) for the credential "
+        "lifetime, slurm.conf's AuthInfo cred_expire: 120 s by default)",
+        "train r: job 42 is PENDING (BeginTime) until 17:38:30",
         "train r: job 42 is RUNNING on gpu03",
         "train r: job 42 is NODE_FAIL (NodeDown) on gpu03",
     ]
@@ -66,5 +67,5 @@ def test_how_the_earlier_run_ended_follows_when_accounting_records_it_late(monke
     log.poll(view("PENDING", "BeginTime", restarts="1"))
     log.poll(view("PENDING", "BeginTime", restarts="1"))
     lines = [line for line in lines if "submitit's lines" not in line]   # the note on submitit's own lines
-    assert lines[1:] == ["train r: job 9 was REQUEUED (restart 1)", "train r: job 9 is PENDING (BeginTime)",
+    assert lines[1:] == ["train r: job 9 was REQUEUED (restart 1)", "train r: job 9 is PENDING (BeginTime) until 17:38:30",
                          "train r: job 9's run before restart 1 ended NODE_FAIL"], lines

@@ -136,7 +136,8 @@ class StateLog:
                 self.say(f"{self.what}: (submitit's lines 'this job is timed-out' and 'N remaining timeouts' in the "
                          f"task log count time limits, not failures: the training requeues while its allocations "
                          f"checkpoint progress, as its 'allocation N ends at checkpoint batch B' lines say; Slurm "
-                         f"holds a requeued job PENDING (BeginTime) for about 2 minutes)")
+                         f"holds a requeued job PENDING (BeginTime) for the credential lifetime, slurm.conf's AuthInfo "
+                         f"cred_expire: 120 s by default)")
             # accounting may record the earlier run later still: say how it ended once it does (up to 2 minutes)
             self.unsaid = None if ended else (restarts, time.monotonic() + 120)
         elif self.unsaid is not None:
@@ -153,6 +154,9 @@ class StateLog:
             self.last = now
             why = f" ({now[1]})" if now[1] else ""
             where = f" on {nodes}" if nodes else ""
+            eligible = view.get("EligibleTime") or ""
+            if state == "PENDING" and reason == "BeginTime" and "T" in eligible:   # 2026-12-05T17:38:30
+                where += f" until {eligible.split('T', 1)[1]}"
             self.say(f"{self.what}: job {self.job_id} is {state}{why}{where}")
             self.told_nodes = self.told_nodes or (state == "RUNNING" and bool(nodes))
         stuck = state == "PENDING" and reason in NEVER_RESOLVES
