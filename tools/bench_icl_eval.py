@@ -125,11 +125,11 @@ def agreement(padded: dict, trimmed: dict) -> dict:
     out = {}
     for label in sorted(padded):
         p, t = padded[label], trimmed.get(label, {})
-        common = sorted(set(p) & set(t))
+        common = set(p) & set(t)
         differ = [k for k in common if decision_of(p[k]) != decision_of(t[k])]
+        same = len(common) - len(differ)
         row = {"items_padded": len(p), "items_trimmed": len(t), "items_compared": len(common),
-               "same_decision": len(common) - len(differ),
-               "fraction": round((len(common) - len(differ)) / len(common), 4) if common else None}
+               "same_decision": same, "fraction": round(same / len(common), 4) if common else None}
         margins = [p[k]["margin"] for k in common if isinstance(p[k], dict) and p[k]["margin"] is not None]
         if margins:
             row["margin_median"] = round(statistics.median(margins), 5)
