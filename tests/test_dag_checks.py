@@ -30,6 +30,18 @@ def test_a_runs_plan_is_printed_and_checked_once(capsys):
     assert checks.planned == {("train", "mpt-1b")}
 
 
+def test_an_undefined_eval_suite_stops_the_dag_before_any_input_function(tmp_path):
+    """Raised by check_settings, the error reaches the user as the other config errors do, not wrapped in
+    Snakemake's InputFunctionException with a traceback; finetunes are checked too."""
+    base = {"results_dir": str(tmp_path / "results")}
+    for section, run in (("models", "mpt-tiny"), ("finetunes", "mpt-tiny-sft")):
+        config = deep_merge(project_config(), {**base, section: {run: {"eval_suite": "nope"}}})
+        with pytest.raises(ConfigError, match=rf"^{section}\.{run}\.eval_suite is 'nope': eval suite 'nope' is not "
+                                              r"defined: known ones are default"):
+            DagChecks(config, main_process=False).check_settings()
+    DagChecks(deep_merge(project_config(), base), main_process=False).check_settings()
+
+
 def test_only_the_main_process_prints(capsys):
     checks = DagChecks(project_config(), main_process=False)
     checks.resources("eval", wildcards(run="mpt-1b"))

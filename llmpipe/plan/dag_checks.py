@@ -65,8 +65,10 @@ class DagChecks:
 
     def check_settings(self) -> None:
         """The checks of settings no rule owns: the results folder (:func:`llmpipe.config.results_dir.check_results_dir`), an
-        unknown ``gpu_type`` (naming the known ones) and a tracking logger whose package is missing
-        (:func:`llmpipe.train.tracking.settings` names the fix).
+        unknown ``gpu_type`` (naming the known ones), a tracking logger whose package is missing
+        (:func:`llmpipe.train.tracking.settings` names the fix) and an eval suite that no run's choice finds
+        (:func:`llmpipe.evaluation.suites.run_suite`, for every run: the rest of a suite's checks need its files and
+        come with the eval rule's inputs, :func:`llmpipe.evaluation.suites.check_suite`).
 
         Raises:
             ConfigError: naming the setting and the fix.
@@ -77,6 +79,8 @@ class DagChecks:
         check_results_dir(self.config["results_dir"])
         cfg.gpu_memory(self.config)
         tracking_settings(self.config)
+        for run in cfg.known_runs(self.config):
+            eval_tasks.run_suite(self.config, run)
 
     def print_notes(self) -> None:
         """Say, in the main process, which jobs another (or a killed) Snakemake submitted are still live (a run
