@@ -107,3 +107,17 @@ def test_a_reader_removes_its_own_segments_and_leaves_other_jobs_ones(mds):
     users = [str(p.relative_to(REPO)) for p in (REPO / "llmpipe").rglob("*.py")
              if re.search(r"import[^\n]*\bclean_stale_shared_memory\b", p.read_text())]
     assert not users, users
+
+
+def test_a_reader_leaves_nothing_for_the_resource_tracker_to_warn_about(mds):
+    """A process that read a dataset back through open_reader (as verify_mds does) exits without the resource
+    tracker's "leaked shared_memory objects" warning and its failed unlinks, which reached the console of every
+    run: the segments the block removed are taken off the tracker too."""
+    code = (f"import sys; sys.path.insert(0, {str(REPO)!r})\n"
+            "from llmpipe.train import shm_names\n"
+            f"with shm_names.open_reader({str(mds)!r}) as ds:\n"
+            "    assert ds[0]['text']\n"
+            "print('read')\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and proc.stdout.strip() == "read", proc.stderr[-3000:]
+    assert "resource_tracker" not in proc.stderr and "Traceback" not in proc.stderr, proc.stderr[-3000:]
