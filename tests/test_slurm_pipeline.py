@@ -452,7 +452,10 @@ def test_killed_snakemake_reattaches_to_the_running_job(two_node_run, site, slur
         with background_snakemake(wd, TRAIN_JSON, *site.args) as (proc, out):
             job_id = wait_until(lambda: (submitted_ids(rule_log(wd, "train")) or [None])[0], 120,
                                 "the training job", out)
-            wait_until(lambda: max_batch(wd) >= 5, 240, "training to start", out)
+            # killed as soon as the job runs, so that its start-up and 60 batches outlast the kill and the checks
+            # below on a loaded machine too
+            wait_until(lambda: slurm_cluster.job_fields(job_id).get("JobState") == "RUNNING", 120, "the job to run",
+                       out)
             assert rule_scripts(wd), "no rule script is waiting for the job"
             os.kill(proc.pid, signal.SIGKILL)    # Snakemake alone, not its session: its rule script must follow
             wait_until(lambda: not rule_scripts(wd), 30, "the orphaned rule script to exit", out)
