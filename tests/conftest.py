@@ -89,10 +89,8 @@ pytest_plugins = ["tests.slurm_cluster.fixture"] if (REPO / "tests/slurm_cluster
 
 def snakemake(workdir: Path, *args: str, check: bool = True, timeout: float = 1800, env: dict | None = None):
     """Run snakemake on this repository's Snakefile in ``workdir``; return the CompletedProcess. Under pytest-xdist
-    the rules of a run that is not a dry run take one thread (``--max-threads 1``, see :data:`XDIST_THREADS`); a dry
-    run shows the workflow's own ``threads``."""
-    cap = [] if {"-n", "--dry-run", "--dryrun"} & set(args) else XDIST_THREADS
-    cmd = SNAKEMAKE + ["-s", str(REPO / "Snakefile"), "-d", str(workdir), *cap, *args]
+    every rule runs with one thread (``--max-threads 1``, see :data:`XDIST_THREADS`)."""
+    cmd = SNAKEMAKE + ["-s", str(REPO / "Snakefile"), "-d", str(workdir), *XDIST_THREADS, *args]
     full_env = {**os.environ, **(env or {})}
     # this checkout's package first, whatever else is installed (jobs import llmpipe by name)
     full_env["PYTHONPATH"] = os.pathsep.join(p for p in [full_env.get("PYTHONPATH", ""), str(REPO)] if p)
