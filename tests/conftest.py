@@ -13,16 +13,6 @@ from pathlib import Path
 
 import pytest
 
-#: Under pytest-xdist each worker's torch (and every process it starts: gloo ranks, tools, Snakemake's jobs) uses one
-#: thread. Two workers with two OpenMP threads each oversubscribe the 2-core VM, and OpenMP's spinning threads then
-#: cost more than the second thread gains (benchmarks/README.md, "Test-suite runs"). Snakemake sets a job's
-#: ``OMP_NUM_THREADS`` from its rule's ``threads``, so its runs get ``--max-threads 1`` (``snakemake()`` below).
-XDIST_THREADS: list[str] = []
-if os.environ.get("PYTEST_XDIST_WORKER") is not None:
-    for _var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
-        os.environ[_var] = "1"
-    XDIST_THREADS = ["--max-threads", "1"]
-
 REPO = Path(__file__).resolve().parents[1]
 SNAKEMAKE = [sys.executable, "-m", "snakemake"]
 
@@ -88,9 +78,8 @@ pytest_plugins = ["tests.slurm_cluster.fixture"] if (REPO / "tests/slurm_cluster
 
 
 def snakemake(workdir: Path, *args: str, check: bool = True, timeout: float = 1800, env: dict | None = None):
-    """Run snakemake on this repository's Snakefile in ``workdir``; return the CompletedProcess. Under pytest-xdist
-    every rule runs with one thread (``--max-threads 1``, see :data:`XDIST_THREADS`)."""
-    cmd = SNAKEMAKE + ["-s", str(REPO / "Snakefile"), "-d", str(workdir), *XDIST_THREADS, *args]
+    """Run snakemake on this repository's Snakefile in ``workdir``; return the CompletedProcess."""
+    cmd = SNAKEMAKE + ["-s", str(REPO / "Snakefile"), "-d", str(workdir), *args]
     full_env = {**os.environ, **(env or {})}
     # this checkout's package first, whatever else is installed (jobs import llmpipe by name)
     full_env["PYTHONPATH"] = os.pathsep.join(p for p in [full_env.get("PYTHONPATH", ""), str(REPO)] if p)

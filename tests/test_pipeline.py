@@ -15,7 +15,7 @@ import yaml
 
 from llmpipe.dispatch.orphans import process_start_time
 from llmpipe.steps import THIS_RUN
-from tests.conftest import REPO, SNAKEMAKE, XDIST_THREADS, copy_run, no_symlink_env, planned_jobs, project_config, snakemake
+from tests.conftest import REPO, SNAKEMAKE, copy_run, no_symlink_env, planned_jobs, project_config, snakemake
 
 pytestmark = pytest.mark.slow
 
@@ -185,7 +185,7 @@ def test_going_back_after_a_killed_changed_run_restores_every_step(tiny_run, tmp
     before = run_outputs(run)
     log = wd / "results/logs/train/mpt-tiny.log"
     log.unlink()  # the tiny run's own: the changed run's new log starts with the history and THIS_RUN
-    cmd = [*SNAKEMAKE, "-s", str(REPO / "Snakefile"), "-d", str(wd), *XDIST_THREADS, "--cores", "2", TRAIN,
+    cmd = [*SNAKEMAKE, "-s", str(REPO / "Snakefile"), "-d", str(wd), "--cores", "2", TRAIN,
            "--config", "models={'mpt-tiny': {'train': {'seed': 18}}}"]
     proc = subprocess.Popen(cmd, cwd=wd, env={**os.environ, **no_symlink_env(wd)}, stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL, start_new_session=True)
