@@ -70,9 +70,9 @@ run: install
 slurm-packages:
 	@if [ "$$(id -u)" = 0 ]; then bash .ci/slurm.sh install; else echo "not root: Slurm tests will skip"; fi
 
-# Two pytest-xdist workers, one test file at a time (module fixtures once), the files that use the Slurm test cluster
-# first (tests/conftest.py orders them; each worker starts its own cluster). TEST_WORKERS=1 runs the suite in one
-# process.
+# Two pytest-xdist workers, one test file at a time (module fixtures once): one worker starts with the files that use
+# the Slurm test cluster, as one unit (one cluster per host; tests/conftest.py's scheduler), the other runs the rest;
+# then both take what is left. TEST_WORKERS=1 runs the suite in one process.
 TEST_WORKERS ?= 2
 XDIST = $(if $(filter-out 1,$(TEST_WORKERS)),-n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder)
 

@@ -2,7 +2,7 @@
 # CI helper for the real-Slurm tests (tests/test_slurm_*.py, fixture tests/slurm_cluster/fixture.py).
 #   .ci/slurm.sh install   # (default) install slurmctld slurmd slurm-client munge slurmdbd mariadb-server if missing,
 #                          # and check that this machine can run the test cluster (root, ip netns)
-#   .ci/slurm.sh cleanup   # stop the test clusters left behind (e.g. a killed pytest); kills only what start.sh started
+#   .ci/slurm.sh cleanup   # stop a test cluster left behind (e.g. a killed pytest); kills only what start.sh started
 # Then run pytest with LLMPIPE_REQUIRE_SLURM=1 so the Slurm tests fail instead of skipping when the cluster
 # cannot start. The pytest fixture starts the cluster itself and always stops it.
 # Exit status: 0 when ready (or cleaned up), 1 otherwise. Safe to run twice.
@@ -16,12 +16,8 @@ case "${1:-install}" in
     ip netns list >/dev/null || { echo "slurm CI: 'ip netns' does not work here" >&2; exit 1; }
     echo "slurm CI: ready in $(( $(date +%s) - t0 )) s (run pytest with LLMPIPE_REQUIRE_SLURM=1)"
     ;;
-  cleanup)   # the first pytest-xdist worker's cluster and every other worker's (<dir>-gwN, tests/slurm_cluster/fixture.py)
-    base="${LLMPIPE_SLURM_DIR:-/tmp/llmpipe-slurm}"
-    LLMPIPE_SLURM_DIR="$base" "$REPO/tests/slurm_cluster/stop.sh"
-    for dir in "$base"-gw*; do
-      if [[ -d "$dir" ]]; then LLMPIPE_SLURM_DIR="$dir" "$REPO/tests/slurm_cluster/stop.sh"; fi
-    done
+  cleanup)
+    "$REPO/tests/slurm_cluster/stop.sh"
     ;;
   *)
     echo "usage: $0 [install|cleanup]" >&2; exit 2

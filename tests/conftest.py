@@ -147,34 +147,41 @@ def _run_tiny(wd: Path) -> Path:
     return wd
 
 
-#: Handed out first under pytest-xdist, longest first: a long file that starts last ends the suite late. Every file
-#: that uses the Slurm test cluster waits mostly on Slurm's clocks (time limits, requeue holds), and the first is the
-#: longest file of the suite (its time-limit test alone takes about 9 minutes).
-FIRST_FILES = ("tests/test_slurm_pipeline.py", "tests/test_slurm_dispatch.py", "tests/test_scaling.py")
+#: The unit of work of every test file that uses the Slurm test cluster: one cluster per host (its lock file), so
+#: these files run one after the other on one worker, which starts with them (they are the longest unit, mostly
+#: waiting on Slurm's clocks).
+SLURM_UNIT = "slurm-cluster"
 
 
 @functools.cache
-def uses_slurm_cluster(test_file: str) -> bool:
-    """Whether a test file (relative to the repository) uses the ``slurm_cluster`` fixture."""
-    return "slurm_cluster" in (REPO / test_file).read_text()
-
-
-def xdist_order(nodeid: str) -> tuple[int, int]:
-    """The sort key of a test under pytest-xdist: :data:`FIRST_FILES` in their order, then the other files that use
-    the Slurm test cluster, then the rest (a stable sort keeps the collection order within each)."""
+def xdist_unit(nodeid: str) -> str:
+    """The pytest-xdist unit of work of a test (its node id, relative to the repository): :data:`SLURM_UNIT` when its
+    file uses the ``slurm_cluster`` fixture, else the file, so that the file's module fixtures are built once."""
     test_file = nodeid.split("::", 1)[0]
-    if test_file in FIRST_FILES:
-        return 0, FIRST_FILES.index(test_file)
-    return (1, 0) if uses_slurm_cluster(test_file) else (2, 0)
+    return SLURM_UNIT if "slurm_cluster" in (REPO / test_file).read_text() else test_file
+
+
+@pytest.hookimpl(tryfirst=True, optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """``--dist loadfile`` with the Slurm files as one unit (:func:`xdist_unit`); xdist's own ``loadgroup`` marks
+    do not reach pytest 9's node ids. An optional hook: the second lock's venv (``make test-torch211``) has no
+    pytest-xdist."""
+    if config.getvalue("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class FileOrSlurmScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return xdist_unit(nodeid)
+
+    return FileOrSlurmScheduling(config, log)
 
 
 def pytest_collection_modifyitems(config, items):
-    """Under pytest-xdist (``--dist loadfile``, one test file per unit of work) the files come in the order of
-    :func:`xdist_order`, so that the longest units are handed out first; the Makefile passes
-    ``--no-loadscope-reorder``, so xdist keeps this order. Each worker that runs a Slurm file starts its own test
-    cluster (tests/slurm_cluster/fixture.py, ``state_dir``)."""
+    """Under pytest-xdist the Slurm files' tests come first, so that their unit is the first one handed out (the
+    Makefile passes ``--no-loadscope-reorder``: units in collection order)."""
     if os.environ.get("PYTEST_XDIST_WORKER") is not None:
-        items.sort(key=lambda item: xdist_order(item.nodeid))   # stable
+        items.sort(key=lambda item: xdist_unit(item.nodeid) != SLURM_UNIT)   # stable
 
 
 def no_symlink_env(workdir: Path) -> dict:

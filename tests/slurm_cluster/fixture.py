@@ -10,8 +10,7 @@ start.sh/stop.sh run by anyone else (``.ci/slurm.sh cleanup``) leave the cluster
 
 Without root, ``ip netns`` or the Slurm binaries the tests that use it are skipped with the reason; with
 ``LLMPIPE_REQUIRE_SLURM=1`` (CI) they fail instead. Other environment variables:
-``LLMPIPE_SLURM_DIR`` (state folder, default /tmp/llmpipe-slurm; :func:`state_dir` gives each pytest-xdist worker but
-the first its own), ``LLMPIPE_SLURM_REUSE=1`` (keep a healthy running
+``LLMPIPE_SLURM_DIR`` (state folder, default /tmp/llmpipe-slurm), ``LLMPIPE_SLURM_REUSE=1`` (keep a healthy running
 cluster instead of starting afresh), ``LLMPIPE_SLURM_KEEP=1`` (do not stop it at the end, for debugging).
 """
 
@@ -136,23 +135,13 @@ def _skip_or_fail(reason: str) -> None:
     pytest.skip(reason)
 
 
-def state_dir() -> Path:
-    """The state folder of this session's cluster: ``$LLMPIPE_SLURM_DIR`` (default /tmp/llmpipe-slurm), and under
-    pytest-xdist ``<that>-gwN`` for worker N > 0. Each folder is a cluster of its own (tests/slurm_cluster/names.sh
-    derives its subnet, namespaces and ports from the path), so two workers run Slurm test files at once without
-    sharing a controller, accounting or node /dev/shm."""
-    base = os.environ.get("LLMPIPE_SLURM_DIR", "/tmp/llmpipe-slurm")
-    worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0")
-    return Path(base if worker == "gw0" else f"{base}-{worker}")
-
-
 @pytest.fixture(scope="session")
 def slurm_cluster():
     """A real 2-node Slurm cluster for the whole session (see the module docstring); stopped at the end."""
     reason = unavailable_reason()
     if reason:
         _skip_or_fail(reason)
-    state = state_dir()
+    state = Path(os.environ.get("LLMPIPE_SLURM_DIR", "/tmp/llmpipe-slurm"))
     state.parent.mkdir(parents=True, exist_ok=True)
     # one cluster per state folder: a second pytest session waits for the first one's cluster to go away
     lock = open(f"{state}.lock", "w")
