@@ -77,18 +77,23 @@ TEST_WORKERS ?= 2
 XDIST = $(if $(filter-out 1,$(TEST_WORKERS)),-n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder)
 
 # then the second lock's checks (test-torch211) whether or not the suite passed; `make`, not $(MAKE), so that
-# `make -n test` only prints this line instead of running it
-# -v: the log names the test that runs. --timeout-method=thread: a test stuck in C code that released the GIL still
-# ends the session with every thread's stack. A test that holds the GIL (a deadlock in C) stops neither timeout;
-# faulthandler's watchdog, a C thread, prints every stack 60 s later, and `timeout` ends the suite after 75 minutes
-# so that CI (90 minutes) still reports.
+# `make -n test` only prints this line instead of running it. Last, the suite in a few lines (failures, tests that
+# never reported, the slowest; tests/helpers/suite_digest.py), since CI shows only the end of the output.
+# -v: the log names the test that runs. --timeout-method=signal: a test over its time fails in its own worker, which
+# goes on with the next test (pytest-xdist stalls after replacing a worker that the thread method ends with
+# os._exit). A test stuck in C code that never returns to Python stops neither; faulthandler's watchdog prints every
+# stack 60 s later, and `timeout` ends the suite after 75 minutes so that CI (90 minutes) still reports.
 test: install lm-eval slurm-packages
 	@if [ "$$(id -u)" = 0 ]; then export LLMPIPE_REQUIRE_SLURM=1; fi; \
 	export LLMPIPE_REQUIRE_LM_EVAL=1; \
 	trap 'bash .ci/slurm.sh cleanup >/dev/null 2>&1 || true' EXIT; \
-	timeout --foreground --kill-after=30 4500 $(PY) -m pytest -v -p no:cacheprovider $(XDIST) --timeout 1200 --timeout-method=thread \
-	  -o faulthandler_timeout=1260 --durations=40 tests; rc=$$?; \
-	env -u LLMPIPE_REQUIRE_SLURM -u LLMPIPE_REQUIRE_LM_EVAL make --no-print-directory test-torch211 || rc=1; exit $$rc
+	log=$$(mktemp $${TMPDIR:-/tmp}/llmpipe-test.XXXXXX); \
+	{ timeout --foreground --kill-after=30 4500 $(PY) -m pytest -v -p no:cacheprovider $(XDIST) --timeout 1200 \
+	  --timeout-method=signal -o faulthandler_timeout=1260 --durations=40 tests; echo $$? > $$log.rc; } 2>&1 | tee $$log; \
+	rc=$$(cat $$log.rc); \
+	env -u LLMPIPE_REQUIRE_SLURM -u LLMPIPE_REQUIRE_LM_EVAL make --no-print-directory test-torch211 || rc=1; \
+	echo "--- the suite in short (whole log: $$log) ---"; $(PY) tests/helpers/suite_digest.py $$log $$(cat $$log.rc); \
+	exit $$rc
 
 test-fast: install lm-eval
 	$(PY) -m pytest -q -p no:cacheprovider $(XDIST) -m "not slow and not slurm" tests

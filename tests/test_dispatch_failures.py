@@ -58,6 +58,18 @@ def _rank0_killed_quietly_rank1_raises() -> None:
     os._exit(1)  # killed as a consequence: no result, no exception
 
 
+def _rank0_raises_rank1_waits() -> None:
+    import submitit
+
+    if submitit.JobEnvironment().global_rank == 0:
+        raise OSError("EADDRINUSE: the rendezvous port is taken")
+    time.sleep(300)   # a rank waiting in the rendezvous for a rank 0 that is gone
+
+
+def _inherited_master_port() -> str | None:
+    return os.environ.get("MASTER_PORT")   # before anything in the job sets it
+
+
 def _run(tmp_path, fn, tasks: int = 1):
     cfg = {"dispatch": {"executor": "local", "state_dir": str(tmp_path / "state"), "poll_s": 0.1}}
     res = {"nodes": 1, "tasks_per_node": tasks, "gpus_per_node": 0, "cpus_per_task": 1, "time_min": 5}
@@ -113,3 +125,49 @@ def test_the_node_of_a_finished_array_task_is_read_from_its_log_when_slurm_forgo
                    "local_rank=0(1), node=0(1), global_rank=0(1))\n")
     assert _logged_host(out) == "n2"
     assert _logged_host(tmp_path / "missing.out") == ""
+
+
+def test_a_failed_rank_ends_its_local_job_without_waiting_for_the_others(tmp_path):
+    """The other ranks of a local job would wait out the process group's timeout (600 s) for a failed rank 0."""
+    msg, took = _run(tmp_path, _rank0_raises_rank1_waits, tasks=2)
+    assert msg.splitlines()[0].endswith("ended in state FAILED: rank 0 OSError: EADDRINUSE: the rendezvous port is "
+                                        "taken"), msg
+    assert took < 60, f"took {took:.0f} s: the job waited for its other rank"
+
+
+def test_a_local_job_of_two_ranks_inherits_a_free_port_below_the_ephemeral_range(tmp_path, monkeypatch):
+    from llmpipe.dispatch.rendezvous import ephemeral_range
+
+    monkeypatch.delenv("MASTER_PORT", raising=False)
+    cfg = {"dispatch": {"executor": "local", "state_dir": str(tmp_path / "state"), "poll_s": 0.1}}
+    res = {"nodes": 1, "tasks_per_node": 2, "gpus_per_node": 0, "cpus_per_task": 1, "time_min": 5}
+    port = run_step(_inherited_master_port, step="probe", resources=res, config=cfg, log_dir=str(tmp_path / "logs"),
+                    key="port")
+    assert port is not None, "the job's ranks would use submitit's port, derived from the job id"
+    assert 20000 <= int(port) < ephemeral_range()[0], port
+    assert "MASTER_PORT" not in os.environ   # the submitting process's environment is restored
+
+
+def test_free_port_skips_a_port_that_is_taken():
+    import random
+    import socket
+
+    from llmpipe.dispatch import rendezvous
+
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as taken:
+        taken.bind(("", 0))
+        busy = taken.getsockname()[1]
+        taken.listen()
+
+        class Picks(random.Random):
+            def __init__(self):
+                super().__init__(0)
+                self.picks = []
+
+            def randint(self, a, b):
+                self.picks.append(busy if not self.picks else super().randint(a, b))
+                return self.picks[-1]
+
+        rng = Picks()
+        port = rendezvous.free_port(rng=rng)
+    assert rng.picks[0] == busy and port == rng.picks[1] != busy, rng.picks

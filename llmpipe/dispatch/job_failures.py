@@ -28,7 +28,10 @@ def log_tail(job, n: int = 40) -> str:
 
 def local_state(job) -> str:
     """A local job's state for a failure message: submitit says FINISHED for any ended job, also one whose
-    function raised (its controller process exits 0 either way); FAILED, or INTERRUPTED when a signal ended it."""
+    function raised (its controller process exits 0 either way); FAILED, or INTERRUPTED when a signal ended it and
+    no task had raised (a job is ended once one of its tasks raised, :func:`any_task_raised`)."""
+    if any_task_raised(job):
+        return "FAILED"
     proc = getattr(job, "_process", None)
     code = proc.poll() if proc is not None else None
     return f"INTERRUPTED (signal {-code})" if code is not None and code < 0 else "FAILED"
@@ -90,6 +93,24 @@ def task_failure(task) -> tuple[int, float, str] | None:
         text, when = "", float("inf")
     line = headline(text)
     return (1, when, line) if line else (2, when, "wrote no result (killed, or exited without raising)")
+
+
+def any_task_raised(job) -> bool:
+    """Whether a task of a local job with several tasks has already written a result that is an error: the job has
+    failed, and its other ranks would only wait out the process group's timeout for the missing one. False for a
+    job of one task (it ends by itself) and for a task still running or killed without a result."""
+    import submitit
+
+    for task in getattr(job, "_sub_jobs", None) or []:
+        path = task.paths.result_pickle
+        if path.exists():
+            try:
+                outcome = submitit.core.utils.pickle_load(path)[0]
+            except Exception:  # noqa: BLE001 - written but not yet readable: look again at the next poll
+                continue
+            if outcome == "error":
+                return True
+    return False
 
 
 def first_failure(job, exc: Exception) -> tuple[int, str, Any]:

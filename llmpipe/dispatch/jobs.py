@@ -32,6 +32,7 @@ from typing import Any
 from llmpipe.config import schema
 from llmpipe.dispatch import job_failures
 from llmpipe.dispatch import progress as progress_record
+from llmpipe.dispatch import rendezvous
 from llmpipe.dispatch.orphans import DieWithParent
 
 log = logging.getLogger("llmpipe.dispatch.jobs")
@@ -363,6 +364,12 @@ def _wait(job, log_file: str | None, poll_s: float, what: str, slurm_poll_s: flo
                 raise StepNeverRuns(str(exc)) from None
         if job.done(force_check=force) and (not slurm or _slurm_really_ended(job)):
             break
+        if not slurm and job_failures.any_task_raised(job):
+            # one rank failed: the others would wait out the process group's timeout. SIGKILL of the controller
+            # ends its tasks too (DieWithParent), without the traceback its SIGINT handler prints
+            proc = getattr(job, "_process", None)
+            proc.kill() if proc is not None else job.cancel(check=False)
+            break
         state = job.state
         if not slurm and state != last_state:
             last_state = state
@@ -509,7 +516,8 @@ def _submit(fn: Callable, args: tuple, kwargs: dict, *, step: str, resources: di
     with contextlib.suppress(FileNotFoundError):
         os.remove(record)                          # an earlier job's progress is not this one's
     os.environ[progress_record.ENV] = record       # the job inherits it (submitit passes the environment on)
-    job = ex.submit(_wrapped(fn, config), *args, **kwargs)
+    with rendezvous.local_master_port(executor_kind(config), int(resources.get("tasks_per_node", 1))):
+        job = ex.submit(_wrapped(fn, config), *args, **kwargs)
     _write_record(rec_path, {"executor": executor_kind(config), "job_id": str(job.job_id),
                              "folder": os.path.join(log_dir, "%j"), "step": step, "name": step.replace(" ", "_"),
                              "num_tasks": int(getattr(job, "num_tasks", 1)), "submitted": time.time()})
