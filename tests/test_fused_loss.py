@@ -11,7 +11,6 @@ llm-foundry's ``train()``) and be the stock model in eval mode.
 from __future__ import annotations
 
 import os
-import socket
 import warnings
 from types import SimpleNamespace
 
@@ -512,9 +511,9 @@ def _fsdp_worker(rank: int, world: int, port: int, out_path: str) -> None:
 
 
 def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(('127.0.0.1', 0))
-        return s.getsockname()[1]
+    """A port for a gloo rendezvous that no outgoing connection takes meanwhile (below the ephemeral range)."""
+    from llmpipe.dispatch.rendezvous import free_port
+    return free_port()
 
 
 def test_fsdp_gradients_equal_stock(tmp_path):

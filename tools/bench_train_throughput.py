@@ -37,7 +37,6 @@ import gc
 import json
 import os
 import shutil
-import socket
 import sys
 import tempfile
 import time
@@ -506,9 +505,9 @@ def _versions() -> dict:
 
 
 def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(('127.0.0.1', 0))
-        return s.getsockname()[1]
+    """A port for a gloo rendezvous that no outgoing connection takes meanwhile (below the ephemeral range)."""
+    from llmpipe.dispatch.rendezvous import free_port
+    return free_port()
 
 
 def run_one(config: dict, run: str, vname: str, variant: dict, *, steps: int, skip: int, mb_override: int | None,
