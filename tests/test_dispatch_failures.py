@@ -171,3 +171,11 @@ def test_free_port_skips_a_port_that_is_taken():
         rng = Picks()
         port = rendezvous.free_port(rng=rng)
     assert rng.picks[0] == busy and port == rng.picks[1] != busy, rng.picks
+
+
+def test_every_host_computes_the_same_port_of_a_job_below_the_default_ephemeral_range():
+    from llmpipe.dispatch.rendezvous import job_port
+
+    ports = {job_port(str(job_id)) for job_id in range(1000, 1400)}
+    assert all(20000 <= p < 32768 for p in ports) and len(ports) > 300, sorted(ports)[:5]
+    assert job_port("1234") == job_port("1234") and job_port("1234_5") != job_port("1235_5")

@@ -18,6 +18,7 @@ import pytest
 
 from llmpipe.dispatch import jobs as dispatch, live_jobs, requeue
 from llmpipe.dispatch.jobs import StepFailed, job_key, run_step
+from llmpipe.dispatch.rendezvous import job_port
 from tests.slurm_cluster import jobs
 
 pytestmark = [pytest.mark.slurm, pytest.mark.timeout(180)]
@@ -53,7 +54,8 @@ def wait_for_state(cluster, name: str, want: str = "RUNNING", timeout: float = 6
     raise AssertionError(f"job {name!r} never reached {want}; squeue: {cluster.run('squeue')}")
 
 
-def test_two_nodes_one_task_each(slurm_cluster, tmp_path):
+def test_two_nodes_one_task_each(slurm_cluster, tmp_path, monkeypatch):
+    monkeypatch.delenv("MASTER_PORT", raising=False)   # the job inherits this process's environment
     name = step_name(tmp_path, "probe")
     log = tmp_path / "rule.log"
     rank0 = run_step(jobs.where, str(tmp_path / "seen"), step=name, config=config(tmp_path),
@@ -70,7 +72,9 @@ def test_two_nodes_one_task_each(slurm_cluster, tmp_path):
     n1_addr = re.search(r"NodeAddr=(\S+)", slurm_cluster.run("scontrol", "show", "node", "n1")).group(1)
     assert {s["master_addr"] for s in seen} == {"n1"} and {s["master_ip"] for s in seen} == {n1_addr}
     assert n1_addr.startswith("10.214.") and n1_addr.endswith(".11"), n1_addr   # the cluster's subnet, not a name
-    assert len({s["master_port"] for s in seen}) == 1
+    # one port for every rank, computed from the job id below the default ephemeral range (rendezvous.job_port)
+    assert {s["master_port"] for s in seen} == {job_port(seen[0]["env"]["SLURM_JOB_ID"])}
+    assert 20000 <= seen[0]["master_port"] < 32768 and seen[0]["env"]["MASTER_PORT"] == str(seen[0]["master_port"])
     job_id = seen[0]["env"]["SLURM_JOB_ID"]
     assert seen[1]["env"]["SLURM_JOB_ID"] == job_id
     # the rule's log names the job, its nodes and its log file

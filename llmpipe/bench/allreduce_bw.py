@@ -140,13 +140,13 @@ def bench_resources(config: dict, nodes: int) -> dict:
 # ------------------------------------------------------------------------------------------- the task
 
 def init_group(backend: str = "auto") -> tuple[dict, str, object, str]:
-    """Join the job's torch.distributed group (environment from submitit, :func:`llmpipe.train.pretrain.export_dist_env`) and
+    """Join the job's torch.distributed group (environment from submitit, :func:`llmpipe.dispatch.rendezvous.export_dist_env`) and
     pick this rank's device: NCCL on the local rank's GPU when CUDA is there (``backend: auto``), else gloo on the
     CPU. Returns ``(dist_env, backend, torch.device, device name)``."""
     import torch
     import torch.distributed as dist
 
-    from llmpipe.train.pretrain import export_dist_env
+    from llmpipe.dispatch.rendezvous import export_dist_env
 
     env = export_dist_env()
     if backend == "auto":

@@ -66,7 +66,7 @@ def evaluate(settings: RunSettings, model_dir: str, data_dir: str | None, icl_fi
     from omegaconf import OmegaConf
 
     from llmpipe.plan.inference_placement import foundry_parallel_settings, node_scratch, per_rank_batches
-    from llmpipe.train.pretrain import export_dist_env
+    from llmpipe.dispatch.rendezvous import export_dist_env
     dist_env = export_dist_env()
     world = int(dist_env["world_size"])
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")

@@ -144,7 +144,7 @@ def node_scratch(dist_env: Mapping) -> Iterator[str]:
     path (``dist.local_rank_zero_download_and_wait``), so the ranks must share it.
 
     Args:
-        dist_env: :func:`llmpipe.train.pretrain.export_dist_env`'s values (``world_size``, ``local_rank``, ``job_id``,
+        dist_env: :func:`llmpipe.dispatch.rendezvous.export_dist_env`'s values (``world_size``, ``local_rank``, ``job_id``,
             ``master_port``). One process: a fresh temporary folder. More: ``llmpipe-eval-<job>-<restart>-<port>``
             under the temporary folder, removed by local rank 0 when the evaluation is over.
     """

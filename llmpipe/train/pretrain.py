@@ -29,6 +29,7 @@ from typing import Any
 from llmpipe.atomic import read_json
 from llmpipe.config.runs import world_size
 from llmpipe.config.settings import RunSettings
+from llmpipe.dispatch.rendezvous import export_dist_env
 from llmpipe.train import checkpoints as ckpt
 from llmpipe.train import throughput, tracking
 from llmpipe.train.fp8 import apply_fp8
@@ -418,33 +419,6 @@ def register() -> None:
 
 
 # ------------------------------------------------------------------------------------------- the task
-
-def export_dist_env() -> dict:
-    """Set RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, NODE_RANK, MASTER_ADDR, MASTER_PORT from submitit.
-
-    Uses ``submitit.helpers.TorchDistributedEnvironment`` inside a submitit job; outside one (debug executor)
-    sets a single-process environment. Returns the values set.
-    """
-    import submitit
-    try:
-        job = submitit.JobEnvironment()
-    except RuntimeError:  # not inside a submitit job
-        job = None
-    if job is not None:  # the job's own values win over any inherited from the submitting process
-        env = submitit.helpers.TorchDistributedEnvironment().export(set_cuda_visible_devices=False, overwrite=True)
-        os.environ["NODE_RANK"] = str(job.node)
-        os.environ["LOCAL_WORLD_SIZE"] = str(env.local_world_size)
-        out = {"rank": env.rank, "world_size": env.world_size, "local_rank": env.local_rank,
-               "local_world_size": env.local_world_size, "node_rank": job.node,
-               "master_addr": env.master_addr, "master_port": env.master_port, "hostname": job.hostname,
-               "job_id": job.job_id}
-    else:
-        for k, v in {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1",
-                     "NODE_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}.items():
-            os.environ.setdefault(k, v)
-        out = {"rank": 0, "world_size": 1, "local_rank": 0, "local_world_size": 1, "node_rank": 0}
-    return out
-
 
 class TrainTask:
     """The training step as submitit runs it in every task; checkpointable for preemption and requeue.

@@ -11,26 +11,26 @@ import submitit
 
 
 def where(out_dir: str) -> dict:
-    """Export torch.distributed's variables from Slurm's (submitit's helper); write and return what this task sees."""
-    from submitit.helpers import TorchDistributedEnvironment
+    """Export torch.distributed's variables from Slurm's as the steps do (llmpipe.dispatch.rendezvous.export_dist_env);
+    write and return what this task sees."""
+    from llmpipe.dispatch.rendezvous import export_dist_env
 
-    # the job's values win over any the submitting process exported (as llmpipe.train.pretrain.export_dist_env does)
-    dist = TorchDistributedEnvironment().export(set_cuda_visible_devices=False, overwrite=True)
+    dist = export_dist_env()
     seen = {
         "host": socket.gethostname(),
-        "rank": dist.rank,
-        "world_size": dist.world_size,
-        "local_rank": dist.local_rank,
-        "local_world_size": dist.local_world_size,
+        "rank": dist["rank"],
+        "world_size": dist["world_size"],
+        "local_rank": dist["local_rank"],
+        "local_world_size": dist["local_world_size"],
         "node_rank": int(os.environ.get("SLURM_NODEID", -1)),
-        "master_addr": dist.master_addr,
-        "master_port": dist.master_port,
-        "master_ip": socket.gethostbyname(dist.master_addr),
+        "master_addr": dist["master_addr"],
+        "master_port": dist["master_port"],
+        "master_ip": socket.gethostbyname(dist["master_addr"]),
         "env": {k: os.environ.get(k) for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE",
                                                "MASTER_ADDR", "MASTER_PORT", "SLURM_JOB_ID")},
     }
     os.makedirs(out_dir, exist_ok=True)
-    with open(os.path.join(out_dir, f"rank{dist.rank}.json"), "w") as fh:
+    with open(os.path.join(out_dir, f"rank{dist['rank']}.json"), "w") as fh:
         json.dump(seen, fh)
     return seen
 
