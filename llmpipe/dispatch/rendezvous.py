@@ -74,7 +74,7 @@ def job_port(job_id: str) -> int:
     """The rendezvous port of job ``job_id``, the same on every host that computes it: ``LOWEST_PORT`` to
     ``DEFAULT_EPHEMERAL_LOW - 1``, where no outgoing connection takes a port by itself on hosts with Linux's default
     ephemeral range (the hosts of a job cannot agree on a free one; submitit's own pick from the job id, 20000-60000,
-    falls in that range 70% of the time). A requeued job keeps its id and so its port."""
+    falls in that range 68% of the time). A requeued job keeps its id and so its port."""
     return random.Random(str(job_id)).randrange(LOWEST_PORT, DEFAULT_EPHEMERAL_LOW)
 
 
