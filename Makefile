@@ -90,9 +90,9 @@ test: install lm-eval slurm-packages
 	log=$$(mktemp $${TMPDIR:-/tmp}/llmpipe-test.XXXXXX); \
 	{ timeout --foreground --kill-after=30 4500 $(PY) -m pytest -v -p no:cacheprovider $(XDIST) --timeout 1200 \
 	  --timeout-method=signal -o faulthandler_timeout=1260 --durations=40 tests; echo $$? > $$log.rc; } 2>&1 | tee $$log; \
-	rc=$$(cat $$log.rc); \
+	suite_rc=$$(cat $$log.rc); rc=$$suite_rc; \
 	env -u LLMPIPE_REQUIRE_SLURM -u LLMPIPE_REQUIRE_LM_EVAL make --no-print-directory test-torch211 || rc=1; \
-	echo "--- the suite in short (whole log: $$log) ---"; $(PY) tests/helpers/suite_digest.py $$log $$(cat $$log.rc); \
+	echo "--- the suite in short (whole log: $$log) ---"; $(PY) tests/helpers/suite_digest.py $$log $$suite_rc; \
 	exit $$rc
 
 test-fast: install lm-eval

@@ -15,6 +15,7 @@ pytest.importorskip('llmfoundry')
 
 from llmpipe.config.runs import compile_settings, deep_merge, run_settings, validate_run  # noqa: E402
 from llmpipe.config.settings import ConfigError  # noqa: E402
+from llmpipe.dispatch.rendezvous import free_port  # noqa: E402
 from tests import test_fused_loss as TFL  # noqa: E402
 from tests.conftest import retire_process_groups  # noqa: E402
 
@@ -181,7 +182,7 @@ def test_llm_foundry_train_with_compiled_blocks_matches_eager(tmp_path, monkeypa
 
     from llmpipe.train.pretrain import register_extensions
     for k, v in {'RANK': '0', 'WORLD_SIZE': '1', 'LOCAL_RANK': '0', 'LOCAL_WORLD_SIZE': '1', 'NODE_RANK': '0',
-                 'MASTER_ADDR': '127.0.0.1', 'MASTER_PORT': str(TFL._free_port())}.items():
+                 'MASTER_ADDR': '127.0.0.1', 'MASTER_PORT': str(free_port())}.items():
         monkeypatch.setenv(k, v)
     monkeypatch.chdir(tmp_path)
     bench = TFL._bench()
@@ -287,7 +288,7 @@ def test_compiled_blocks_under_fsdp_give_the_stock_gradients(tmp_path):
     it): every block call runs the compiled graph and the gradients equal the eager stock model's."""
     import torch.multiprocessing as mp
     out = str(tmp_path / 'diffs.pt')
-    mp.spawn(_fsdp_compiled_blocks_worker, args=(2, TFL._free_port(), out), nprocs=2, join=True)
+    mp.spawn(_fsdp_compiled_blocks_worker, args=(2, free_port(), out), nprocs=2, join=True)
     res = torch.load(out)
     assert res['runs'] == 2 * TFL.MPT_KW['n_layers']
     assert len(res['diffs']) == len(list(TFL._models()[0].model.parameters()))

@@ -22,6 +22,7 @@ import pytest
 torch = pytest.importorskip('torch')
 pytest.importorskip('llmfoundry')
 
+from llmpipe.dispatch.rendezvous import free_port  # noqa: E402
 from tests import test_fused_loss as TFL  # noqa: E402
 
 STEPS, EVAL_EVERY = 4, 2
@@ -144,7 +145,7 @@ def _frames() -> int:
 def _run(tmp_path, free_grads: bool) -> dict:
     import torch.multiprocessing as mp
     out = tmp_path / f'result-{free_grads}.json'
-    mp.spawn(_worker, args=(2, TFL._free_port(), str(out), free_grads), nprocs=2, join=True)
+    mp.spawn(_worker, args=(2, free_port(), str(out), free_grads), nprocs=2, join=True)
     return json.loads(out.read_text())
 
 

@@ -23,6 +23,7 @@ from llmfoundry.models.mpt import ComposerMPTCausalLM, MPTConfig, MPTForCausalLM
 from llmfoundry.models.mpt.modeling_mpt import compute_loss_from_logits  # noqa: E402
 
 import llmpipe.model.attention as A  # noqa: E402
+from llmpipe.dispatch.rendezvous import free_port  # noqa: E402
 from llmpipe.model import fused_loss as FL  # noqa: E402
 from tests.conftest import load_tool, retire_process_groups  # noqa: E402
 
@@ -510,12 +511,6 @@ def _fsdp_worker(rank: int, world: int, port: int, out_path: str) -> None:
     # for 15 minutes that way once); the spawned process ends right after, which closes gloo's sockets
 
 
-def _free_port() -> int:
-    """A port for a gloo rendezvous that no outgoing connection takes meanwhile (below the ephemeral range)."""
-    from llmpipe.dispatch.rendezvous import free_port
-    return free_port()
-
-
 def test_fsdp_gradients_equal_stock(tmp_path):
     """Under FSDP (two CPU ranks, gloo; composer's wrapping: the tied embedding is its own FSDP unit), in fp32
     and with bf16 mixed precision, the fused loss gives the stock gradients (relative max error per parameter).
@@ -523,7 +518,7 @@ def test_fsdp_gradients_equal_stock(tmp_path):
     precision (the root's pre-backward hook resets it): relative error ~0.4 instead of bf16 rounding."""
     import torch.multiprocessing as mp
     out = str(tmp_path / 'diffs.pt')
-    mp.spawn(_fsdp_worker, args=(2, _free_port(), out), nprocs=2, join=True)
+    mp.spawn(_fsdp_worker, args=(2, free_port(), out), nprocs=2, join=True)
     results = torch.load(out)
     n_params = len(list(_models()[0].model.parameters()))
     for mixed, tol in ((False, 1e-5), (True, 0.05)):
@@ -675,7 +670,7 @@ def test_llm_foundry_train_with_the_fused_model_matches_stock(tmp_path, monkeypa
     """A few optimizer steps through llm-foundry's train() (the project's config for mpt-tiny, synthetic tokens):
     the same loss curve and weights as the stock model, and the fused loss is what ran."""
     for k, v in {'RANK': '0', 'WORLD_SIZE': '1', 'LOCAL_RANK': '0', 'LOCAL_WORLD_SIZE': '1', 'NODE_RANK': '0',
-                 'MASTER_ADDR': '127.0.0.1', 'MASTER_PORT': str(_free_port())}.items():
+                 'MASTER_ADDR': '127.0.0.1', 'MASTER_PORT': str(free_port())}.items():
         monkeypatch.setenv(k, v)
     monkeypatch.chdir(tmp_path)
     bench = _bench()

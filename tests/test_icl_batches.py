@@ -12,6 +12,7 @@ import random
 
 import pytest
 
+from llmpipe.dispatch.rendezvous import free_port
 from tests.helpers.repeat_model import SPECIAL, WORDS
 
 SEQ = 96
@@ -248,11 +249,10 @@ def test_every_rank_runs_the_same_number_of_batches(tmp_path):
     (batch size 6, 3 choices each), so both run 3 batches and together cover every item."""
     import torch.multiprocessing as mp
 
-    from tests.test_fused_loss import _free_port
 
     uri = write_jsonl(tmp_path / "mc11.jsonl", [json.loads(line) for line in
                                                  open(task_files(tmp_path)["multiple_choice"])][:11])
-    mp.spawn(_rank_worker, args=(2, _free_port(), uri, str(tmp_path / "dest"), str(tmp_path / "rank")), nprocs=2,
+    mp.spawn(_rank_worker, args=(2, free_port(), uri, str(tmp_path / "dest"), str(tmp_path / "rank")), nprocs=2,
              join=True)
     got = [json.loads((tmp_path / f"rank-{r}.json").read_text()) for r in range(2)]
     assert got[0]["batches"] == got[1]["batches"] == 3

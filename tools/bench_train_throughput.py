@@ -48,6 +48,7 @@ if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
 from llmpipe.config.runs import compile_settings  # noqa: E402
+from llmpipe.dispatch.rendezvous import free_port  # noqa: E402
 from llmpipe.model.mfu import detect_peak_flops, flops_per_token, mfu  # noqa: E402
 from llmpipe.train import throughput  # noqa: E402
 from llmpipe.train.speedups import dynamo_catalogue_fix, register_compile_blocks, register_fused_adamw  # noqa: E402
@@ -504,12 +505,6 @@ def _versions() -> dict:
     }
 
 
-def _free_port() -> int:
-    """A port for a gloo rendezvous that no outgoing connection takes meanwhile (below the ephemeral range)."""
-    from llmpipe.dispatch.rendezvous import free_port
-    return free_port()
-
-
 def run_one(config: dict, run: str, vname: str, variant: dict, *, steps: int, skip: int, mb_override: int | None,
             tok_dir: str, profile_dir: str | None = None, trace: bool = False) -> dict:
     """Train one (model, variant) for ``steps`` steps; return its CSV row (status 'ok' or the error)."""
@@ -640,7 +635,7 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault('LOCAL_WORLD_SIZE', '1')
     os.environ.setdefault('NODE_RANK', '0')
     os.environ.setdefault('MASTER_ADDR', '127.0.0.1')
-    os.environ.setdefault('MASTER_PORT', str(_free_port()))
+    os.environ.setdefault('MASTER_PORT', str(free_port()))
 
     import llmpipe.model.attention as attention
     attention.register()  # sdpa attention classes + drop_full_attention_mask callback

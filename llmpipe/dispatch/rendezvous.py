@@ -38,7 +38,7 @@ def ephemeral_range(path: str = "/proc/sys/net/ipv4/ip_local_port_range") -> tup
             low, high = (int(v) for v in fh.read().split()[:2])
         return low, high
     except (OSError, ValueError):
-        return 32768, 60999
+        return DEFAULT_EPHEMERAL_LOW, 60999
 
 
 def _bindable(port: int) -> bool:
