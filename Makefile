@@ -78,7 +78,8 @@ XDIST = $(if $(filter-out 1,$(TEST_WORKERS)),-n $(TEST_WORKERS) --dist loadfile 
 
 # then the second lock's checks (test-torch211) whether or not the suite passed; `make`, not $(MAKE), so that
 # `make -n test` only prints this line instead of running it. Last, the suite in a few lines (failures, tests that
-# never reported, the slowest; tests/helpers/suite_digest.py), since CI shows only the end of the output.
+# never reported, the slowest; tests/helpers/suite_digest.py), since CI shows only the end of the output, and every
+# test file's seconds beside the log (the basis of tests/file-seconds.json: docs/testing.md).
 # -v: the log names the test that runs. --timeout-method=signal: a test over its time fails in its own worker, which
 # goes on with the next test (pytest-xdist stalls after replacing a worker that the thread method ends with
 # os._exit). A test stuck in C code that never returns to Python stops neither; faulthandler's watchdog prints every
@@ -89,10 +90,10 @@ test: install lm-eval slurm-packages
 	trap 'bash .ci/slurm.sh cleanup >/dev/null 2>&1 || true' EXIT; \
 	log=$$(mktemp $${TMPDIR:-/tmp}/llmpipe-test.XXXXXX); \
 	{ timeout --foreground --kill-after=30 4500 $(PY) -m pytest -v -p no:cacheprovider $(XDIST) --timeout 1200 \
-	  --timeout-method=signal -o faulthandler_timeout=1260 --durations=40 tests; echo $$? > $$log.rc; } 2>&1 | tee $$log; \
+	  --timeout-method=signal -o faulthandler_timeout=1260 --durations=0 tests; echo $$? > $$log.rc; } 2>&1 | tee $$log; \
 	suite_rc=$$(cat $$log.rc); rc=$$suite_rc; \
 	env -u LLMPIPE_REQUIRE_SLURM -u LLMPIPE_REQUIRE_LM_EVAL make --no-print-directory test-torch211 || rc=1; \
-	echo "--- the suite in short (whole log: $$log) ---"; $(PY) tests/helpers/suite_digest.py $$log $$suite_rc; \
+	echo "--- the suite in short (whole log: $$log) ---"; $(PY) tests/helpers/suite_digest.py $$log $$suite_rc --write-seconds $$log.file-seconds.json; \
 	exit $$rc
 
 test-fast: install lm-eval

@@ -111,40 +111,71 @@ def workdir(tmp_path: Path) -> Path:
     return tmp_path
 
 
-@pytest.fixture(scope="session")
-def tiny_run(tmp_path_factory) -> Path:
-    """The embedded default run end to end once per test session (CPU, a few minutes); returns its working folder.
-
-    Runs with symlinks refused (tests/helpers/sitecustomize.py), as on shared drives that refuse them. Under
-    pytest-xdist the workers share one run: the first to need it builds it under a file lock in the session's common
-    temporary folder, the others wait for it and reuse it (every user copies it before changing anything). A run that
-    failed is not reused: each worker that needs it fails with the same error.
-    """
-    worker = os.environ.get("PYTEST_XDIST_WORKER")
-    if worker is None:
-        return _run_tiny(tmp_path_factory.mktemp("tiny-run"))
+def shared_run(tmp_path_factory, name: str, build) -> Path:
+    """A working folder that ``build(folder)`` fills once per test session. Under pytest-xdist the workers share it:
+    the first to need it builds it under a file lock in the session's common temporary folder, the others wait for it
+    and reuse it (every user copies it before changing anything). ``build`` writes ``<name>-stdout.txt`` last, once
+    it passed: a folder without it (a build that failed) is built again by the next worker that needs it, which then
+    fails with the same error."""
+    if os.environ.get("PYTEST_XDIST_WORKER") is None:
+        wd = tmp_path_factory.mktemp(name)
+        build(wd)
+        return wd
     from filelock import FileLock
 
     shared = tmp_path_factory.getbasetemp().parent      # pytest-N/, above every worker's popen-gwK/
-    wd = shared / "tiny-run-shared"
-    with FileLock(str(shared / "tiny-run-shared.lock")):
-        if not (wd / "pipeline-stdout.txt").exists():
+    wd = shared / f"{name}-shared"
+    with FileLock(str(shared / f"{name}-shared.lock")):
+        if not (wd / f"{name}-stdout.txt").exists():
             shutil.rmtree(wd, ignore_errors=True)
-            wd.mkdir()
-            _run_tiny(wd)
+            build(wd)
     return wd
 
 
-def _run_tiny(wd: Path) -> Path:
-    """The tiny pipeline end to end in ``wd``; writes its console output to ``pipeline-stdout.txt`` once it passed.
+def _snakemake_logged(wd: Path, name: str, *args: str, env: dict | None = None) -> None:
+    """``snakemake(wd, *args)``, then its console output and seconds in ``wd/<name>-stdout.txt``.
 
     Raises:
-        AssertionError: the pipeline failed (its output in the message)."""
+        AssertionError: the run failed (its output in the message)."""
     t0 = time.time()
-    # progress lines every second (dispatch.progress_s), so that the console output shows them for every step
-    proc = snakemake(wd, "--cores", "2", "--config", "dispatch={'progress_s': 1}", env=no_symlink_env(wd))
-    (wd / "pipeline-stdout.txt").write_text(proc.stdout + proc.stderr + f"\nseconds: {time.time() - t0:.1f}\n")
-    return wd
+    proc = snakemake(wd, *args, env=env)
+    (wd / f"{name}-stdout.txt").write_text(proc.stdout + proc.stderr + f"\nseconds: {time.time() - t0:.1f}\n")
+
+
+def _tiny(wd: Path) -> None:
+    wd.mkdir(parents=True, exist_ok=True)
+    _snakemake_logged(wd, "pipeline", "--cores", "2", "--config", "dispatch={'progress_s': 1}",
+                      env=no_symlink_env(wd))
+
+
+@pytest.fixture(scope="session")
+def tiny_run(tmp_path_factory) -> Path:
+    """The embedded default run end to end once per test session (CPU, a few minutes), shared by the workers
+    (:func:`shared_run`); returns its working folder, with the console output in ``pipeline-stdout.txt``.
+
+    Runs with symlinks refused (tests/helpers/sitecustomize.py), as on shared drives that refuse them, and with
+    progress lines every second (``dispatch.progress_s``), so that the console output shows them for every step.
+    """
+    return shared_run(tmp_path_factory, "pipeline", _tiny)
+
+
+#: The tiny finetunes of config/config.yaml after the tiny pretraining: full (mpt-tiny-sft: eval and generation) and
+#: LoRA (mpt-tiny-sft-lora: eval, which needs its export).
+FINETUNE_TARGETS = ("results/mpt-tiny-sft/eval.json", "results/mpt-tiny-sft/generate.json",
+                    "results/mpt-tiny-sft-lora/eval.json")
+
+
+@pytest.fixture(scope="session")
+def finetune_run(tiny_run, tmp_path_factory) -> Path:
+    """The tiny run's folder with both tiny finetunes (:data:`FINETUNE_TARGETS`) trained, exported and evaluated in
+    one workflow run (their instruction data built once), shared by the workers (:func:`shared_run`); console output
+    in ``finetune-stdout.txt``."""
+    def build(wd: Path) -> None:
+        if wd.exists():
+            shutil.rmtree(wd)
+        _snakemake_logged(copy_run(tiny_run, wd), "finetune", "--cores", "2", *FINETUNE_TARGETS)
+
+    return shared_run(tmp_path_factory, "finetune", build)
 
 
 #: The unit of work of every test file that uses the Slurm test cluster: one cluster per host (its lock file), so
@@ -177,11 +208,35 @@ def pytest_xdist_make_scheduler(config, log):
     return FileOrSlurmScheduling(config, log)
 
 
+#: Test seconds of each file in a full ``make test`` on the 2-core CI machine (``tests/helpers/suite_digest.py
+#: --write-seconds``): the order in which the units are handed out, never an expectation of any test.
+FILE_SECONDS = REPO / "tests" / "file-seconds.json"
+
+
+@functools.cache
+def _file_seconds() -> dict[str, float]:
+    import json
+
+    return json.loads(FILE_SECONDS.read_text()) if FILE_SECONDS.exists() else {}
+
+
+def unit_order(nodeid: str) -> tuple[int, float]:
+    """The sort key of a test under pytest-xdist: the Slurm unit first (:data:`SLURM_UNIT`, the longest: one worker
+    starts with it), then the other files longest first by :data:`FILE_SECONDS`, a file missing there before every
+    measured one (it may be long), so that the units left for the end are the short ones and both workers end close
+    together (longest-processing-time-first scheduling)."""
+    if xdist_unit(nodeid) == SLURM_UNIT:
+        return (0, 0.0)
+    seconds = _file_seconds().get(nodeid.split("::", 1)[0])
+    return (1, float("-inf") if seconds is None else -seconds)
+
+
 def pytest_collection_modifyitems(config, items):
-    """Under pytest-xdist the Slurm files' tests come first, so that their unit is the first one handed out (the
-    Makefile passes ``--no-loadscope-reorder``: units in collection order)."""
+    """Under pytest-xdist the tests in :func:`unit_order`, a stable sort (a file's tests keep their order), so that
+    the units are handed out in that order (the Makefile passes ``--no-loadscope-reorder``: units in collection
+    order)."""
     if os.environ.get("PYTEST_XDIST_WORKER") is not None:
-        items.sort(key=lambda item: xdist_unit(item.nodeid) != SLURM_UNIT)   # stable
+        items.sort(key=lambda item: unit_order(item.nodeid))
 
 
 def no_symlink_env(workdir: Path) -> dict:

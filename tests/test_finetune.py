@@ -8,7 +8,6 @@ import json
 import math
 import os
 import re
-import time
 
 import pytest
 
@@ -47,26 +46,16 @@ def check_generation_template(cfg: dict, run: str, gen: dict, pretrained: dict) 
 
 # ------------------------------------------------------------------------------------------- the tiny chain
 
-@pytest.fixture(scope="session")
-def sft_run(tiny_run, tmp_path_factory):
-    """The tiny finetune (mpt-tiny -> mpt-tiny-sft) end to end after the tiny pretraining; its working folder."""
-    wd = copy_run(tiny_run, tmp_path_factory.mktemp("sft") / "wd")
-    t0 = time.time()
-    proc = snakemake(wd, "--cores", "2", *SFT_TARGETS)
-    (wd / "sft-stdout.txt").write_text(proc.stdout + proc.stderr + f"\nseconds: {time.time() - t0:.1f}\n")
-    return wd
-
-
 def leaf_types(record: dict, key: str) -> dict:
     """The type name of each field of ``record[key]``."""
     return {k: type(v).__name__ for k, v in record[key].items()}
 
 
 @pytest.mark.slow
-def test_tiny_finetune_chain(sft_run, tiny_run):
+def test_tiny_finetune_chain(finetune_run, tiny_run):
     cfg = load_config()
     ft = cfg["finetunes"][SFT]
-    train = load(sft_run, f"{SFT}/train.json")
+    train = load(finetune_run, f"{SFT}/train.json")
     pre = load(tiny_run, "mpt-tiny/train.json")
     # the same fields as a pretraining run's train.json (seed 000's Table 1/2 columns), MFU included
     assert set(pre) <= set(train), set(pre) - set(train)
@@ -76,17 +65,17 @@ def test_tiny_finetune_chain(sft_run, tiny_run):
     assert 0 < train["tokens"] <= train["steps"] * 16 * 128  # non-padding tokens of prompt + response
     assert train["tokens_per_s"] > 0 and "mfu" in train and train["mfu"] is None  # CPU: no peak FLOP/s
     assert train["flops_per_token"] == pre["flops_per_token"]  # same architecture, same sequence length
-    assert os.path.getsize(sft_run / train["final_checkpoint"]) == train["checkpoint_size_bytes"]
+    assert os.path.getsize(finetune_run / train["final_checkpoint"]) == train["checkpoint_size_bytes"]
     # the loss on response tokens falls (per-batch values are noisy: compare the first and last logged ones)
-    log = [json.loads(line) for line in (sft_run / train["train_log"]).read_text().splitlines()]
+    log = [json.loads(line) for line in (finetune_run / train["train_log"]).read_text().splitlines()]
     first, last = [r["loss"] for r in log[:4]], [r["loss"] for r in log[-4:]]
     assert sum(last) / 4 < sum(first) / 4 - 0.2, log
 
-    hf = load(sft_run, f"{SFT}/hf/manifest.json")
+    hf = load(finetune_run, f"{SFT}/hf/manifest.json")
     assert hf["dtype"] == "bfloat16" and hf["verify_max_abs_logit_diff"] < 0.1
     assert hf["n_params"] == load(tiny_run, "mpt-tiny/hf/manifest.json")["n_params"]
 
-    ev = load(sft_run, f"{SFT}/eval.json")
+    ev = load(finetune_run, f"{SFT}/eval.json")
     assert ev["kind"] == "finetune" and ev["val"]["split"] == "test" and ev["val"]["token_scope"] == "response"
     assert type(ev["val"]["tokens"]) is int and ev["val"]["tokens"] > 0  # a count, as in every run
     pre_ev = load(tiny_run, "mpt-tiny/eval.json")
@@ -98,14 +87,14 @@ def test_tiny_finetune_chain(sft_run, tiny_run):
     assert set(ev["icl"]) == {t["label"] for t in cfg["eval"]["icl_tasks"]}
     assert all(0 <= v <= 1 for task in ev["icl"].values() for v in task.values())
 
-    gen = load(sft_run, f"{SFT}/generate.json")
+    gen = load(finetune_run, f"{SFT}/generate.json")
     assert [o["prompt"] for o in gen["outputs"]] == cfg["generate"]["prompts"]
     assert all(o["new_tokens"] > 0 for o in gen["outputs"])
     check_generation_template(cfg, SFT, gen, load(tiny_run, "mpt-tiny/generate.json"))
     # the export's tokenizer with transformers' usual calls (tests/test_export.py)
-    usual_calls(sft_run / "results" / SFT / "hf", sft_run / "results/tokenizers/bpe-builtin-docs")
+    usual_calls(finetune_run / "results" / SFT / "hf", finetune_run / "results/tokenizers/bpe-builtin-docs")
 
-    inst = load(sft_run, "data/instructions/python-docs-qa/manifest.json")
+    inst = load(finetune_run, "data/instructions/python-docs-qa/manifest.json")
     assert inst["splits"]["train"]["rows"] > 500 and inst["splits"]["test"]["rows"] > 50
 
 
@@ -122,8 +111,8 @@ def test_tiny_finetune_chain(sft_run, tiny_run):
      {"train": 1, "convert": 2, "finetune": 1, "generate": 1, "finetune_eval": 1}),
     (["eval={'val_batches': 3}"], {"finetune_eval": 1}),
 ], ids=["nothing", "speed-only", "base-speed-only", "optimizer", "steps", "data", "base-retrained", "eval-only"])
-def test_finetune_rerun_scope(sft_run, tmp_path, change, expected):
-    wd = copy_run(sft_run, tmp_path / "wd")
+def test_finetune_rerun_scope(finetune_run, tmp_path, change, expected):
+    wd = copy_run(finetune_run, tmp_path / "wd")
     args = ["--config", *change] if change else []
     assert planned_jobs(snakemake(wd, "-n", *SFT_TARGETS, *args)) == expected
 

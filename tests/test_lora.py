@@ -8,7 +8,6 @@ import copy
 import dataclasses
 import json
 import math
-import time
 
 import pytest
 
@@ -16,7 +15,7 @@ from llmpipe.config import runs as cfg
 from llmpipe.config.settings import ConfigError
 from llmpipe.plan import memory_time as plan
 from llmpipe.train.lora import adapter_param_count, lora_settings, merge_adapters, mpt_linear_modules, target_matches
-from tests.conftest import copy_run, project_config, snakemake
+from tests.conftest import project_config, snakemake
 from tests.test_export import usual_calls
 from tests.test_finetune import check_generation_template
 
@@ -30,35 +29,24 @@ def _with(config: dict, run: str, lora: dict) -> dict:
 
 # ------------------------------------------------------------------------------------------- the tiny chain
 
-@pytest.fixture(scope="session")
-def lora_run(tiny_run, tmp_path_factory):
-    """The tiny LoRA finetune (mpt-tiny -> mpt-tiny-sft-lora) trained, exported and evaluated after the tiny
-    pretraining; its working folder."""
-    wd = copy_run(tiny_run, tmp_path_factory.mktemp("lora") / "wd")
-    t0 = time.time()
-    proc = snakemake(wd, "--cores", "2", f"results/{LORA}/eval.json")
-    (wd / "lora-stdout.txt").write_text(proc.stdout + proc.stderr + f"\nseconds: {time.time() - t0:.1f}\n")
-    return wd
-
-
 @pytest.mark.slow
-def test_tiny_lora_finetune_chain(lora_run, tiny_run):
+def test_tiny_lora_finetune_chain(finetune_run, tiny_run):
     import torch
     from transformers import AutoModelForCausalLM
 
     config = project_config()
     ft = config["finetunes"][LORA]
     rc = cfg.run_config(config, LORA)
-    res = lora_run / "results"
+    res = finetune_run / "results"
     train = json.loads((res / LORA / "train.json").read_text())
     assert train["kind"] == "finetune" and train["base"] == "results/mpt-tiny/hf"
     assert train["lora"] == lora_settings(ft["lora"]) and train["steps"] == ft["train"]["max_duration_batches"]
-    log = [json.loads(line) for line in (lora_run / train["train_log"]).read_text().splitlines()]
+    log = [json.loads(line) for line in (finetune_run / train["train_log"]).read_text().splitlines()]
     first, last = [r["loss"] for r in log[:4]], [r["loss"] for r in log[-4:]]
     assert sum(last) / 4 < sum(first) / 4 - 0.2, log  # the adapters learn the response tokens
 
     # only the adapters trained: the optimizer holds state for them alone, the base weights are the base export's
-    state = torch.load(lora_run / train["final_checkpoint"], map_location="cpu", weights_only=False)["state"]
+    state = torch.load(finetune_run / train["final_checkpoint"], map_location="cpu", weights_only=False)["state"]
     (opt,) = state["optimizers"].values()
     n_adapter = adapter_param_count(rc["arch"], ft["lora"])
     assert opt["state"] and all(".lora_A." in k or ".lora_B." in k for k in opt["state"]), list(opt["state"])[:5]

@@ -34,3 +34,24 @@ if _KILL_AT:
             os.kill(os.getpid(), signal.SIGKILL)
 
         threading.Thread(target=_watch, daemon=True).start()
+
+# LLMPIPE_TEST_MIN_STEP_S=<seconds> makes every optimizer step of a process started by submitit come at least that
+# long after the one before (torch's global optimizer step post-hook): a training whose length in seconds does not
+# depend on the machine's load, for a test that needs a training to outlast one Slurm time limit and fit in two.
+_MIN_STEP_S = os.environ.get("LLMPIPE_TEST_MIN_STEP_S")
+if _MIN_STEP_S:
+    import sys
+
+    if any("submitit" in a for a in sys.argv):
+        import time
+
+        from torch.optim.optimizer import register_optimizer_step_post_hook
+
+        _last_step = []
+
+        def _pace(optimizer, args, kwargs):
+            if _last_step:
+                time.sleep(max(0.0, float(_MIN_STEP_S) - (time.monotonic() - _last_step[0])))
+            _last_step[:] = [time.monotonic()]
+
+        register_optimizer_step_post_hook(_pace)

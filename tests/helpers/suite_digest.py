@@ -3,13 +3,18 @@
 
 Prints the suite's summary line (or that it has none: the suite was stopped), every FAILED/ERROR line, the tests
 that had started and never reported (what ran when the suite was stopped), crashed xdist workers, and the slowest
-tests of ``--durations``. Usage: ``python tests/helpers/suite_digest.py LOG [RC]``.
+tests of ``--durations``. Usage: ``python tests/helpers/suite_digest.py LOG [RC] [--write-seconds JSON]``.
+
+``--write-seconds`` writes the test seconds of every file (:func:`file_seconds`) to ``JSON``, the basis from which
+``tests/conftest.py`` hands out the longest test files first (``tests/file-seconds.json``).
 """
 
 from __future__ import annotations
 
+import json
 import re
 import sys
+from collections import defaultdict
 
 #: pytest-xdist -v: "tests/x.py::test_y " when a worker starts a test, "[gw0] [ 12%] PASSED tests/x.py::test_y"
 #: when it reports; without xdist: "tests/x.py::test_y PASSED [ 12%]".
@@ -18,6 +23,17 @@ REPORTED = re.compile(r"^(?:\[gw\d+\] \[\s*\d+%\] (?:PASSED|FAILED|SKIPPED|ERROR
                       r"|(tests/\S+::\S+) (?:PASSED|FAILED|SKIPPED|ERROR|XFAIL|XPASS))")
 SUMMARY = re.compile(r"^=+ .*\b(passed|failed|error|errors|no tests ran)\b.* in [\d.]+s.* =+$")
 DURATION = re.compile(r"^([\d.]+)s (call|setup|teardown)\s+(\S+)")
+
+
+def file_seconds(text: str) -> dict[str, float]:
+    """Seconds of setup, call and teardown of every test file in the ``--durations`` lines of the pytest log ``text``,
+    longest first (rounded to 0.1 s). With ``--durations=0`` pytest hides phases under 5 ms, so a file's sum is low by
+    at most 5 ms per hidden phase; with ``--durations=N`` only the N slowest phases count."""
+    seconds: dict[str, float] = defaultdict(float)
+    for line in text.splitlines():
+        if m := DURATION.match(line):
+            seconds[m.group(3).split("::", 1)[0]] += float(m.group(1))
+    return {f: round(s, 1) for f, s in sorted(seconds.items(), key=lambda kv: (-kv[1], kv[0]))}
 
 
 def digest(text: str, rc: str = "", slowest: int = 8) -> list[str]:
@@ -52,6 +68,25 @@ def digest(text: str, rc: str = "", slowest: int = 8) -> list[str]:
     return out
 
 
+def main(argv: list[str] | None = None) -> int:
+    """The command line (module docstring); returns the exit status."""
+    import argparse
+
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("log", help="the pytest -v log")
+    ap.add_argument("rc", nargs="?", default="", help="pytest's exit status")
+    ap.add_argument("--write-seconds", metavar="JSON", help="write every test file's seconds to JSON")
+    args = ap.parse_args(argv)
+    with open(args.log, errors="replace") as fh:
+        text = fh.read()
+    print("\n".join(digest(text, args.rc)))
+    if args.write_seconds:
+        with open(args.write_seconds, "w") as fh:
+            json.dump(file_seconds(text), fh, indent=1)
+            fh.write("\n")
+        print(f"test seconds by file: {args.write_seconds}")
+    return 0
+
+
 if __name__ == "__main__":
-    with open(sys.argv[1], errors="replace") as fh:
-        print("\n".join(digest(fh.read(), sys.argv[2] if len(sys.argv) > 2 else "")))
+    sys.exit(main())
