@@ -100,6 +100,25 @@ def test_export_states_tied_embeddings_and_transformers_loads_them_tied(tiny_exp
         assert torch.allclose(model(input_ids=ids).logits, hidden @ emb.weight.T, atol=1e-5)
 
 
+def test_use_sdpa_switches_an_export_loaded_with_its_own_code(tiny_export):
+    """An export loaded with trust_remote_code runs its own copy of llm-foundry's attention classes; use_sdpa switches
+    every block of it, and the logits stay those of the torch path."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from llmpipe.model.attention import sdpa_attention, use_sdpa
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_export, trust_remote_code=True, torch_dtype=torch.float32).eval()
+    blocks = model.transformer.blocks
+    assert not type(blocks[0].attn).__module__.startswith("llmfoundry"), type(blocks[0].attn)
+    ids = torch.tensor([[1, 2, 3, 4, 5, 6]])
+    with torch.no_grad():
+        before = model(input_ids=ids).logits
+        assert use_sdpa(model) == len(blocks)
+        assert all(b.attn.attn_fn is sdpa_attention for b in blocks)
+        torch.testing.assert_close(model(input_ids=ids).logits, before, atol=1e-5, rtol=1e-4)
+
+
 def settings(**over) -> dict:
     return {"prompts": [SHORT[0], LONG, SHORT[1]], "max_new_tokens": 8, "do_sample": False, "seed": 17, **over}
 

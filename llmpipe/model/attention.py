@@ -382,13 +382,18 @@ def use_sdpa(model: torch.nn.Module) -> int:
     """Switch every llm-foundry attention module of an already built ``model`` that uses ``attn_impl: torch`` to
     :func:`sdpa_attention` (e.g. a model loaded from a stock Hugging Face checkpoint for generation).
 
+    An export loaded with ``trust_remote_code`` runs its own copy of llm-foundry's layers
+    (``transformers_modules.<folder>.attention``), whose classes are not llm-foundry's, and once such a copy is
+    imported, llm-foundry's registry builds that copy's classes in this process too. So a module counts by the name of
+    llm-foundry's base class anywhere in its class hierarchy (``GroupedQueryAttention``, which ``MultiheadAttention``
+    and ``MultiQueryAttention`` subclass), not by ``isinstance``.
+
     Returns:
         The number of attention modules switched.
     """
-    from llmfoundry.models.layers.attention import GroupedQueryAttention
     n = 0
     for m in model.modules():
-        if isinstance(m, GroupedQueryAttention) and m.attn_impl == 'torch':
+        if any(c.__name__ == 'GroupedQueryAttention' for c in type(m).__mro__) and m.attn_impl == 'torch':
             m.attn_fn = sdpa_attention
             n += 1
     return n
