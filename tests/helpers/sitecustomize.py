@@ -3,6 +3,7 @@
 # CIFS shared drive that refuses symlinks (node-local folders such as /tmp still allow them).
 import errno
 import os
+import sys
 
 _ROOT = os.environ.get("LLMPIPE_TEST_NO_SYMLINK")
 if _ROOT:
@@ -16,42 +17,40 @@ if _ROOT:
 
     os.symlink = _refuse
 
+#: a process that submitit started (a job's task), where the hooks below apply
+_IN_JOB = any("submitit" in a for a in sys.argv)
+
 # LLMPIPE_TEST_KILL_AT=<glob> SIGKILLs every training rank (a process started by submitit) as soon as a file
 # matching <glob> exists, e.g. a checkpoint's .complete marker: a node dying mid-run, after that checkpoint.
 _KILL_AT = os.environ.get("LLMPIPE_TEST_KILL_AT")
-if _KILL_AT:
-    import sys
+if _KILL_AT and _IN_JOB:
+    import glob
+    import signal
+    import threading
+    import time
 
-    if any("submitit" in a for a in sys.argv):
-        import glob
-        import signal
-        import threading
-        import time
+    def _watch():
+        while not glob.glob(_KILL_AT):
+            time.sleep(0.05)
+        os.kill(os.getpid(), signal.SIGKILL)
 
-        def _watch():
-            while not glob.glob(_KILL_AT):
-                time.sleep(0.05)
-            os.kill(os.getpid(), signal.SIGKILL)
-
-        threading.Thread(target=_watch, daemon=True).start()
+    threading.Thread(target=_watch, daemon=True).start()
 
 # LLMPIPE_TEST_MIN_STEP_S=<seconds> makes every optimizer step of a process started by submitit come at least that
 # long after the one before (torch's global optimizer step post-hook): a training whose length in seconds does not
 # depend on the machine's load, for a test that needs a training to outlast one Slurm time limit and fit in two.
 _MIN_STEP_S = os.environ.get("LLMPIPE_TEST_MIN_STEP_S")
-if _MIN_STEP_S:
-    import sys
+if _MIN_STEP_S and _IN_JOB:
+    import time
 
-    if any("submitit" in a for a in sys.argv):
-        import time
+    from torch.optim.optimizer import register_optimizer_step_post_hook
 
-        from torch.optim.optimizer import register_optimizer_step_post_hook
+    _min_step_s = float(_MIN_STEP_S)
+    _last_step = []
 
-        _last_step = []
+    def _pace(optimizer, args, kwargs):
+        if _last_step:
+            time.sleep(max(0.0, _min_step_s - (time.monotonic() - _last_step[0])))
+        _last_step[:] = [time.monotonic()]
 
-        def _pace(optimizer, args, kwargs):
-            if _last_step:
-                time.sleep(max(0.0, float(_MIN_STEP_S) - (time.monotonic() - _last_step[0])))
-            _last_step[:] = [time.monotonic()]
-
-        register_optimizer_step_post_hook(_pace)
+    register_optimizer_step_post_hook(_pace)
