@@ -112,13 +112,13 @@ def workdir(tmp_path: Path) -> Path:
 
 
 def shared_run(tmp_path_factory, name: str, build) -> Path:
-    """A working folder that ``build(folder)`` fills once per test session. Under pytest-xdist the workers share it:
-    the first to need it builds it under a file lock in the session's common temporary folder, the others wait for it
-    and reuse it (every user copies it before changing anything). ``build`` writes ``<name>-stdout.txt`` last, once
-    it passed: a folder without it (a build that failed) is built again by the next worker that needs it, which then
-    fails with the same error."""
+    """A working folder that ``build(folder)`` creates and fills once per test session (``folder`` does not exist
+    yet when ``build`` is called). Under pytest-xdist the workers share it: the first to need it builds it under a
+    file lock in the session's common temporary folder, the others wait for it and reuse it (every user copies it
+    before changing anything). ``build`` writes ``<name>-stdout.txt`` last, once it passed: a folder without it (a
+    build that failed) is built again by the next worker that needs it, which then fails with the same error."""
     if os.environ.get("PYTEST_XDIST_WORKER") is None:
-        wd = tmp_path_factory.mktemp(name)
+        wd = tmp_path_factory.mktemp(name) / "wd"
         build(wd)
         return wd
     from filelock import FileLock
@@ -143,7 +143,7 @@ def _snakemake_logged(wd: Path, name: str, *args: str, env: dict | None = None) 
 
 
 def _tiny(wd: Path) -> None:
-    wd.mkdir(parents=True, exist_ok=True)
+    wd.mkdir()
     _snakemake_logged(wd, "pipeline", "--cores", "2", "--config", "dispatch={'progress_s': 1}",
                       env=no_symlink_env(wd))
 
@@ -170,12 +170,8 @@ def finetune_run(tiny_run, tmp_path_factory) -> Path:
     """The tiny run's folder with both tiny finetunes (:data:`FINETUNE_TARGETS`) trained, exported and evaluated in
     one workflow run (their instruction data built once), shared by the workers (:func:`shared_run`); console output
     in ``finetune-stdout.txt``."""
-    def build(wd: Path) -> None:
-        if wd.exists():
-            shutil.rmtree(wd)
-        _snakemake_logged(copy_run(tiny_run, wd), "finetune", "--cores", "2", *FINETUNE_TARGETS)
-
-    return shared_run(tmp_path_factory, "finetune", build)
+    return shared_run(tmp_path_factory, "finetune", lambda wd: _snakemake_logged(
+        copy_run(tiny_run, wd), "finetune", "--cores", "2", *FINETUNE_TARGETS))
 
 
 #: The unit of work of every test file that uses the Slurm test cluster: one cluster per host (its lock file), so
