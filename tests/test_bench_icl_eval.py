@@ -17,11 +17,11 @@ from tests.test_eval_suite import context_tasks, standin_tasks
 pytestmark = pytest.mark.slow
 
 
-def test_bench_alternates_paths_and_records_agreement(tmp_path, monkeypatch):
+def standin_bench(tmp_path, monkeypatch):
+    """The tool, a stand-in suite file of every task type (its tasks' files under ``tmp_path/foundry``) and the repeat
+    model: (tool, task data folder, suite path, tasks, model path)."""
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "NODE_RANK", "MASTER_ADDR", "MASTER_PORT"):
         monkeypatch.delenv(key, raising=False)
-    tool = load_tool("bench_icl_eval")
-    real_write = tool.atomic_write_json
     data = tmp_path / "foundry"
     data.mkdir()
     tasks = [t for t in standin_tasks(data) + context_tasks(data) if t["label"] != "long"]
@@ -29,8 +29,13 @@ def test_bench_alternates_paths_and_records_agreement(tmp_path, monkeypatch):
         t["dataset_uri"] = os.path.relpath(t["dataset_uri"], data)
     suite = tmp_path / "suite.yaml"
     suite.write_text(yaml.safe_dump({"eval": {"suites": {"standin": {"icl_tasks": tasks, "eval_gauntlet": None}}}}))
+    return load_tool("bench_icl_eval"), data, suite, tasks, write_repeat_model(str(tmp_path / "model"))
+
+
+def test_bench_alternates_paths_and_records_agreement(tmp_path, monkeypatch):
+    tool, data, suite, tasks, model = standin_bench(tmp_path, monkeypatch)
+    real_write = tool.atomic_write_json
     out = tmp_path / "record.json"
-    model = write_repeat_model(str(tmp_path / "model"))
     written = []
     monkeypatch.setattr(tool, "atomic_write_json", lambda path, rec: (
         written.append((len(rec["runs"]), rec["complete"], sorted(rec["by_path"]))), real_write(path, rec)))
@@ -62,6 +67,47 @@ def test_bench_alternates_paths_and_records_agreement(tmp_path, monkeypatch):
         assert ("margin_median" in a) == choice_task, (label, a)
         if choice_task:
             assert a["differing_margins"] == [] and a["margin_median"] >= 0, (label, a)
+            assert 0 <= a["loglik_max_abs_diff"] < 1e-5, (label, a)   # fp32: the paths' log-likelihoods agree
+
+
+def test_bench_runs_a_path_at_another_batch_size_on_a_task_subset(tmp_path, monkeypatch):
+    """``padded@3`` is the reference at batch 3 beside padded at 2, compared item by item like any path; ``--tasks``
+    keeps only the named tasks, in the runs and in the record's suite."""
+    tool, data, suite, tasks, model = standin_bench(tmp_path, monkeypatch)
+    out = tmp_path / "record.json"
+    assert tool.main(["--model", model, "--run", "mpt-tiny", "--seq", "64", "--task-data", str(data), "--suite",
+                      str(suite), "--batch-size", "2", "--repeats", "1", "--paths", "padded,padded@3,shared_prefix",
+                      "--tasks", "mc,schema", "--out", str(out)]) == 0
+    rec = json.loads(out.read_text())
+    assert [(r["path"], r["icl_batches"], r["batch_size"]) for r in rec["runs"]] == [
+        ("padded", "padded", 2), ("padded@3", "padded", 3), ("shared_prefix", "shared_prefix", 2)]
+    assert set(rec["by_path"]) == {"padded@3", "shared_prefix"}
+    assert [t["label"] for t in rec["suite"]["eval"]["suites"]["standin"]["icl_tasks"]] == ["mc", "schema"]
+    for path in rec["by_path"].values():
+        assert set(path["agreement"]) == {"mc/0-shot", "schema/0-shot"}
+        assert all(a["fraction"] == 1.0 and a["loglik_max_abs_diff"] < 1e-5 for a in path["agreement"].values())
+    assert set(rec["runs"][1]["items"]) == {"mc/0-shot", "schema/0-shot"}
+
+
+@pytest.mark.parametrize("spec, error", [
+    ("trimmed,padded", "first entry must be padded"),
+    ("padded@4,trimmed", "first entry must be padded"),
+    ("padded,fast", "'fast': the path must be one of"),
+    ("padded,padded@0", "'padded@0': the batch size after @ must be a positive integer"),
+    ("padded,trimmed,trimmed@2", "'trimmed@2' is given twice"),
+])
+def test_parse_variants_names_the_bad_entry(spec, error):
+    with pytest.raises(ValueError, match=error):
+        load_tool("bench_icl_eval").parse_variants(spec, 2)
+
+
+def test_bench_refuses_an_unknown_task_label(tmp_path, monkeypatch, capsys):
+    tool, data, suite, _, model = standin_bench(tmp_path, monkeypatch)
+    with pytest.raises(SystemExit):
+        tool.main(["--model", model, "--task-data", str(data), "--suite", str(suite), "--tasks", "mc,winogrande",
+                   "--out", str(tmp_path / "r.json")])
+    assert "--tasks: winogrande not in" in capsys.readouterr().err
+    assert not (tmp_path / "r.json").exists()
 
 
 def test_agreement_gives_the_margins_of_the_items_decided_differently():

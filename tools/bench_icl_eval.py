@@ -10,9 +10,9 @@ Usage (from the repository root; on the GPU machine with the environment of ../s
 is ``tools/icl-bench-suite.yaml`` (nine tasks: 0-, 3-, 10- and 25-shot multiple choice, schema, language modelling,
 generation; the first 300 items of each file). The evaluation is the project's own
 (:func:`llmpipe.evaluation.icl_eval.evaluate` with the run's sequence length and ``--batch-size``), run
-``--repeats`` times per path, the paths (``--paths``: padded, trimmed, shared_prefix) alternating, padded first,
-in this one process; the record is rewritten after every run, ``complete: false`` until the last. Each run's
-record holds eval.json's ``timing`` (``to_first_batch_s``: model load and dataset build; ``batches_s``: first to last eval batch;
+``--repeats`` times per path, the paths (``--paths``: padded, trimmed, shared_prefix; ``PATH@N`` runs a path at
+batch size N, :func:`parse_variants`) alternating, padded first, in this one process (``--tasks``: a subset of the
+suite); the record is rewritten after every run, ``complete: false`` until the last. Each run's record holds eval.json's ``timing`` (``to_first_batch_s``: model load and dataset build; ``batches_s``: first to last eval batch;
 per evaluator seconds and tokens run; ``planned``: the evaluation time plan's first-to-last batch seconds from the
 committed constants, ``llmpipe.plan.eval_time``) and accuracies. The per-item record (a composer callback at every forward)
 compares the first padded run with the first run of each other path item by item: multiple choice and schema by the choice
@@ -50,7 +50,7 @@ ITEMS: dict[str, dict] = {}
 
 
 def register_per_item() -> str:
-    """Register (once) the composer callback that records each item's decision into :data:`ITEMS`; return its
+    """Register the composer callback that records each item's decision into this module's :data:`ITEMS`; return its
     registry name."""
     from composer.core import Callback
     from llmfoundry.registry import callbacks
@@ -60,8 +60,7 @@ def register_per_item() -> str:
             if state.dataloader_label != "eval":   # llm-foundry's label of the held-out loader
                 ITEMS.setdefault(state.dataloader_label, {}).update(item_decisions(state.batch, state.outputs))
 
-    if PER_ITEM not in callbacks.get_all():
-        callbacks.register(PER_ITEM, func=PerItem)
+    callbacks.register(PER_ITEM, func=PerItem)   # replaces an earlier registration, which fills another ITEMS
     return PER_ITEM
 
 
@@ -70,7 +69,8 @@ def item_decisions(batch: dict, outputs) -> dict:
 
     ``outputs``: logits [rows, length, vocabulary] (right-padded task types) or the generated strings (generation).
     Decisions: the chosen choice and its margin (multiple choice, schema: ``{"choice": index, "margin": best minus
-    second-best mean answer log-likelihood, nats per token}``, margin None for one choice), whether every answer
+    second-best mean answer log-likelihood, nats per token, "means": every choice's mean answer log-likelihood}``,
+    margin None for one choice), whether every answer
     token is the top-1 (language modelling), the generated text (generation)."""
     import torch
 
@@ -90,7 +90,8 @@ def item_decisions(batch: dict, outputs) -> dict:
             means = [row[1] for row in rows[a:b]]
             ranked = sorted(means, reverse=True)
             out[tuple(row[0] for row in rows[a:b])] = {
-                "choice": means.index(ranked[0]), "margin": ranked[0] - ranked[1] if len(ranked) > 1 else None}
+                "choice": means.index(ranked[0]), "margin": ranked[0] - ranked[1] if len(ranked) > 1 else None,
+                "means": means}
         return out
     return {key: top1 for key, _, top1 in rows}
 
@@ -113,6 +114,32 @@ def heldout_split(folder: str, files: list[str]) -> str:
     return folder
 
 
+def parse_variants(spec: str, batch_size: int) -> list[tuple[str, str, int]]:
+    """``--paths`` as (label, ``eval.icl_batches`` value, batch size) per run of a round: an entry ``PATH`` runs at
+    ``batch_size``, ``PATH@N`` at N sequences per device (e.g. ``padded@16``: the reference at another batch size, a
+    control of how many decisions bf16 alone changes when only the batch's shapes change).
+
+    Raises ValueError (naming the entry) for an unknown path, a batch size that is not a positive integer, an entry
+    given twice, or a first entry other than ``padded`` at ``batch_size`` (every comparison is against it)."""
+    from llmpipe.evaluation.icl_batches import ICL_BATCHES
+
+    variants = []
+    for entry in (e for e in spec.split(",") if e):
+        path, _, size = entry.partition("@")
+        if path not in ICL_BATCHES:
+            raise ValueError(f"--paths: {entry!r}: the path must be one of {', '.join(ICL_BATCHES)}")
+        if size and not (size.isdigit() and int(size) > 0):
+            raise ValueError(f"--paths: {entry!r}: the batch size after @ must be a positive integer")
+        size_n = int(size) if size else batch_size
+        label = path if size_n == batch_size else f"{path}@{size_n}"
+        if any(v[0] == label for v in variants):
+            raise ValueError(f"--paths: {entry!r} is given twice")
+        variants.append((label, path, size_n))
+    if not variants or variants[0][:2] != ("padded", "padded"):
+        raise ValueError(f"--paths: the first entry must be padded at --batch-size {batch_size} (the reference)")
+    return variants
+
+
 def decision_of(value):
     """The comparable decision of an :func:`item_decisions` value (a choice's index without its margin)."""
     return value["choice"] if isinstance(value, dict) else value
@@ -121,7 +148,9 @@ def decision_of(value):
 def agreement(padded: dict, trimmed: dict) -> dict:
     """Per evaluator: items in both runs, items decided alike, and their fraction. Multiple choice and schema also
     give the padded run's margins (nats per answer token, :func:`item_decisions`): their median over the compared
-    items and, sorted, those of the items decided differently, so that a difference can be told from a near-tie."""
+    items and, sorted, those of the items decided differently, so that a difference can be told from a near-tie, and
+    ``loglik_max_abs_diff``: the largest difference of one choice's mean answer log-likelihood between the two runs
+    over the compared items (nats per token), the size of the numerical difference that the margins are set against."""
     out = {}
     for label in sorted(padded):
         p, t = padded[label], trimmed.get(label, {})
@@ -135,6 +164,10 @@ def agreement(padded: dict, trimmed: dict) -> dict:
             row["margin_median"] = round(statistics.median(margins), 5)
             row["differing_margins"] = sorted(round(p[k]["margin"], 5) for k in differ
                                               if p[k]["margin"] is not None)
+            diffs = [abs(x - y) for k in common if "means" in p[k] and "means" in t[k]
+                     for x, y in zip(p[k]["means"], t[k]["means"], strict=True)]
+            if diffs:
+                row["loglik_max_abs_diff"] = round(max(diffs), 6)
         out[label] = row
     return out
 
@@ -183,12 +216,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batch-size", type=int, default=32, help="eval.batch_size (sequences per device)")
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--paths", default="padded,trimmed,shared_prefix",
-                    help="eval.icl_batches values to run, comma-separated, padded first (the reference)")
+                    help="eval.icl_batches values to run, comma-separated, padded first (the reference); PATH@N runs "
+                         "PATH at batch size N")
     ap.add_argument("--out", required=True)
+    ap.add_argument("--tasks", default=None,
+                    help="only these task labels of the suite, comma-separated (default: every task)")
     args = ap.parse_args(argv)
-    paths = [p for p in args.paths.split(",") if p]
-    if not paths or paths[0] != "padded" or len(set(paths)) != len(paths):
-        ap.error("--paths: padded first (the reference), each path once")
+    try:
+        variants = parse_variants(args.paths, args.batch_size)
+    except ValueError as exc:
+        ap.error(str(exc))
+    paths = [label for label, _, _ in variants]
 
     from llmpipe.config.runs import run_settings
     from llmpipe.config.schema import load_config
@@ -200,6 +238,15 @@ def main(argv: list[str] | None = None) -> int:
     name, suite = next(iter(suite_cfg["eval"]["suites"].items()))
     tasks = [dict(t, dataset_uri=os.path.join(os.path.abspath(args.task_data), t["dataset_uri"]))
              for t in suite["icl_tasks"]]
+    if args.tasks:
+        wanted = args.tasks.split(",")
+        unknown = sorted(set(wanted) - {t["label"] for t in tasks})
+        if unknown:
+            ap.error(f"--tasks: {', '.join(unknown)} not in {args.suite} (its labels: "
+                     f"{', '.join(t['label'] for t in tasks)})")
+        tasks = [t for t in tasks if t["label"] in wanted]
+        suite_cfg = {"eval": {"suites": {name: dict(suite, icl_tasks=[
+            t for t in suite["icl_tasks"] if t["label"] in wanted])}}}
     settings = run_settings(load_config(os.path.join(REPO, "config", "config.yaml")), args.run)
     if args.seq:
         settings = dataclasses.replace(settings, data=dataclasses.replace(settings.data, concat_tokens=args.seq))
@@ -208,15 +255,16 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="bench-icl-") as scratch:
         data = heldout_split(os.path.join(scratch, "mds"), sorted({t["dataset_uri"] for t in tasks}))
         for repeat in range(args.repeats):
-            for path in paths:
+            for path, icl_batches, batch_size in variants:
                 ITEMS.clear()
                 ev = evaluate(settings, os.path.abspath(args.model), data, {t["label"]: t["dataset_uri"] for t in tasks},
-                              eval_settings=EvalSettings(batch_size=args.batch_size, val_batches=1, icl_batches=path),
+                              eval_settings=EvalSettings(batch_size=batch_size, val_batches=1, icl_batches=icl_batches),
                               suite={"name": name, "icl_tasks": tasks, "eval_gauntlet": None},
                               callbacks={callback: {}})
                 items.setdefault(path, {k: dict(v) for k, v in ITEMS.items()})
                 timing = ev["timing"]
-                runs.append({"path": path, "repeat": repeat + 1, "seconds": ev["seconds"], **timing,
+                runs.append({"path": path, "icl_batches": icl_batches, "batch_size": batch_size,
+                             "repeat": repeat + 1, "seconds": ev["seconds"], **timing,
                              "tokens_run_total": sum(timing["tokens_run"].values()),
                              "accuracy": {f"{t}/{s}": r["accuracy"] for t, by in ev["tasks"].items()
                                           for s, r in by.items()},
