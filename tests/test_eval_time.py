@@ -109,6 +109,14 @@ def test_calibration_recovers_the_constants_that_made_the_rows(tmp_path, monkeyp
             bench["runs"].append({"path": path, "repeat": repeat, "batches_s": plan["batches_s"],
                                   "evaluators_s": plan["evaluators_s"],
                                   "tokens_run": {w.label: w.tokens for w in works[1:]}})
+    # a PATH@N run (tools/bench_icl_eval.py): rebuilt at its own batch size, not the record's
+    works = tool.works_of(tasks, str(data), enc, 64, 1, "trimmed", 1)
+    assert [len(w.batches) for w in works[1:]] != [
+        len(w.batches) for w in tool.works_of(tasks, str(data), enc, 64, 2, "trimmed", 1)[1:]]
+    plan = eval_time.plan_seconds(arch, works, truth)
+    bench["runs"].append({"path": "trimmed@1", "icl_batches": "trimmed", "batch_size": 1, "repeat": 1,
+                          "batches_s": plan["batches_s"], "evaluators_s": plan["evaluators_s"],
+                          "tokens_run": {w.label: w.tokens for w in works[1:]}})
     works = tool.works_of(tasks, str(data), enc, 64, 4, "trimmed", 3)
     step = {"suite": suite, "phases": {"eval": {"seconds": eval_time.plan_seconds(arch, works, truth)["seconds"]}},
             "eval": {"run": "mpt-tiny", "icl_batches": "trimmed",
@@ -129,7 +137,8 @@ def test_calibration_recovers_the_constants_that_made_the_rows(tmp_path, monkeyp
     assert got["decode_s_per_layer"]["value"] == pytest.approx(0.002, rel=1e-6)
     assert got["start_s"]["value"] == pytest.approx(7.0, abs=0.01)
     assert got["load_s_per_param"]["value"] == 0   # one model size among the start rows: no load term
-    assert len(rec["checks"]) == 5 and all(abs(c["error"]) < 1e-3 for c in rec["checks"])
+    assert len(rec["checks"]) == 6 and all(abs(c["error"]) < 1e-3 for c in rec["checks"])
+    assert [c["path"] for c in rec["checks"]].count("trimmed@1") == 1
     assert eval_time.load_basis("cpu", str(out)).start_s == pytest.approx(7.0, abs=0.01)
     bench["runs"][0]["tokens_run"]["mc/0-shot"] += 1
     (bench_dir / "bench.json").write_text(json.dumps(bench))

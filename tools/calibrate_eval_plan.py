@@ -57,12 +57,13 @@ BENCH = os.path.join(REPO, "benchmarks")
 ROWS = {
     "h200": {"rates": ["icl-eval-h200-mpt-1b-random-acceptance-suite.json"],
              "start": ["acceptance-h200-mpt-1b-nokill.json", "acceptance-h200-mpt-3b.json"],
-             "checks": ["acceptance-h200-mpt-1b.json", "icl-eval-h100-mpt-1b-random-partial.json"],
+             "checks": ["acceptance-h200-mpt-1b.json", "icl-eval-h100-mpt-1b-random-partial.json",
+                        "icl-eval-h100-mpt-1b-random-winogrande-control.json"],
              "why": "the rates: the only GPU benchmark with per-evaluator times of both paths (MPT-1B's shape, one "
                     "H200, bf16, 2,048 context, batch 32); the start and the model's load: the eval steps of the "
                     "older 1B acceptance record and of the 3B record (padded, batch 8), so that the newer 1B record "
                     "checks them; the nine-task benchmark on an H100 (the same bf16 peak, so the same constants) "
-                    "checks all three paths"},
+                    "checks all three paths, and its winogrande control padded and shared_prefix at batch 32 and 16"},
     "cpu": {"rates": ["eval-step-cpu-mpt-tiny-icl-bench.json", "eval-step-cpu-mpt-tiny-icl-bench-padded-b4.json"],
             "start": ["eval-step-cpu-mpt-tiny-icl-bench.json", "eval-step-cpu-mpt-tiny-icl-bench-padded-b4.json"],
             "checks": ["eval-step-cpu-mpt-tiny-icl-bench-b16.json", "icl-eval-cpu-mpt-tiny.json",
@@ -122,7 +123,9 @@ def observations(path: str, task_data: str, encoder) -> list[dict]:
     if "runs" in rec:   # tools/bench_icl_eval.py
         arch = run_arch(rec["run"])
         for r in rec["runs"]:
-            works = works_of(tasks, task_data, encoder, int(rec["seq"]), int(rec["batch_size"]), r["path"], 1)
+            # a run's own icl_batches and batch size where it records them (``PATH@N`` runs), else the record's
+            works = works_of(tasks, task_data, encoder, int(rec["seq"]), int(r.get("batch_size", rec["batch_size"])),
+                             r.get("icl_batches", r["path"]), 1)
             for w in works[1:]:
                 if r["tokens_run"].get(w.label) != w.tokens:
                     raise SystemExit(f"{os.path.basename(path)} {r['path']} #{r['repeat']} {w.label}: recorded "
