@@ -12,7 +12,8 @@ generation; the first 300 items of each file). The evaluation is the project's o
 (:func:`llmpipe.evaluation.icl_eval.evaluate` with the run's sequence length and ``--batch-size``), run
 ``--repeats`` times per path, the paths (``--paths``: padded, trimmed, shared_prefix; ``PATH@N`` runs a path at
 batch size N, :func:`parse_variants`) alternating, padded first, in this one process (``--tasks``: a subset of the
-suite); the record is rewritten after every run, ``complete: false`` until the last. Each run's record holds eval.json's ``timing`` (``to_first_batch_s``: model load and dataset build; ``batches_s``: first to last eval batch;
+suite); the record is rewritten after every run, ``complete: false`` until the last. Each run's record holds
+eval.json's ``timing`` (``to_first_batch_s``: model load and dataset build; ``batches_s``: first to last eval batch;
 per evaluator seconds and tokens run; ``planned``: the evaluation time plan's first-to-last batch seconds from the
 committed constants, ``llmpipe.plan.eval_time``) and accuracies. The per-item record (a composer callback at every forward)
 compares the first padded run with the first run of each other path item by item: multiple choice and schema by the choice
@@ -70,8 +71,8 @@ def item_decisions(batch: dict, outputs) -> dict:
     ``outputs``: logits [rows, length, vocabulary] (right-padded task types) or the generated strings (generation).
     Decisions: the chosen choice and its margin (multiple choice, schema: ``{"choice": index, "margin": best minus
     second-best mean answer log-likelihood, nats per token, "means": every choice's mean answer log-likelihood}``,
-    margin None for one choice), whether every answer
-    token is the top-1 (language modelling), the generated text (generation)."""
+    margin None for one choice), whether every answer token is the top-1 (language modelling), the generated text
+    (generation)."""
     import torch
 
     ids, mask = batch["input_ids"], batch["attention_mask"].bool()
