@@ -123,3 +123,25 @@ def test_agreement_gives_the_margins_of_the_items_decided_differently():
     assert a["mc/0-shot"]["same_decision"] == 2 and a["mc/0-shot"]["differing_margins"] == [0.001]
     assert a["mc/0-shot"]["margin_median"] == 0.2 and a["mc/0-shot"]["fraction"] == pytest.approx(0.6667)
     assert a["lm/0-shot"]["same_decision"] == 1 and "differing_margins" not in a["lm/0-shot"]
+
+
+def test_bench_switches_an_mpt_export_to_sdpa_for_every_path(tmp_path, monkeypatch):
+    """``--attention sdpa`` switches the loaded MPT's attention modules before each evaluation (the record counts
+    them) and the paths still agree in fp32; a model with nothing to switch fails the run instead of measuring the
+    torch path under SDPA's name."""
+    from tests.test_export import export
+
+    tool, data, suite, tasks, repeat = standin_bench(tmp_path, monkeypatch)
+    (tmp_path / "mpt").mkdir()
+    model = export(tmp_path / "mpt", 0o022)
+    out = tmp_path / "record.json"
+    argv = ["--run", "mpt-tiny", "--seq", "64", "--task-data", str(data), "--suite", str(suite), "--batch-size", "2",
+            "--repeats", "1", "--paths", "padded,trimmed", "--tasks", "mc,schema", "--attention", "sdpa"]
+    assert tool.main(["--model", str(model), *argv, "--out", str(out)]) == 0
+    rec = json.loads(out.read_text())
+    n_layers = json.loads((model / "config.json").read_text())["n_layers"]
+    assert rec["attention"] == "sdpa" and [r["sdpa_modules"] for r in rec["runs"]] == [n_layers, n_layers]
+    agreement = rec["by_path"]["trimmed"]["agreement"]
+    assert all(a["fraction"] == 1.0 and a["loglik_max_abs_diff"] < 1e-5 for a in agreement.values()), agreement
+    with pytest.raises(RuntimeError, match="--attention sdpa: the model has no MPT attention module"):
+        tool.main(["--model", repeat, *argv, "--out", str(tmp_path / "gpt2.json")])

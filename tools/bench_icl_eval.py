@@ -12,8 +12,8 @@ generation; the first 300 items of each file). The evaluation is the project's o
 (:func:`llmpipe.evaluation.icl_eval.evaluate` with the run's sequence length and ``--batch-size``), run
 ``--repeats`` times per path, the paths (``--paths``: padded, trimmed, shared_prefix; ``PATH@N`` runs a path at
 batch size N, :func:`parse_variants`) alternating, padded first, in this one process (``--tasks``: a subset of the
-suite); the record is rewritten after every run, ``complete: false`` until the last. Each run's record holds
-eval.json's ``timing`` (``to_first_batch_s``: model load and dataset build; ``batches_s``: first to last eval batch;
+suite; ``--attention sdpa``: every path on SDPA, :func:`register_sdpa`); the record is rewritten after every run,
+``complete: false`` until the last. Each run's record holds eval.json's ``timing`` (``to_first_batch_s``: model load and dataset build; ``batches_s``: first to last eval batch;
 per evaluator seconds and tokens run; ``planned``: the evaluation time plan's first-to-last batch seconds from the
 committed constants, ``llmpipe.plan.eval_time``) and accuracies. The per-item record (a composer callback at every forward)
 compares the first padded run with the first run of each other path item by item: multiple choice and schema by the choice
@@ -63,6 +63,35 @@ def register_per_item() -> str:
 
     callbacks.register(PER_ITEM, func=PerItem)   # replaces an earlier registration, which fills another ITEMS
     return PER_ITEM
+
+
+SDPA = "llmpipe_bench_sdpa"
+#: attention modules the SDPA callback switched in the current run
+SWITCHED: list[int] = []
+
+
+def register_sdpa() -> str:
+    """Register the composer callback that, at the start of each evaluation, switches the loaded model's attention
+    from MPT's ``attn_impl: torch`` function to SDPA (:func:`llmpipe.model.attention.use_sdpa`) and appends the number
+    of modules switched to :data:`SWITCHED`; return its registry name.
+
+    Raises (in the run): RuntimeError when nothing was switched (not an MPT on ``attn_impl: torch``), so that a run
+    asked for SDPA never measures the torch path under SDPA's name."""
+    from composer.core import Callback
+    from llmfoundry.registry import callbacks
+
+    from llmpipe.model.attention import use_sdpa
+
+    class Sdpa(Callback):
+        def eval_start(self, state, logger) -> None:  # noqa: ARG002 - composer's callback signature
+            n = use_sdpa(state.model)
+            if not n:
+                raise RuntimeError("--attention sdpa: the model has no MPT attention module on attn_impl: torch to "
+                                   "switch. Fix: pass an MPT export (llmpipe's convert step), or --attention torch.")
+            SWITCHED.append(n)
+
+    callbacks.register(SDPA, func=Sdpa)
+    return SDPA
 
 
 def item_decisions(batch: dict, outputs) -> dict:
@@ -195,6 +224,7 @@ def build_record(args, argv, settings, suite_cfg, paths: list[str], runs: list[d
         "stack": stack(),
         "model": os.path.abspath(args.model), "run": args.run, "seq": int(settings.data.concat_tokens),
         "batch_size": args.batch_size, "precision": "amp_bf16" if torch.cuda.is_available() else "fp32",
+        "attention": args.attention,
         "complete": complete,
         "runs_planned": len(paths) * args.repeats,
         "suite": suite_cfg,
@@ -220,6 +250,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="eval.icl_batches values to run, comma-separated, padded first (the reference); PATH@N runs "
                          "PATH at batch size N")
     ap.add_argument("--out", required=True)
+    ap.add_argument("--attention", choices=("torch", "sdpa"), default="torch",
+                    help="the export's own attention (torch: MPT's attn_impl torch) or SDPA switched in after the "
+                         "model loads, for every path")
     ap.add_argument("--tasks", default=None,
                     help="only these task labels of the suite, comma-separated (default: every task)")
     args = ap.parse_args(argv)
@@ -251,20 +284,22 @@ def main(argv: list[str] | None = None) -> int:
     settings = run_settings(load_config(os.path.join(REPO, "config", "config.yaml")), args.run)
     if args.seq:
         settings = dataclasses.replace(settings, data=dataclasses.replace(settings.data, concat_tokens=args.seq))
-    callback = register_per_item()
+    extra = {register_per_item(): {}, **({register_sdpa(): {}} if args.attention == "sdpa" else {})}
     runs, items = [], {}
     with tempfile.TemporaryDirectory(prefix="bench-icl-") as scratch:
         data = heldout_split(os.path.join(scratch, "mds"), sorted({t["dataset_uri"] for t in tasks}))
         for repeat in range(args.repeats):
             for path, icl_batches, batch_size in variants:
                 ITEMS.clear()
+                SWITCHED.clear()
                 ev = evaluate(settings, os.path.abspath(args.model), data, {t["label"]: t["dataset_uri"] for t in tasks},
                               eval_settings=EvalSettings(batch_size=batch_size, val_batches=1, icl_batches=icl_batches),
                               suite={"name": name, "icl_tasks": tasks, "eval_gauntlet": None},
-                              callbacks={callback: {}})
+                              callbacks=extra)
                 items.setdefault(path, {k: dict(v) for k, v in ITEMS.items()})
                 timing = ev["timing"]
                 runs.append({"path": path, "icl_batches": icl_batches, "batch_size": batch_size,
+                             "sdpa_modules": max(SWITCHED, default=0),
                              "repeat": repeat + 1, "seconds": ev["seconds"], **timing,
                              "tokens_run_total": sum(timing["tokens_run"].values()),
                              "accuracy": {f"{t}/{s}": r["accuracy"] for t, by in ev["tasks"].items()
