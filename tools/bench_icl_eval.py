@@ -13,15 +13,16 @@ generation; the first 300 items of each file). The evaluation is the project's o
 ``--repeats`` times per path, the paths (``--paths``: padded, trimmed, shared_prefix; ``PATH@N`` runs a path at
 batch size N, :func:`parse_variants`) alternating, padded first, in this one process (``--tasks``: a subset of the
 suite; ``--attention sdpa``: every path on SDPA, :func:`register_sdpa`); the record is rewritten after every run,
-``complete: false`` until the last. Each run's record holds eval.json's ``timing`` (``to_first_batch_s``: model load and dataset build; ``batches_s``: first to last eval batch;
-per evaluator seconds and tokens run; ``planned``: the evaluation time plan's first-to-last batch seconds from the
-committed constants, ``llmpipe.plan.eval_time``) and accuracies. The per-item record (a composer callback at every forward)
-compares the first padded run with the first run of each other path item by item: multiple choice and schema by the choice
-with the best mean answer log-likelihood (llm-foundry's rule; with the padded run's margins of the items decided
-differently, beside the median margin), language modelling by every answer token being the
-top-1, generation by the generated text. ``by_path``: for each path but padded, ``speedup`` (mean padded
-``batches_s`` / its mean ``batches_s``), ``accuracy_delta_points`` and ``agreement`` against padded; the record's
-top-level ``speedup``, ``accuracy_delta_points`` and ``agreement`` are trimmed's.
+``complete: false`` until the last. Each run's record holds eval.json's ``timing`` (``to_first_batch_s``: model load
+and dataset build; ``batches_s``: first to last eval batch; per evaluator seconds and tokens run; ``planned``: the
+evaluation time plan's first-to-last batch seconds from the committed constants, ``llmpipe.plan.eval_time``) and
+accuracies. The per-item record (a composer callback at every forward) compares the first padded run with the first
+run of each other path item by item: multiple choice and schema by the choice with the best mean answer
+log-likelihood (llm-foundry's rule; with the padded run's margins of the items decided differently, beside the
+median margin), language modelling by every answer token being the top-1, generation by the generated text.
+``by_path``: for each path but padded, ``speedup`` (mean padded ``batches_s`` / its mean ``batches_s``),
+``accuracy_delta_points`` and ``agreement`` against padded; the record's top-level ``speedup``,
+``accuracy_delta_points`` and ``agreement`` are trimmed's.
 """
 
 from __future__ import annotations
@@ -270,17 +271,16 @@ def main(argv: list[str] | None = None) -> int:
     with open(args.suite) as fh:
         suite_cfg = yaml.safe_load(fh)
     name, suite = next(iter(suite_cfg["eval"]["suites"].items()))
-    tasks = [dict(t, dataset_uri=os.path.join(os.path.abspath(args.task_data), t["dataset_uri"]))
-             for t in suite["icl_tasks"]]
     if args.tasks:
         wanted = args.tasks.split(",")
-        unknown = sorted(set(wanted) - {t["label"] for t in tasks})
+        unknown = sorted(set(wanted) - {t["label"] for t in suite["icl_tasks"]})
         if unknown:
             ap.error(f"--tasks: {', '.join(unknown)} not in {args.suite} (its labels: "
-                     f"{', '.join(t['label'] for t in tasks)})")
-        tasks = [t for t in tasks if t["label"] in wanted]
-        suite_cfg = {"eval": {"suites": {name: dict(suite, icl_tasks=[
-            t for t in suite["icl_tasks"] if t["label"] in wanted])}}}
+                     f"{', '.join(t['label'] for t in suite['icl_tasks'])})")
+        suite = dict(suite, icl_tasks=[t for t in suite["icl_tasks"] if t["label"] in wanted])
+        suite_cfg = {"eval": {"suites": {name: suite}}}
+    tasks = [dict(t, dataset_uri=os.path.join(os.path.abspath(args.task_data), t["dataset_uri"]))
+             for t in suite["icl_tasks"]]
     settings = run_settings(load_config(os.path.join(REPO, "config", "config.yaml")), args.run)
     if args.seq:
         settings = dataclasses.replace(settings, data=dataclasses.replace(settings.data, concat_tokens=args.seq))
