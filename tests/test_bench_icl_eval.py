@@ -127,8 +127,12 @@ def test_agreement_gives_the_margins_of_the_items_decided_differently():
 
 def test_bench_switches_an_mpt_export_to_sdpa_for_every_path(tmp_path, monkeypatch):
     """``--attention sdpa`` switches the loaded MPT's attention modules before each evaluation (the record counts
-    them) and the paths still agree in fp32; a model with nothing to switch fails the run instead of measuring the
-    torch path under SDPA's name."""
+    them), restricted to the ``--sdpa-backend`` kernels (the record names them), and the paths still agree in fp32; a
+    model with nothing to switch fails the run instead of measuring the torch path under SDPA's name."""
+    import torch
+
+    from llmpipe.model.attention import set_sdpa_backend
+
     from tests.test_export import export
 
     tool, data, suite, tasks, repeat = standin_bench(tmp_path, monkeypatch)
@@ -137,8 +141,13 @@ def test_bench_switches_an_mpt_export_to_sdpa_for_every_path(tmp_path, monkeypat
     out = tmp_path / "record.json"
     argv = ["--run", "mpt-tiny", "--seq", "64", "--task-data", str(data), "--suite", str(suite), "--batch-size", "2",
             "--repeats", "1", "--paths", "padded,trimmed", "--tasks", "mc,schema", "--attention", "sdpa"]
-    assert tool.main(["--model", str(model), *argv, "--out", str(out)]) == 0
+    try:
+        assert tool.main(["--model", str(model), *argv, "--sdpa-backend", "math", "--out", str(out)]) == 0
+        assert not torch.backends.cuda.flash_sdp_enabled() and torch.backends.cuda.math_sdp_enabled()
+    finally:
+        set_sdpa_backend("auto")
     rec = json.loads(out.read_text())
+    assert rec["sdpa_backend"] == "math"
     n_layers = json.loads((model / "config.json").read_text())["n_layers"]
     assert rec["attention"] == "sdpa" and [r["sdpa_modules"] for r in rec["runs"]] == [n_layers, n_layers]
     agreement = rec["by_path"]["trimmed"]["agreement"]

@@ -12,7 +12,8 @@ generation; the first 300 items of each file). The evaluation is the project's o
 (:func:`llmpipe.evaluation.icl_eval.evaluate` with the run's sequence length and ``--batch-size``), run
 ``--repeats`` times per path, the paths (``--paths``: padded, trimmed, shared_prefix; ``PATH@N`` runs a path at
 batch size N, :func:`parse_variants`) alternating, padded first, in this one process (``--tasks``: a subset of the
-suite; ``--attention sdpa``: every path on SDPA, :func:`register_sdpa`); the record is rewritten after every run,
+suite; ``--attention sdpa``: every path on SDPA, :func:`register_sdpa`, restricted to one SDPA kernel by
+``--sdpa-backend``); the record is rewritten after every run,
 ``complete: false`` until the last. Each run's record holds eval.json's ``timing`` (``to_first_batch_s``: model load
 and dataset build; ``batches_s``: first to last eval batch; per evaluator seconds and tokens run; ``planned``: the
 evaluation time plan's first-to-last batch seconds from the committed constants, ``llmpipe.plan.eval_time``) and
@@ -226,6 +227,7 @@ def build_record(args, argv, settings, suite_cfg, paths: list[str], runs: list[d
         "model": os.path.abspath(args.model), "run": args.run, "seq": int(settings.data.concat_tokens),
         "batch_size": args.batch_size, "precision": "amp_bf16" if torch.cuda.is_available() else "fp32",
         "attention": args.attention,
+        "sdpa_backend": args.sdpa_backend if args.attention == "sdpa" else None,
         "complete": complete,
         "runs_planned": len(paths) * args.repeats,
         "suite": suite_cfg,
@@ -254,6 +256,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--attention", choices=("torch", "sdpa"), default="torch",
                     help="the export's own attention (torch: MPT's attn_impl torch) or SDPA switched in after the "
                          "model loads, for every path")
+    ap.add_argument("--sdpa-backend", choices=("auto", "cudnn", "flash", "efficient", "math"),
+                    default=os.environ.get("LLMPIPE_SDPA_BACKEND", "auto"),
+                    help="with --attention sdpa: the SDPA kernels allowed (llmpipe.model.attention.set_sdpa_backend; "
+                         "auto: PyTorch chooses); default $LLMPIPE_SDPA_BACKEND or auto")
     ap.add_argument("--tasks", default=None,
                     help="only these task labels of the suite, comma-separated (default: every task)")
     args = ap.parse_args(argv)
@@ -285,6 +291,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.seq:
         settings = dataclasses.replace(settings, data=dataclasses.replace(settings.data, concat_tokens=args.seq))
     extra = {register_per_item(): {}, **({register_sdpa(): {}} if args.attention == "sdpa" else {})}
+    if args.attention == "sdpa":
+        from llmpipe.model.attention import set_sdpa_backend
+
+        set_sdpa_backend(args.sdpa_backend)
     runs, items = [], {}
     with tempfile.TemporaryDirectory(prefix="bench-icl-") as scratch:
         data = heldout_split(os.path.join(scratch, "mds"), sorted({t["dataset_uri"] for t in tasks}))
