@@ -105,6 +105,19 @@ def test_no_literal_job_id_folder_is_left_in_the_log_dir(tmp_path):
         assert names and "%j" not in names and all(n.isdigit() for n in names), names
 
 
+def test_the_end_of_a_local_job_is_seen_before_the_next_poll(tmp_path):
+    """A local job's end is seen when its process exits, not ``dispatch.poll_s`` later: with checks a minute
+    apart, two steps of a quick function return long before the first check."""
+    from llmpipe.dispatch import jobs as dispatch
+
+    config = {"dispatch": {"executor": "local", "state_dir": str(tmp_path / "state"), "poll_s": 60}}
+    t0 = time.time()
+    for i in range(2):
+        assert dispatch.run_step(_double, i, step=f"quick {i}", resources={"time_min": 5}, config=config,
+                                 log_dir=str(tmp_path / "logs"), key=f"quick-{i}") == 2 * i
+    assert time.time() - t0 < 50
+
+
 def test_no_literal_job_id_folder_after_a_failed_step(tmp_path):
     from llmpipe.dispatch import jobs as dispatch
 

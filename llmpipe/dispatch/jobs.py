@@ -23,6 +23,7 @@ import logging
 import os
 import re
 import signal
+import subprocess
 import sys
 import threading
 import time
@@ -330,6 +331,20 @@ def _local_jobs_die_with_us(jobs: Sequence[Any], what: str, log_file: str | None
             signal.signal(signal.SIGTERM, previous)
 
 
+def _sleep_until_exit(job, seconds: float) -> None:
+    """Sleep up to ``seconds``, returning as soon as a local job's process exits.
+
+    submitit's ``LocalJob`` is done exactly when its controller process (``job._process``, a ``Popen``) has exited,
+    so waiting on that process sees the end at once instead of up to ``dispatch.poll_s`` later. A job without one
+    (re-attached from its record) falls back to a plain sleep."""
+    proc = getattr(job, "_process", None)
+    if proc is None:
+        time.sleep(seconds)
+        return
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        proc.wait(timeout=seconds)
+
+
 def _wait(job, log_file: str | None, poll_s: float, what: str, slurm_poll_s: float,
           progress: Callable[[], str | None] | None, progress_path: str | None, progress_s: float) -> list:
     """Block until ``job`` ends; return the results of all its tasks. Raise StepFailed with state and log.
@@ -337,7 +352,8 @@ def _wait(job, log_file: str | None, poll_s: float, what: str, slurm_poll_s: flo
     Slurm jobs: sacct is asked at least every ``slurm_poll_s`` seconds (submitit's own watcher backs off to 10
     minutes on long jobs), and each state change is logged with its reason and nodes
     (:class:`llmpipe.dispatch.slurm_watch.StateLog`; ``progress`` is asked on a requeue). A job PENDING for a reason Slurm
-    never resolves is cancelled and raises :class:`StepFailed` at once. The job's progress record
+    never resolves is cancelled and raises :class:`StepFailed` at once. A local job's end is seen when its process
+    exits (:func:`_sleep_until_exit`), its state and failed ranks every ``poll_s`` seconds. The job's progress record
     (``progress_path``, :mod:`llmpipe.dispatch.progress`) is printed on the console every ``progress_s`` seconds.
     """
     last_state = last_shown = None
@@ -376,7 +392,10 @@ def _wait(job, log_file: str | None, poll_s: float, what: str, slurm_poll_s: flo
             if state != last_shown:
                 say(f"{what}: job {job.job_id} is {state}", log_file)
                 last_shown = state
-        time.sleep(max(poll_s, 1.0) if slurm else poll_s)
+        if slurm:
+            time.sleep(max(poll_s, 1.0))
+        else:
+            _sleep_until_exit(job, poll_s)
     told_nodes = bool(watch and watch.told_nodes)
     nodes = ""
     if slurm:
