@@ -118,13 +118,13 @@ def test_headline_skips_shutdown_noise():
 
 def test_the_node_of_a_finished_array_task_is_read_from_its_log_when_slurm_forgot_it(tmp_path):
     """Slurm may drop a finished array task before its node is asked for; submitit's own first log line names it."""
-    from llmpipe.dispatch.jobs import _logged_host
+    from llmpipe.dispatch.job_failures import logged_host
 
     out = tmp_path / "20_1_0_log.out"
     out.write_text("submitit INFO (2026-12-01 20:53:38,182) - Starting with JobEnvironment(job_id=20_1, hostname=n2, "
                    "local_rank=0(1), node=0(1), global_rank=0(1))\n")
-    assert _logged_host(out) == "n2"
-    assert _logged_host(tmp_path / "missing.out") == ""
+    assert logged_host(out) == "n2"
+    assert logged_host(tmp_path / "missing.out") == ""
 
 
 def test_a_failed_rank_ends_its_local_job_without_waiting_for_the_others(tmp_path):

@@ -60,11 +60,24 @@ def _wait_for(cond, timeout: float) -> bool:
 @pytest.mark.parametrize("mode,workers", [("map", 2), ("run", 1)])
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
 def test_killed_step_takes_its_local_workers_with_it(tmp_path, mode, workers, sig):
+    _kill_step_and_check_its_workers(tmp_path, mode, workers, sig)
+
+
+@pytest.mark.parametrize("mode,workers", [("map", 2), ("run", 1)])
+def test_a_step_started_in_the_background_still_takes_its_local_workers_with_it(tmp_path, mode, workers):
+    """A step process that ignores SIGINT, as one started by a non-interactive shell's ``cmd &`` does, stopped with
+    SIGTERM: its local workers end too. (submitit cancels with a SIGINT to the job's controller, which would inherit
+    the ignored signal: llmpipe.dispatch.orphans.sigint_cancels_children.)"""
+    _kill_step_and_check_its_workers(tmp_path, mode, workers, signal.SIGTERM, ignore_sigint=True)
+
+
+def _kill_step_and_check_its_workers(tmp_path, mode: str, workers: int, sig: int, ignore_sigint: bool = False):
     script = tmp_path / "step.py"
     script.write_text(STEP.format(repo=str(REPO), tmp=str(tmp_path)))
     # a session of its own: the signal reaches the step process only, as with `kill <pid>`, not its process group
     proc = subprocess.Popen([sys.executable, str(script), mode], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, start_new_session=True)
+                            text=True, start_new_session=True,
+                            preexec_fn=(lambda: signal.signal(signal.SIGINT, signal.SIG_IGN)) if ignore_sigint else None)
     try:
         pid_files = [tmp_path / f"worker-{i}.pid" for i in range(workers)]
         assert _wait_for(lambda: all(p.exists() and p.read_text() for p in pid_files), 90), proc.communicate()

@@ -320,10 +320,20 @@ def test_lora_config_and_peft_requirement():
     require_peft(rc)  # peft is installed (envs/requirements.lock); tests/test_lora.py: the message without it
 
 
-def test_builtin_instructions_are_deterministic():
+@pytest.mark.slow
+def test_builtin_instructions_are_deterministic(finetune_run):
+    """Built in this process, the builtin instruction set is byte for byte what the finetune run's job wrote in
+    another process (another hash seed): the manifest's sha256 of each split's JSON lines."""
+    import hashlib
+
     from llmpipe.data.instructions import builtin_instructions
-    a, b = builtin_instructions(300), builtin_instructions(300)
-    assert a == b and len(a["train"]) + len(a["test"]) == 300 and a["test"]
+
+    iset = project_config()["instruction_sets"]["python-docs-qa"]
+    a = builtin_instructions(iset["max_items"], iset["eval_percent"])
+    written = load(finetune_run, "data/instructions/python-docs-qa/manifest.json")["sha256"]
+    assert {split: hashlib.sha256("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows).encode()).hexdigest()
+            for split, rows in a.items()} == written
+    assert 0 < len(a["train"]) + len(a["test"]) <= iset["max_items"] and a["test"]
     keys = {r["prompt"] for r in a["train"]}
     assert not keys & {r["prompt"] for r in a["test"]}  # disjoint splits
     r = a["train"][0]

@@ -24,6 +24,8 @@ from llmpipe.steps import THIS_RUN
 from tests.conftest import REPO, SNAKEMAKE, copy_run
 
 TRAIN = "results/mpt-tiny/train.json"
+#: the trainings of these tests: half the tiny run's batches, a checkpoint every 20
+SHORT = "models={'mpt-tiny': {'train': {'max_duration_batches': 60, 'save_interval_batches': 20}}}"
 
 
 _PARENT = """
@@ -82,9 +84,9 @@ def test_kill_of_the_printed_pid_ends_the_training_and_the_rerun_trains_once(tin
     shutil.rmtree(wd / "results/mpt-tiny/checkpoints")
     (wd / TRAIN).unlink()
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    cmd = [*SNAKEMAKE, "-s", str(REPO / "Snakefile"), "-d", str(wd), "--cores", "2", TRAIN]
+    cmd = [*SNAKEMAKE, "-s", str(REPO / "Snakefile"), "-d", str(wd), "--cores", "2", TRAIN, "--config", SHORT]
     proc = subprocess.Popen(cmd, cwd=wd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    first = f"{wd}/results/mpt-tiny/checkpoints/*/ep0-ba40*.complete"
+    first = f"{wd}/results/mpt-tiny/checkpoints/*/ep0-ba20*.complete"
     t0 = time.time()
     while not glob.glob(first) and time.time() - t0 < 600:
         assert proc.poll() is None, proc.stdout.read()[-3000:]
@@ -96,7 +98,7 @@ def test_kill_of_the_printed_pid_ends_the_training_and_the_rerun_trains_once(tin
     assert proc.returncode != 0, out[-3000:]
     ident = glob.glob(f"{wd}/results/mpt-tiny/checkpoints/*/")[0]
     before = sorted(os.listdir(ident)), (wd / ident / "train_log.jsonl").read_text()
-    time.sleep(20)   # an orphaned trainer would save ep0-ba80 and log more batches in this time
+    time.sleep(20)   # an orphaned trainer would save ep0-ba40 and log more batches in this time
     assert (sorted(os.listdir(ident)), (wd / ident / "train_log.jsonl").read_text()) == before
     assert lease.read(ident) is None   # the failed step gave back the lease: its job's controller is gone
     # a live training of this identity still holds the folder (a stand-in process as its local job's controller):
@@ -115,9 +117,9 @@ def test_kill_of_the_printed_pid_ends_the_training_and_the_rerun_trains_once(tin
     assert log.index("ended after") < log.index("submitted job"), log      # no second trainer meanwhile
     assert lease.read(ident) is None   # given back once the job ended
     train = json.loads((wd / TRAIN).read_text())
-    assert train["steps"] == 120 and train["resumed_from"] and "ep0-ba" in train["resumed_from"]
+    assert train["steps"] == 60 and train["resumed_from"] and "ep0-ba" in train["resumed_from"]
     batches = [json.loads(line)["batch"] for line in open(os.path.join(ident, "train_log.jsonl")) if line.strip()]
-    assert len(batches) == len(set(batches)) and batches == sorted(batches) and batches[-1] == 120, batches
+    assert len(batches) == len(set(batches)) and batches == sorted(batches) and batches[-1] == 60, batches
 
 
 def _descendants(root: int) -> set[int]:
@@ -148,7 +150,7 @@ def test_kill_of_snakemake_alone_ends_its_rule_script_and_the_history_keeps_the_
     log = wd / "results/logs/train/mpt-tiny.log"
     log.unlink()   # the copied run's log has its own submission line and no THIS_RUN marker before it
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    cmd = [*SNAKEMAKE, "-s", str(REPO / "Snakefile"), "-d", str(wd), "--cores", "2", TRAIN]
+    cmd = [*SNAKEMAKE, "-s", str(REPO / "Snakefile"), "-d", str(wd), "--cores", "2", TRAIN, "--config", SHORT]
     proc = subprocess.Popen(cmd, cwd=wd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                             start_new_session=True)
 
@@ -173,9 +175,12 @@ def test_kill_of_snakemake_alone_ends_its_rule_script_and_the_history_keeps_the_
     for p in left:
         os.kill(p, signal.SIGKILL)
     assert not left, "processes outlived the killed Snakemake"
+    # nor did the training run on meanwhile: its 60 batches would end well within that wait
+    assert not list(wd.glob("results/mpt-tiny/checkpoints/*/ep0-ba60*")), "the cancelled training ran to its end"
     history = wd / "results/logs/train/mpt-tiny.log.history"
     assert line in history.read_text()
-    subprocess.run([*cmd[:-1], "--unlock", TRAIN], cwd=wd, env=env, check=True, capture_output=True)
+    subprocess.run([*SNAKEMAKE, "-s", str(REPO / "Snakefile"), "-d", str(wd), "--unlock", TRAIN], cwd=wd, env=env,
+                   check=True, capture_output=True)
     rerun = subprocess.run(cmd, cwd=wd, env=env, capture_output=True, text=True, timeout=900)
     assert rerun.returncode == 0, (rerun.stdout + rerun.stderr)[-3000:]
     new = log.read_text()

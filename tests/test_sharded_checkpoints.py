@@ -25,6 +25,10 @@ from tests.test_convert import LOAD_WITHOUT_FOUNDRY
 pytestmark = pytest.mark.slow
 
 TWO_RANKS = "models={'mpt-tiny': {'resources': {'tasks_per_node': 2, 'cpus_per_task': 1}}}"
+#: the FSDP run's training: half the tiny run's batches, a checkpoint every 20 (three jobs of 20 batches each)
+SHORT = "'train': {'max_duration_batches': 60, 'save_interval_batches': 20}"
+FSDP_TWO_RANKS = "models={'mpt-tiny': {'resources': {'tasks_per_node': 2, 'cpus_per_task': 1}, " + SHORT + "}}"
+FSDP_ONE_RANK = "models={'mpt-tiny': {" + SHORT + "}}"
 TRAIN = "results/mpt-tiny/train.json"
 
 
@@ -43,41 +47,42 @@ def run_killed_at(wd, marker_glob: str, *config: str):
 
 @pytest.fixture(scope="module")
 def fsdp_run(tiny_run, tmp_path_factory):
-    """The tiny model trained under FSDP with sharded checkpoints: 2 ranks killed after batch 40, 2 ranks killed
-    after batch 80, then 1 rank to the end. Data and tokenizer come from the tiny run (same identity)."""
+    """The tiny model trained under FSDP with sharded checkpoints (:data:`SHORT`: 60 batches): 2 ranks killed after
+    batch 20, 2 ranks killed after batch 40, then 1 rank to the end. Data and tokenizer come from the tiny run (same
+    identity)."""
     wd = copy_run(tiny_run, tmp_path_factory.mktemp("fsdp") / "wd")
     shutil.rmtree(wd / "results/mpt-tiny/checkpoints")
     (wd / TRAIN).unlink()
-    run_killed_at(wd, "results/mpt-tiny/checkpoints/*/ep0-ba40.complete", TWO_RANKS)
-    run_killed_at(wd, "results/mpt-tiny/checkpoints/*/ep0-ba80.complete", TWO_RANKS)
-    snakemake(wd, "--cores", "2", TRAIN, env=no_symlink_env(wd))
+    run_killed_at(wd, "results/mpt-tiny/checkpoints/*/ep0-ba20.complete", FSDP_TWO_RANKS)
+    run_killed_at(wd, "results/mpt-tiny/checkpoints/*/ep0-ba40.complete", FSDP_TWO_RANKS)
+    snakemake(wd, "--cores", "2", TRAIN, "--config", FSDP_ONE_RANK, env=no_symlink_env(wd))
     return wd
 
 
 def test_fsdp_training_resumes_on_two_ranks_and_on_one_with_exact_steps(fsdp_run):
     train = load(fsdp_run, TRAIN)
-    assert train["steps"] == 120 and train["fsdp"] is True and train["devices"] == 1
+    assert train["steps"] == 60 and train["fsdp"] is True and train["devices"] == 1
     assert train["activation_checkpointing"] is False  # what composer ran with (fsdp: null: its defaults)
-    assert train["resumed_from"].endswith("ep0-ba80"), train["resumed_from"]
-    assert train["batches_this_job"] == 40
+    assert train["resumed_from"].endswith("ep0-ba40"), train["resumed_from"]
+    assert train["batches_this_job"] == 20
     folder = fsdp_run / train["final_checkpoint"]
     assert ckpt.is_sharded(str(folder)) and (folder / ".metadata").exists()
     # the job on 2 ranks wrote one shard per rank (the checkpoint resumed from); the job on 1 rank one shard
-    assert sorted(p.name for p in (folder.parent / "ep0-ba80").glob("*.distcp")) == ["__0_0.distcp", "__1_0.distcp"]
+    assert sorted(p.name for p in (folder.parent / "ep0-ba40").glob("*.distcp")) == ["__0_0.distcp", "__1_0.distcp"]
     assert sorted(p.name for p in folder.glob("*.distcp")) == ["__0_0.distcp"]
 
 
 def test_retention_counts_the_checkpoints_of_every_job(fsdp_run):
-    """checkpoints_to_keep is 2: after three jobs (40, 80, 120) only the two newest remain."""
+    """checkpoints_to_keep is 2: after three jobs (20, 40, 60) only the two newest remain."""
     folder = (fsdp_run / load(fsdp_run, TRAIN)["final_checkpoint"]).parent
-    assert [b for b, _ in ckpt.complete_checkpoints(str(folder))] == [80, 120]
-    assert not any(p.name.startswith("ep0-ba40") for p in folder.iterdir())
+    assert [b for b, _ in ckpt.complete_checkpoints(str(folder))] == [40, 60]
+    assert not any(p.name.startswith("ep0-ba20") for p in folder.iterdir())
 
 
 def test_the_loss_log_holds_each_batch_once_after_two_kills(fsdp_run):
     rows = [json.loads(line) for line in (fsdp_run / load(fsdp_run, TRAIN)["train_log"]).read_text().splitlines()]
     batches = [r["batch"] for r in rows]
-    assert batches == [1] + list(range(5, 121, 5)), batches
+    assert batches == [1] + list(range(5, 61, 5)), batches
 
 
 def test_sharded_checkpoint_converts_with_fp32_logits_of_the_trained_model(fsdp_run, tmp_path):

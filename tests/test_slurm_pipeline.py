@@ -112,23 +112,27 @@ def fresh_training(wd: Path) -> None:
     shutil.rmtree(wd / RUN_DIR / "checkpoints")  # the loss log lives there too
 
 
-def slurm_jobs_since(cluster, t0: float, name: str) -> list[dict[str, str]]:
-    """Every run (requeues included) of jobs called ``name`` submitted at or after ``t0``: JobID, State, Submit."""
+def slurm_jobs_since(cluster, t0: float, name: str, wd: Path) -> list[dict[str, str]]:
+    """Every run (requeues included) of jobs called ``name`` that the working folder ``wd`` submitted (sacct's
+    WorkDir: the tests of this module run their jobs beside each other's) at or after ``t0``: JobID, State, Submit,
+    NodeList, WorkDir."""
     since = time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(t0 - 1))
-    keys = ["JobID", "State", "Submit", "NodeList"]
+    keys = ["JobID", "State", "Submit", "NodeList", "WorkDir"]
     out = cluster.run("sacct", "--noheader", "--parsable2", "--allocations", "--duplicates", "--name", name,
                       "--starttime", since, "--format", ",".join(keys))
     rows = [dict(zip(keys, line.split("|"))) for line in out.splitlines() if line.strip()]
+    rows = [r for r in rows if os.path.realpath(r["WorkDir"]) == os.path.realpath(wd)]
     ids = {r["JobID"] for r in rows if r["Submit"] >= since}
     return [r for r in rows if r["JobID"] in ids]
 
 
-def settled_jobs_since(cluster, t0: float, name: str, expect: int, timeout: float = 30) -> list[dict[str, str]]:
+def settled_jobs_since(cluster, t0: float, name: str, wd: Path, expect: int,
+                       timeout: float = 30) -> list[dict[str, str]]:
     """:func:`slurm_jobs_since` once accounting shows at least ``expect`` rows, all in a final state."""
     final = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "REQUEUED"}
     deadline = time.time() + timeout
     while True:
-        rows = slurm_jobs_since(cluster, t0, name)
+        rows = slurm_jobs_since(cluster, t0, name, wd)
         if (len(rows) >= expect and all(r["State"].split()[0] in final for r in rows)) or time.time() > deadline:
             return rows
         time.sleep(0.5)
@@ -147,12 +151,14 @@ def wait_until(pred, timeout: float, what: str, bg_out: Path | None = None, poll
 
 
 @contextlib.contextmanager
-def background_snakemake(wd: Path, *args: str):
-    """snakemake in its own session (stdout+stderr to a file); SIGKILLs that session if it is still running."""
+def background_snakemake(wd: Path, *args: str, env: dict | None = None):
+    """snakemake in its own session (stdout+stderr to a file; ``env`` added to this process's environment);
+    SIGKILLs that session if it is still running."""
     out = wd / f"snakemake-bg-{time.time_ns()}.txt"
     with open(out, "w") as fh:
         proc = subprocess.Popen(SNAKEMAKE + ["-s", str(REPO / "Snakefile"), "-d", str(wd), *args], cwd=wd,
-                                stdout=fh, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+                                stdout=fh, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+                                env={**os.environ, **(env or {})})
     try:
         yield proc, out
     finally:
@@ -280,10 +286,54 @@ def two_node_run(slurm_cluster, site, tmp_path_factory) -> Run:
     return Run(wd=wd, output=out, seconds=time.time() - t0)
 
 
+@dataclass
+class Background:
+    wd: Path
+    proc: subprocess.Popen
+    out: Path
+    t0: float
+    steps: int
+    min_step_s: float
+
+
+@pytest.fixture(scope="module")
+def time_limit_run(two_node_run, site, slurm_cluster, tmp_path_factory):
+    """The training of :func:`test_training_over_several_time_limits_with_a_long_setup_finishes_by_itself`, started in
+    the background by the module's first test: its allocations (about 5 minutes, mostly Slurm's clock) run beside
+    the module's next tests, which share only the cluster's nodes (each test finds its jobs by working folder). Its
+    test, later in the file, waits for it. The tests that need the nodes to themselves run after that: the requeue
+    test (it releases a requeued job once no node is completing a job) and the SIGKILL test (it reads the nodes'
+    shared memory).
+
+    A 3-minute time limit and a 30 s batch-script set-up: one allocation trains at most 180 - 30 (set-up) - 10
+    (signal delay) - ~10 (start-up) = 130 s, less when the signal comes early (the controller's 30 s event loop) or
+    the start-up is slow: 140 s of training needs at least two allocations. The steps are paced
+    (tests/helpers/sitecustomize.py) above the tiny model's step with a checkpoint save on a loaded 2-core machine,
+    so that the training's seconds do not depend on the load."""
+    wd = copy_run(two_node_run.wd, tmp_path_factory.mktemp("time-limits") / "wd")
+    min_step_s = 0.6
+    steps = int(140 / min_step_s)
+    fresh_training(wd)
+    extra = wd.parent / "time-limits.yaml"
+    extra.write_text(yaml.safe_dump({
+        "slurm": {"setup": ["export LLMPIPE_TEST_SETUP=from-setup", "sleep 30"], "setup_s": 30, "signal_delay_s": 10},
+        "models": {"mpt-tiny": {"train": {"max_duration_batches": steps, "save_interval_batches": steps // 20},
+                                "resources": {"time_min": 3}}}}))
+    env = {"PYTHONPATH": os.pathsep.join([str(REPO / "tests" / "helpers"), str(REPO)]),
+           "LLMPIPE_TEST_MIN_STEP_S": str(min_step_s)}
+    t0 = time.time()
+    try:
+        with background_snakemake(wd, TRAIN_JSON, *site.with_configfile(extra), env=env) as (proc, out):
+            yield Background(wd=wd, proc=proc, out=out, t0=t0, steps=steps, min_step_s=min_step_s)
+    finally:
+        cancel_jobs_of(slurm_cluster, wd)
+
+
 # ------------------------------------------------------------------------------------------------ 1. end to end
 
 @pytest.mark.timeout(900)
-def test_tiny_pipeline_on_two_nodes(two_node_run, site, slurm_cluster):
+def test_tiny_pipeline_on_two_nodes(two_node_run, time_limit_run, site, slurm_cluster):
+    # time_limit_run: asked for here, the module's first test, so that its training starts now (see the fixture)
     wd = two_node_run.wd
     train = read_json(wd, TRAIN_JSON)
     assert train["steps"] == STEPS and train["devices"] == 2 and train["nodes"] == 2, train
@@ -352,6 +402,174 @@ def test_site_env_and_container_reach_the_training_tasks(two_node_run, site):
         assert _records(site, jid), f"{step} job {jid} did not start through the container"
 
 
+# ------------------------------------------------------------------------------------------------ 3. killed snakemake
+
+@pytest.mark.timeout(600)
+def test_killed_snakemake_reattaches_to_the_running_job(two_node_run, site, slurm_cluster, tmp_path):
+    wd = copy_run(two_node_run.wd, tmp_path / "wd")
+    fresh_training(wd)
+    t0 = time.time()
+    try:
+        with background_snakemake(wd, TRAIN_JSON, *site.args) as (proc, out):
+            job_id = wait_until(lambda: (submitted_ids(rule_log(wd, "train")) or [None])[0], 120,
+                                "the training job", out)
+            # killed as soon as the job runs, so that its start-up and 60 batches outlast the kill and the checks
+            # below on a loaded machine too
+            wait_until(lambda: slurm_cluster.job_fields(job_id).get("JobState") == "RUNNING", 120, "the job to run",
+                       out)
+            assert rule_scripts(wd), "no rule script is waiting for the job"
+            os.kill(proc.pid, signal.SIGKILL)    # Snakemake alone, not its session: its rule script must follow
+            wait_until(lambda: not rule_scripts(wd), 30, "the orphaned rule script to exit", out)
+            kill_session(proc)
+        assert slurm_cluster.job_fields(job_id)["JobState"] == "RUNNING"   # the job outlives its Snakemake
+        assert list((wd / ".llmpipe/jobs").glob("*.json")), "no record of the submitted job"
+
+        locked = snakemake(wd, TRAIN_JSON, *site.args, check=False, timeout=120)
+        msg = locked.stdout + locked.stderr
+        assert locked.returncode != 0 and "--unlock" in msg, msg[-3000:]   # Snakemake says what to do
+        snakemake(wd, *site.args, "--unlock", timeout=120)
+        snakemake(wd, TRAIN_JSON, *site.args, timeout=400)               # the profile sets --rerun-incomplete
+    finally:
+        cancel_jobs_of(slurm_cluster, wd)
+    log = rule_log(wd, "train")
+    assert f"re-attaching to job {job_id}" in log and "not submitting a second copy" in log, log
+    assert not submitted_ids(log), log
+    # the submission line outlives the rule log that Snakemake deleted (its history, which the new log names);
+    # one watcher wrote the end, once
+    history = (wd / "results/logs/train/mpt-tiny.log.history").read_text()   # the copied run's lines come first
+    assert submitted_ids(history)[-1:] == [job_id] and history.count(f"job {job_id} finished") == 1, history
+    assert "earlier runs of this step: " in (wd / "results/logs/train/mpt-tiny.log").read_text().split(THIS_RUN)[0]
+    train = read_json(wd, TRAIN_JSON)
+    assert train["steps"] == STEPS and train["resumed_from"] is None and train["batches_this_job"] == STEPS, train
+    rows = settled_jobs_since(slurm_cluster, t0, "train_mpt-tiny", wd, expect=1)
+    assert [(r["JobID"], r["State"]) for r in rows] == [(job_id, "COMPLETED")], rows
+
+
+# ------------------------------------------------------------------------------------------------ 4. run-time failure
+
+@pytest.mark.timeout(600)
+def test_step_failing_at_run_time_reports_job_state_and_log(two_node_run, site, slurm_cluster, tmp_path):
+    wd = copy_run(two_node_run.wd, tmp_path / "wd")
+    bad = tmp_path / "bad.yaml"   # a valid change; the job then finds no weights in the export (moved aside)
+    bad.write_text(yaml.safe_dump({"generate": {"prompts": ["Once upon a time"]}}))
+    weights = wd / "results/mpt-tiny/hf/model.safetensors"
+    shutil.move(weights, tmp_path / "model.safetensors")
+    t0 = time.time()
+    try:
+        assert planned_jobs(snakemake(wd, "-n", *site.with_configfile(bad))) == {"generate": 1, "all": 1}
+        failed = snakemake(wd, *site.with_configfile(bad), check=False, timeout=300)
+    finally:
+        cancel_jobs_of(slurm_cluster, wd)
+    out = failed.stdout + failed.stderr
+    assert failed.returncode != 0
+    (row,) = settled_jobs_since(slurm_cluster, t0, "generate_mpt-tiny", wd, expect=1)
+    job_id = row["JobID"]
+    assert row["State"] == "FAILED", row
+    log = rule_log(wd, "generate")
+    for text in (out, log):   # Snakemake's output (the step's own short summary) and the rule's log
+        assert f"generate mpt-tiny: job {job_id} ended in state FAILED" in text, text[-5000:]
+        assert "model.safetensors" in text and "no file named" in text, text[-5000:]   # transformers' error
+        assert "--- stderr (last " in text                                    # the tail of the job's log
+        assert f"results/logs/generate/mpt-tiny.submitit/{job_id}/{job_id}_0_log.err" in text
+    assert out.count(f"job {job_id} ended in state FAILED") == 1, out[-5000:]   # once, not once per printer
+    assert "rule log: results/logs/generate/mpt-tiny.log" in out and "--- stderr (last 40 lines) ---" in log
+    assert not (wd / "results/mpt-tiny/generate.json").exists()
+    assert not list((wd / ".llmpipe/jobs").glob("*.json"))
+    # fixed: only that step runs again
+    shutil.move(tmp_path / "model.safetensors", weights)
+    # generate.json is gone: the evaluation (ancient() spares existing files only) reruns after the generation
+    assert planned_jobs(snakemake(wd, "-n", *site.args)) == {"generate": 1, "eval": 1, "all": 1}
+    t1 = time.time()
+    try:
+        snakemake(wd, *site.args, timeout=300)
+    finally:
+        cancel_jobs_of(slurm_cluster, wd)
+    assert read_json(wd, "results/mpt-tiny/generate.json")["settings"]["do_sample"] is False
+    # back at the site's settings, generation and evaluation have kept results of this identity and these inputs:
+    # restored, no job (llmpipe.steps.kept_results)
+    for step in ("generate", "eval"):
+        assert "restored from results/mpt-tiny/kept/" in rule_log(wd, step), rule_log(wd, step)
+    for name in ("generate_mpt-tiny", "train_mpt-tiny", "convert_mpt-tiny", "eval_mpt-tiny"):
+        assert len(slurm_jobs_since(slurm_cluster, t1, name, wd)) == 0, name
+
+
+# ------------------------------------------------------------------------------------------------ 5. preflight
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("change,expected", [
+    ("slurm={'partition': 'nope'}",
+     r"slurm\.partition is 'nope', but this cluster has no such partition \(it has: debug, small\)"),
+    ("models={'mpt-tiny': {'resources': {'nodes': 4}}}",
+     r"models\.mpt-tiny\.resources\.nodes is 4, but Slurm partition 'debug' has only 2 node\(s\).*"
+     r"Fix: lower models\.mpt-tiny\.resources\.nodes to at most 2"),
+    ("models={'mpt-tiny': {'resources': {'gpus_per_node': 8}}}",
+     r"models\.mpt-tiny\.resources\.gpus_per_node is 8, but the nodes of Slurm partition 'debug' have at most 4 "
+     r"GPU\(s\) each"),
+    ("models={'mpt-tiny': {'resources': {'time_min': 2000}}}",
+     r"models\.mpt-tiny\.resources\.time_min is 2000 minutes, but Slurm partition 'debug' allows at most 1440 "
+     r"minutes"),
+], ids=["partition", "nodes", "gpus", "time-limit"])
+def test_preflight_fails_the_dry_run(slurm_cluster, site, tmp_path, change, expected):
+    # `--profile slurm` by name, set up as docs/slurm.md says (a link in the user's Snakemake config folder)
+    (tmp_path / "xdg/snakemake").mkdir(parents=True)
+    (tmp_path / "xdg/snakemake/slurm").symlink_to(REPO / "profiles/slurm")
+    args = ["--profile", "slurm", *site.args[2:]]
+    proc = snakemake(tmp_path, "-n", *args, "--config", change, check=False, timeout=120,
+                     env={"XDG_CONFIG_HOME": str(tmp_path / "xdg")})
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0
+    assert "Using profiles slurm" in out, out[-2000:]
+    assert re.search(r"ConfigError: " + expected, out, re.S), out[-4000:]
+    # the message alone, not wrapped as an input function's failure with a traceback
+    assert "InputFunctionException" not in out and "Traceback" not in out, out[-4000:]
+    # nothing was submitted from this folder (other tests' jobs run beside this one: time_limit_run)
+    submitted = slurm_cluster.run("sacct", "--noheader", "--parsable2", "--allocations", "--starttime", "now-1days",
+                                  "--format", "JobID,WorkDir")
+    assert not [line for line in submitted.splitlines()
+                if os.path.realpath(line.split("|")[-1]) == os.path.realpath(tmp_path)], submitted
+
+
+def test_fitting_request_passes_preflight_by_profile_name(slurm_cluster, site, tmp_path):
+    (tmp_path / "xdg/snakemake").mkdir(parents=True)
+    (tmp_path / "xdg/snakemake/slurm").symlink_to(REPO / "profiles/slurm")
+    proc = snakemake(tmp_path, "-n", "--profile", "slurm", *site.args[2:], timeout=120,
+                     env={"XDG_CONFIG_HOME": str(tmp_path / "xdg")})
+    assert planned_jobs(proc)["train"] == 1
+
+
+# ------------------------------------------------------------------------------------------------ 2b. time limits
+
+@pytest.mark.timeout(1800)
+def test_training_over_several_time_limits_with_a_long_setup_finishes_by_itself(time_limit_run, slurm_cluster):
+    """A 3-minute time limit, a 30 s batch-script set-up and a training that needs two allocations
+    (:func:`time_limit_run`): it finishes without a rerun by hand (Slurm's early time-limit signal, a requeue or the
+    step's own resubmission after TIMEOUT), and the rule log shows the batch each later allocation resumed from. No
+    allocation is left FAILED."""
+    run = time_limit_run
+    wd, steps = run.wd, run.steps
+    try:
+        run.proc.wait(timeout=max(1.0, run.t0 + 1700 - time.time()))
+    finally:
+        cancel_jobs_of(slurm_cluster, wd)
+    out = run.out.read_text()
+    assert run.proc.returncode == 0, out[-6000:]
+    train = read_json(wd, TRAIN_JSON)
+    assert train["steps"] == steps, train
+    log = rule_log(wd, "train")
+    resumed = [int(a or b) for a, b in re.findall(r"resumes from the checkpoint at batch (\d+)|it resumes from "
+                                                  r"batch (\d+)", log)]
+    assert resumed and resumed == sorted(set(resumed)) and resumed[0] > 0, (resumed, log)   # >= 2 allocations
+    assert re.search(rf"-ba{resumed[-1]}$", train["resumed_from"]), (train, resumed)
+    # the pace reached the ranks: the last allocation's batches came at least min_step_s apart
+    rows = [json.loads(line) for line in (wd / train["train_log"]).read_text().splitlines()]
+    last = [r for r in rows if r["batch"] > resumed[-1] + 1]
+    paces = [(b["elapsed_s"] - a["elapsed_s"]) / (b["batch"] - a["batch"]) for a, b in zip(last, last[1:])]
+    assert paces and min(paces) >= run.min_step_s * 0.95, rows[-5:]
+    rows = settled_jobs_since(slurm_cluster, run.t0, "train_mpt-tiny", wd, expect=len(resumed) + 1, timeout=60)
+    states = [r["State"].split()[0] for r in rows]
+    assert states[-1] == "COMPLETED" and "FAILED" not in states and len(states) == len(resumed) + 1, (rows, log)
+
+
 # ------------------------------------------------------------------------------------------------ 2. requeue twice
 
 @pytest.mark.timeout(600)
@@ -392,191 +610,11 @@ def test_requeued_twice_resumes_and_ends_at_the_step_count(two_node_run, site, s
         train["batches_this_job"] == STEPS - saved[1], train
     assert "Caught signal SIGUSR2 on n1: this job is preempted" in task_log(wd, job_id, kind="err")  # submitit's path
     # one job id, requeued twice, never submitted again
-    rows = settled_jobs_since(slurm_cluster, t0, "train_mpt-tiny", expect=3)
+    rows = settled_jobs_since(slurm_cluster, t0, "train_mpt-tiny", wd, expect=3)
     assert [(r["JobID"], r["State"]) for r in rows] == [(job_id, "REQUEUED"), (job_id, "REQUEUED"),
                                                         (job_id, "COMPLETED")], rows
     assert slurm_cluster.job_fields(job_id)["Restarts"] == "2"
     assert submitted_ids(rule_log(wd, "train")) == [job_id]
-
-
-# ------------------------------------------------------------------------------------------------ 2b. time limits
-
-@pytest.mark.timeout(1800)
-def test_training_over_several_time_limits_with_a_long_setup_finishes_by_itself(two_node_run, site, slurm_cluster,
-                                                                                tmp_path):
-    """A 3-minute time limit, a 30 s batch-script set-up and a training that needs two allocations: it finishes
-    without a rerun by hand (Slurm's early time-limit signal, a requeue or the step's own resubmission after
-    TIMEOUT), and the rule log shows the batch each later allocation resumed from. No allocation is left FAILED."""
-    wd = copy_run(two_node_run.wd, tmp_path / "wd")
-    # one allocation trains at most 180 - 30 (set-up) - 10 (signal delay) - ~10 (start-up) = 130 s, less when the
-    # signal comes early (the controller's 30 s event loop) or the start-up is slow: 140 s of training needs two
-    # allocations and fits in two. The steps are paced (tests/helpers/sitecustomize.py) above the tiny model's step
-    # with a checkpoint save on a loaded 2-core machine, so the training's seconds do not depend on the load.
-    min_step_s = 0.6
-    steps = int(140 / min_step_s)
-    every = steps // 20
-    fresh_training(wd)
-    extra = tmp_path / "time-limits.yaml"
-    extra.write_text(yaml.safe_dump({
-        "slurm": {"setup": ["export LLMPIPE_TEST_SETUP=from-setup", "sleep 30"], "setup_s": 30, "signal_delay_s": 10},
-        "models": {"mpt-tiny": {"train": {"max_duration_batches": steps, "save_interval_batches": every},
-                                "resources": {"time_min": 3}}}}))
-    t0 = time.time()
-    try:
-        proc = snakemake(wd, TRAIN_JSON, *site.with_configfile(extra), check=False, timeout=1700,
-                         env={"PYTHONPATH": str(REPO / "tests" / "helpers"), "LLMPIPE_TEST_MIN_STEP_S": str(min_step_s)})
-    finally:
-        cancel_jobs_of(slurm_cluster, wd)
-    out = proc.stdout + proc.stderr
-    assert proc.returncode == 0, out[-6000:]
-    train = read_json(wd, TRAIN_JSON)
-    assert train["steps"] == steps, train
-    log = rule_log(wd, "train")
-    resumed = [int(a or b) for a, b in re.findall(r"resumes from the checkpoint at batch (\d+)|it resumes from "
-                                                  r"batch (\d+)", log)]
-    assert resumed and resumed == sorted(set(resumed)) and resumed[0] > 0, (resumed, log)   # >= 2 allocations
-    assert re.search(rf"-ba{resumed[-1]}$", train["resumed_from"]), (train, resumed)
-    # the pace reached the ranks: the last allocation's batches came at least min_step_s apart
-    rows = [json.loads(line) for line in (wd / train["train_log"]).read_text().splitlines()]
-    last = [r for r in rows if r["batch"] > resumed[-1] + 1]
-    paces = [(b["elapsed_s"] - a["elapsed_s"]) / (b["batch"] - a["batch"]) for a, b in zip(last, last[1:])]
-    assert paces and min(paces) >= min_step_s * 0.95, rows[-5:]
-    rows = settled_jobs_since(slurm_cluster, t0, "train_mpt-tiny", expect=len(resumed) + 1, timeout=60)
-    states = [r["State"].split()[0] for r in rows]
-    assert states[-1] == "COMPLETED" and "FAILED" not in states and len(states) == len(resumed) + 1, (rows, log)
-
-
-# ------------------------------------------------------------------------------------------------ 3. killed snakemake
-
-@pytest.mark.timeout(600)
-def test_killed_snakemake_reattaches_to_the_running_job(two_node_run, site, slurm_cluster, tmp_path):
-    wd = copy_run(two_node_run.wd, tmp_path / "wd")
-    fresh_training(wd)
-    t0 = time.time()
-    try:
-        with background_snakemake(wd, TRAIN_JSON, *site.args) as (proc, out):
-            job_id = wait_until(lambda: (submitted_ids(rule_log(wd, "train")) or [None])[0], 120,
-                                "the training job", out)
-            # killed as soon as the job runs, so that its start-up and 60 batches outlast the kill and the checks
-            # below on a loaded machine too
-            wait_until(lambda: slurm_cluster.job_fields(job_id).get("JobState") == "RUNNING", 120, "the job to run",
-                       out)
-            assert rule_scripts(wd), "no rule script is waiting for the job"
-            os.kill(proc.pid, signal.SIGKILL)    # Snakemake alone, not its session: its rule script must follow
-            wait_until(lambda: not rule_scripts(wd), 30, "the orphaned rule script to exit", out)
-            kill_session(proc)
-        assert slurm_cluster.job_fields(job_id)["JobState"] == "RUNNING"   # the job outlives its Snakemake
-        assert list((wd / ".llmpipe/jobs").glob("*.json")), "no record of the submitted job"
-
-        locked = snakemake(wd, TRAIN_JSON, *site.args, check=False, timeout=120)
-        msg = locked.stdout + locked.stderr
-        assert locked.returncode != 0 and "--unlock" in msg, msg[-3000:]   # Snakemake says what to do
-        snakemake(wd, *site.args, "--unlock", timeout=120)
-        snakemake(wd, TRAIN_JSON, *site.args, timeout=400)               # the profile sets --rerun-incomplete
-    finally:
-        cancel_jobs_of(slurm_cluster, wd)
-    log = rule_log(wd, "train")
-    assert f"re-attaching to job {job_id}" in log and "not submitting a second copy" in log, log
-    assert not submitted_ids(log), log
-    # the submission line outlives the rule log that Snakemake deleted (its history, which the new log names);
-    # one watcher wrote the end, once
-    history = (wd / "results/logs/train/mpt-tiny.log.history").read_text()   # the copied run's lines come first
-    assert submitted_ids(history)[-1:] == [job_id] and history.count(f"job {job_id} finished") == 1, history
-    assert "earlier runs of this step: " in (wd / "results/logs/train/mpt-tiny.log").read_text().split(THIS_RUN)[0]
-    train = read_json(wd, TRAIN_JSON)
-    assert train["steps"] == STEPS and train["resumed_from"] is None and train["batches_this_job"] == STEPS, train
-    rows = settled_jobs_since(slurm_cluster, t0, "train_mpt-tiny", expect=1)
-    assert [(r["JobID"], r["State"]) for r in rows] == [(job_id, "COMPLETED")], rows
-
-
-# ------------------------------------------------------------------------------------------------ 4. run-time failure
-
-@pytest.mark.timeout(600)
-def test_step_failing_at_run_time_reports_job_state_and_log(two_node_run, site, slurm_cluster, tmp_path):
-    wd = copy_run(two_node_run.wd, tmp_path / "wd")
-    bad = tmp_path / "bad.yaml"   # a valid change; the job then finds no weights in the export (moved aside)
-    bad.write_text(yaml.safe_dump({"generate": {"prompts": ["Once upon a time"]}}))
-    weights = wd / "results/mpt-tiny/hf/model.safetensors"
-    shutil.move(weights, tmp_path / "model.safetensors")
-    t0 = time.time()
-    try:
-        assert planned_jobs(snakemake(wd, "-n", *site.with_configfile(bad))) == {"generate": 1, "all": 1}
-        failed = snakemake(wd, *site.with_configfile(bad), check=False, timeout=300)
-    finally:
-        cancel_jobs_of(slurm_cluster, wd)
-    out = failed.stdout + failed.stderr
-    assert failed.returncode != 0
-    (row,) = settled_jobs_since(slurm_cluster, t0, "generate_mpt-tiny", expect=1)
-    job_id = row["JobID"]
-    assert row["State"] == "FAILED", row
-    log = rule_log(wd, "generate")
-    for text in (out, log):   # Snakemake's output (the step's own short summary) and the rule's log
-        assert f"generate mpt-tiny: job {job_id} ended in state FAILED" in text, text[-5000:]
-        assert "model.safetensors" in text and "no file named" in text, text[-5000:]   # transformers' error
-        assert "--- stderr (last " in text                                    # the tail of the job's log
-        assert f"results/logs/generate/mpt-tiny.submitit/{job_id}/{job_id}_0_log.err" in text
-    assert out.count(f"job {job_id} ended in state FAILED") == 1, out[-5000:]   # once, not once per printer
-    assert "rule log: results/logs/generate/mpt-tiny.log" in out and "--- stderr (last 40 lines) ---" in log
-    assert not (wd / "results/mpt-tiny/generate.json").exists()
-    assert not list((wd / ".llmpipe/jobs").glob("*.json"))
-    # fixed: only that step runs again
-    shutil.move(tmp_path / "model.safetensors", weights)
-    # generate.json is gone: the evaluation (ancient() spares existing files only) reruns after the generation
-    assert planned_jobs(snakemake(wd, "-n", *site.args)) == {"generate": 1, "eval": 1, "all": 1}
-    t1 = time.time()
-    try:
-        snakemake(wd, *site.args, timeout=300)
-    finally:
-        cancel_jobs_of(slurm_cluster, wd)
-    assert read_json(wd, "results/mpt-tiny/generate.json")["settings"]["do_sample"] is False
-    # back at the site's settings, generation and evaluation have kept results of this identity and these inputs:
-    # restored, no job (llmpipe.steps.kept_results)
-    for step in ("generate", "eval"):
-        assert "restored from results/mpt-tiny/kept/" in rule_log(wd, step), rule_log(wd, step)
-    for name in ("generate_mpt-tiny", "train_mpt-tiny", "convert_mpt-tiny", "eval_mpt-tiny"):
-        assert len(slurm_jobs_since(slurm_cluster, t1, name)) == 0, name
-
-
-# ------------------------------------------------------------------------------------------------ 5. preflight
-
-@pytest.mark.timeout(300)
-@pytest.mark.parametrize("change,expected", [
-    ("slurm={'partition': 'nope'}",
-     r"slurm\.partition is 'nope', but this cluster has no such partition \(it has: debug, small\)"),
-    ("models={'mpt-tiny': {'resources': {'nodes': 4}}}",
-     r"models\.mpt-tiny\.resources\.nodes is 4, but Slurm partition 'debug' has only 2 node\(s\).*"
-     r"Fix: lower models\.mpt-tiny\.resources\.nodes to at most 2"),
-    ("models={'mpt-tiny': {'resources': {'gpus_per_node': 8}}}",
-     r"models\.mpt-tiny\.resources\.gpus_per_node is 8, but the nodes of Slurm partition 'debug' have at most 4 "
-     r"GPU\(s\) each"),
-    ("models={'mpt-tiny': {'resources': {'time_min': 2000}}}",
-     r"models\.mpt-tiny\.resources\.time_min is 2000 minutes, but Slurm partition 'debug' allows at most 1440 "
-     r"minutes"),
-], ids=["partition", "nodes", "gpus", "time-limit"])
-def test_preflight_fails_the_dry_run(slurm_cluster, site, tmp_path, change, expected):
-    before = slurm_cluster.run("sacct", "--noheader", "--allocations", "--starttime", "now-1days", "--format", "JobID")
-    # `--profile slurm` by name, set up as docs/slurm.md says (a link in the user's Snakemake config folder)
-    (tmp_path / "xdg/snakemake").mkdir(parents=True)
-    (tmp_path / "xdg/snakemake/slurm").symlink_to(REPO / "profiles/slurm")
-    args = ["--profile", "slurm", *site.args[2:]]
-    proc = snakemake(tmp_path, "-n", *args, "--config", change, check=False, timeout=120,
-                     env={"XDG_CONFIG_HOME": str(tmp_path / "xdg")})
-    out = proc.stdout + proc.stderr
-    assert proc.returncode != 0
-    assert "Using profiles slurm" in out, out[-2000:]
-    assert re.search(r"ConfigError: " + expected, out, re.S), out[-4000:]
-    # the message alone, not wrapped as an input function's failure with a traceback
-    assert "InputFunctionException" not in out and "Traceback" not in out, out[-4000:]
-    after = slurm_cluster.run("sacct", "--noheader", "--allocations", "--starttime", "now-1days", "--format", "JobID")
-    assert before == after  # nothing was submitted
-
-
-def test_fitting_request_passes_preflight_by_profile_name(slurm_cluster, site, tmp_path):
-    (tmp_path / "xdg/snakemake").mkdir(parents=True)
-    (tmp_path / "xdg/snakemake/slurm").symlink_to(REPO / "profiles/slurm")
-    proc = snakemake(tmp_path, "-n", "--profile", "slurm", *site.args[2:], timeout=120,
-                     env={"XDG_CONFIG_HOME": str(tmp_path / "xdg")})
-    assert planned_jobs(proc)["train"] == 1
 
 
 # ------------------------------------------------------------------------------------------------ 6. SIGKILLed job
@@ -599,7 +637,7 @@ def test_sigkilled_training_job_does_not_poison_the_rerun(two_node_run, site, sl
             proc.wait(120)
             text = out.read_text()
         assert proc.returncode != 0
-        (row,) = settled_jobs_since(slurm_cluster, t0, "train_mpt-tiny", expect=1)
+        (row,) = settled_jobs_since(slurm_cluster, t0, "train_mpt-tiny", wd, expect=1)
         assert row["JobID"] == job_id and row["State"] != "COMPLETED", row
         assert f"train mpt-tiny: job {job_id} ended in state {row['State']}" in text, text[-4000:]
         assert not (wd / TRAIN_JSON).exists()
@@ -622,5 +660,5 @@ def test_sigkilled_training_job_does_not_poison_the_rerun(two_node_run, site, sl
     assert train["resumed_from"].endswith(f"ep0-ba{newest}"), train   # the newest complete one
     assert train["batches_this_job"] == STEPS - newest
     assert (half / ".metadata").exists()  # removed, then written again for real by the resumed training
-    rows = settled_jobs_since(slurm_cluster, t0, "train_mpt-tiny", expect=2)
+    rows = settled_jobs_since(slurm_cluster, t0, "train_mpt-tiny", wd, expect=2)
     assert [r["State"] for r in rows][-1] == "COMPLETED" and len({r["JobID"] for r in rows}) == 2, rows

@@ -26,6 +26,17 @@ def log_tail(job, n: int = 40) -> str:
     return "\n".join(chunks) or "(no log output)"
 
 
+def logged_host(log_path) -> str:
+    """The host a submitit task ran on, from the ``Starting with JobEnvironment(..., hostname=<host>, ...)`` line
+    submitit writes at the top of the task's output log; "" when the log or the line is missing."""
+    try:
+        with open(log_path, errors="replace") as fh:
+            m = re.search(r"JobEnvironment\([^)]*hostname=([^,\s)]+)", fh.read(20000))
+    except OSError:
+        return ""
+    return m.group(1) if m else ""
+
+
 def local_state(job) -> str:
     """A local job's state for a failure message: submitit says FINISHED for any ended job, also one whose
     function raised (its controller process exits 0 either way); FAILED, or INTERRUPTED when a signal ended it and

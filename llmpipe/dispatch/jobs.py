@@ -21,7 +21,6 @@ import hashlib
 import json
 import logging
 import os
-import re
 import signal
 import subprocess
 import sys
@@ -34,7 +33,7 @@ from llmpipe.config import schema
 from llmpipe.dispatch import job_failures
 from llmpipe.dispatch import progress as progress_record
 from llmpipe.dispatch import rendezvous
-from llmpipe.dispatch.orphans import DieWithParent
+from llmpipe.dispatch.orphans import DieWithParent, sigint_cancels_children
 
 log = logging.getLogger("llmpipe.dispatch.jobs")
 
@@ -136,6 +135,7 @@ def make_executor(config: dict, resources: dict, folder: str, name: str):
         return submitit.DebugExecutor(folder=folder)
     if kind == "local":
         check_executor(config, int(resources.get("nodes", 1) or 1), f"step {name}")  # never one node silently
+        sigint_cancels_children()   # submitit cancels a local job with SIGINT to its controller
         ex = submitit.LocalExecutor(folder=folder)
         ex.update_parameters(timeout_min=int(resources.get("time_min", 60)), tasks_per_node=tasks,
                              gpus_per_node=gpus, nodes=1, name=name)
@@ -161,17 +161,6 @@ def normalize_thread_env() -> None:
     for var in _SNAKEMAKE_THREAD_VARS:
         if os.environ.get(var) == "0":
             os.environ[var] = "1"
-
-
-def _logged_host(stderr_path) -> str:
-    """The host a submitit task ran on, from the ``Starting with JobEnvironment(..., hostname=<host>, ...)`` line
-    submitit writes at the top of the task's output log; "" when the log or the line is missing."""
-    try:
-        with open(stderr_path, errors="replace") as fh:
-            m = re.search(r"JobEnvironment\([^)]*hostname=([^,\s)]+)", fh.read(20000))
-    except OSError:
-        return ""
-    return m.group(1) if m else ""
 
 
 def _slurm_poll_s(config: dict) -> float:
@@ -331,20 +320,6 @@ def _local_jobs_die_with_us(jobs: Sequence[Any], what: str, log_file: str | None
             signal.signal(signal.SIGTERM, previous)
 
 
-def _sleep_until_exit(job, seconds: float) -> None:
-    """Sleep up to ``seconds``, returning as soon as a local job's process exits.
-
-    submitit's ``LocalJob`` is done exactly when its controller process (``job._process``, a ``Popen``) has exited,
-    so waiting on that process sees the end at once instead of up to ``dispatch.poll_s`` later. A job without one
-    (re-attached from its record) falls back to a plain sleep."""
-    proc = getattr(job, "_process", None)
-    if proc is None:
-        time.sleep(seconds)
-        return
-    with contextlib.suppress(subprocess.TimeoutExpired):
-        proc.wait(timeout=seconds)
-
-
 def _wait(job, log_file: str | None, poll_s: float, what: str, slurm_poll_s: float,
           progress: Callable[[], str | None] | None, progress_path: str | None, progress_s: float) -> list:
     """Block until ``job`` ends; return the results of all its tasks. Raise StepFailed with state and log.
@@ -353,7 +328,7 @@ def _wait(job, log_file: str | None, poll_s: float, what: str, slurm_poll_s: flo
     minutes on long jobs), and each state change is logged with its reason and nodes
     (:class:`llmpipe.dispatch.slurm_watch.StateLog`; ``progress`` is asked on a requeue). A job PENDING for a reason Slurm
     never resolves is cancelled and raises :class:`StepFailed` at once. A local job's end is seen when its process
-    exits (:func:`_sleep_until_exit`), its state and failed ranks every ``poll_s`` seconds. The job's progress record
+    exits, its state and failed ranks every ``poll_s`` seconds. The job's progress record
     (``progress_path``, :mod:`llmpipe.dispatch.progress`) is printed on the console every ``progress_s`` seconds.
     """
     last_state = last_shown = None
@@ -392,10 +367,13 @@ def _wait(job, log_file: str | None, poll_s: float, what: str, slurm_poll_s: flo
             if state != last_shown:
                 say(f"{what}: job {job.job_id} is {state}", log_file)
                 last_shown = state
-        if slurm:
-            time.sleep(max(poll_s, 1.0))
+        # submitit's LocalJob is done when its controller process (a Popen; none when re-attached) has exited
+        proc = None if slurm else getattr(job, "_process", None)
+        if proc is None:
+            time.sleep(max(poll_s, 1.0) if slurm else poll_s)
         else:
-            _sleep_until_exit(job, poll_s)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(timeout=poll_s)
     told_nodes = bool(watch and watch.told_nodes)
     nodes = ""
     if slurm:
@@ -651,7 +629,8 @@ def _wait_array(jobs: list, step: str, config: dict, log_file: str | None,
                         if not node or node == "None assigned":
                             node = _slurm_where(jobs[i])[1]  # sacct's cache had not seen it run
                         if not node or node == "None assigned":  # Slurm forgot it already: submitit logged it
-                            node = _logged_host(jobs[i].paths.stdout) or _logged_host(jobs[i].paths.stderr)
+                            node = (job_failures.logged_host(jobs[i].paths.stdout)
+                                    or job_failures.logged_host(jobs[i].paths.stderr))
                         where = f"{f' on {node}' if node and node != 'None assigned' else ''}; log: " \
                                 f"{jobs[i].paths.stderr}"
                     try:

@@ -46,6 +46,24 @@ def die_with_parent(sig: int = signal.SIGKILL, parent: int | None = None) -> boo
     return True
 
 
+def sigint_cancels_children() -> bool:
+    """Make SIGINT end the processes this one starts from now on: where this process ignores SIGINT (a process
+    started in the background by a non-interactive shell, ``cmd &``), restore Python's handler in it.
+
+    Contract: submitit cancels a local job by sending SIGINT to the job's controller, which then ends its tasks. An
+    ignored signal stays ignored across ``exec``, so a controller started by a process that ignores SIGINT ignores
+    the cancel, and the job runs on after its step was stopped. A handled signal is reset to the default in the
+    child, where Python installs its own handler. Only the main thread may set a handler; elsewhere nothing
+    changes. Returns True when the handler was restored."""
+    import threading
+
+    if threading.current_thread() is not threading.main_thread() or signal.getsignal(signal.SIGINT) is not \
+            signal.SIG_IGN:
+        return False
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    return True
+
+
 class DieWithParent:
     """A picklable callable for submitit's local executor: arms :func:`die_with_parent` (SIGKILL), then returns
     ``fn(*args, **kwargs)``. ``checkpoint`` and other attributes are ``fn``'s, so submitit sees the same task."""
