@@ -69,6 +69,33 @@ class _Task:
         return "requeue"
 
 
+_TASK = """
+import sys
+sys.path.insert(0, {repo!r})
+from llmpipe.dispatch.orphans import DieWithParent
+DieWithParent(lambda: open({mark!r}, "w").write("ran"))()
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="prctl is Linux's")
+def test_a_task_whose_controller_ended_before_it_started_ends_at_once(tmp_path):
+    """The wrapped function never runs in a task whose controller (the job id in SUBMITIT_LOCAL_JOB_ID) is gone; it
+    runs when the job id is the task's parent, or a live process that is not (a controller started through a
+    shell)."""
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    other = subprocess.Popen(["sleep", "30"])
+    try:
+        for job_id, runs in ((gone.pid, False), (os.getpid(), True), (other.pid, True)):
+            mark = tmp_path / f"ran-{job_id}"
+            proc = subprocess.run([sys.executable, "-c", _TASK.format(repo=str(REPO), mark=str(mark))],
+                                  env={**os.environ, "SUBMITIT_LOCAL_JOB_ID": str(job_id)}, timeout=60)
+            assert mark.exists() == runs, (job_id, proc.returncode)
+            assert proc.returncode == (0 if runs else -signal.SIGKILL), (job_id, proc.returncode)
+    finally:
+        other.kill()
+
+
 def test_wrapper_keeps_the_function_and_its_attributes():
     import pickle
     w = DieWithParent(_Task())

@@ -5,7 +5,7 @@ step prints ("submitted job N"); the tasks are not in its process group, so ``ki
 (a training went on writing its identity folder while the rerun started a second one). :class:`DieWithParent` wraps
 the function a local job runs: the task asks the kernel for ``SIGKILL`` when its parent (the controller) ends, so
 the job's whole process tree ends with it (torch's data-loader workers exit when their parent is gone). A task
-whose parent is already gone when it starts ends at once. On other systems the wrapper only calls the function.
+whose controller is already gone when it starts ends at once. On other systems the wrapper only calls the function.
 
 Rule scripts run under Snakemake through a shell, so their parent is not Snakemake and outlives it:
 :func:`exit_when_snakemake_dies` watches the Snakemake ancestor instead and ends the script when it is gone, so no
@@ -64,6 +64,19 @@ def sigint_cancels_children() -> bool:
     return True
 
 
+def _controller() -> int | None:
+    """The parent this task must have: submitit's local controller, whose PID is the job id it gives its tasks
+    (``SUBMITIT_LOCAL_JOB_ID``), when that process is this one's parent or is gone (it ended while this task was
+    still starting, before the request was armed: :func:`die_with_parent` then ends the task). None (the current
+    parent) without the variable, or when the job id names a live process that is not the parent (a controller
+    started through a shell gives its tasks the shell's parent's PID)."""
+    job_id = os.environ.get("SUBMITIT_LOCAL_JOB_ID", "")
+    if not job_id.isdigit():
+        return None
+    pid = int(job_id)
+    return pid if pid == os.getppid() or process_start_time(pid) is None else None
+
+
 class DieWithParent:
     """A picklable callable for submitit's local executor: arms :func:`die_with_parent` (SIGKILL), then returns
     ``fn(*args, **kwargs)``. ``checkpoint`` and other attributes are ``fn``'s, so submitit sees the same task."""
@@ -72,7 +85,7 @@ class DieWithParent:
         self.fn = fn
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        die_with_parent(signal.SIGKILL)
+        die_with_parent(signal.SIGKILL, parent=_controller())
         return self.fn(*args, **kwargs)
 
     def __getattr__(self, name: str) -> Any:
