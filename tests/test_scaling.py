@@ -4,6 +4,7 @@ every count, the table's arithmetic, and a real 1-vs-2-node study of the tiny mo
 from __future__ import annotations
 
 import json
+import shutil
 
 import pandas as pd
 import pytest
@@ -12,7 +13,7 @@ import yaml
 from llmpipe.bench import scaling_study as scaling
 from llmpipe.steps.scaling import study_identity
 from llmpipe.steps.training import train_identity
-from tests.conftest import REPO, planned_jobs, project_config, snakemake
+from tests.conftest import REPO, copy_run, planned_jobs, project_config, snakemake
 
 
 def load_config() -> dict:
@@ -85,13 +86,13 @@ def test_multi_node_study_needs_slurm(workdir):
 @pytest.mark.slurm
 @pytest.mark.slow
 @pytest.mark.timeout(1200)
-def test_one_vs_two_nodes_of_the_tiny_model_on_slurm(slurm_cluster, tmp_path):
+def test_one_vs_two_nodes_of_the_tiny_model_on_slurm(slurm_cluster, tiny_run, tmp_path):
     """mpt-tiny (cut to 12 batches) on 1 and on 2 nodes of the test cluster: the mechanics and the table, not a
     speedup (the namespace nodes share this machine's cores)."""
     base = [str(REPO / "config/config.yaml")]
-    # the data once, locally; then the study on Slurm
-    snakemake(tmp_path, "--cores", "2", "--", "results/data/builtin-docs/bpe-builtin-docs/concat128/verified.json",
-              timeout=600)
+    # the data of the tiny run (same corpus, tokenizer and MDS shards), without its training; then the study on Slurm
+    wd = copy_run(tiny_run, tmp_path / "wd")
+    shutil.rmtree(wd / "results/mpt-tiny")
     site = tmp_path / "site.yaml"
     site.write_text(yaml.safe_dump({
         "dispatch": {"executor": "slurm", "poll_s": 0.5},
@@ -102,29 +103,29 @@ def test_one_vs_two_nodes_of_the_tiny_model_on_slurm(slurm_cluster, tmp_path):
     # has 2), their streaming dataloaders raced for the same shared-memory name once (FileExistsError '/000291_locals').
     args = ["--profile", str(REPO / "profiles/slurm"), "--jobs", "1", "--configfile", *base,
             str(REPO / "config/slurm-site.yaml"), str(site), "--"]
-    snakemake(tmp_path, *args, "scaling", timeout=1000)
-    runs = {n: json.loads((tmp_path / f"results/scaling/mpt-tiny/nodes{n}/train.json").read_text()) for n in (1, 2)}
+    snakemake(wd, *args, "scaling", timeout=1000)
+    runs = {n: json.loads((wd / f"results/scaling/mpt-tiny/nodes{n}/train.json").read_text()) for n in (1, 2)}
     assert [runs[n]["nodes"] for n in (1, 2)] == [1, 2] and [runs[n]["devices"] for n in (1, 2)] == [1, 2]
     assert all(r["steps"] == 12 and r["tokens"] == 12 * 16 * 128 for r in runs.values())
     # each count ran as one Slurm job on that many nodes
     for n in (1, 2):
-        log = (tmp_path / f"results/logs/scaling/mpt-tiny/nodes{n}.log").read_text()
+        log = (wd / f"results/logs/scaling/mpt-tiny/nodes{n}.log").read_text()
         assert f"(slurm, {n} node(s) x 1 task(s)" in log, log
-    df = pd.read_csv(tmp_path / "results/scaling/mpt-tiny/scaling.csv")
+    df = pd.read_csv(wd / "results/scaling/mpt-tiny/scaling.csv")
     assert list(df["nodes"]) == [1, 2] and list(df["devices"]) == [1, 2]
     assert list(df["tokens_per_s"]) == [runs[1]["tokens_per_s"], runs[2]["tokens_per_s"]]
     assert list(df["wall_clock_s"]) == [runs[1]["wall_clock_s"], runs[2]["wall_clock_s"]]
     assert df["speedup"].iloc[0] == 1.0
     assert df["speedup"].iloc[1] == pytest.approx(runs[1]["wall_clock_s"] / runs[2]["wall_clock_s"], abs=1e-3)
     assert df["scaling_efficiency"].iloc[1] == pytest.approx(df["speedup"].iloc[1] / 2, abs=1e-3)
-    md = (tmp_path / "results/scaling/mpt-tiny/scaling.md").read_text()
+    md = (wd / "results/scaling/mpt-tiny/scaling.md").read_text()
     assert md.count("\n| mpt-tiny |") == 2
-    assert (tmp_path / "results/scaling/mpt-tiny/speedup.png").stat().st_size > 10_000
+    assert (wd / "results/scaling/mpt-tiny/speedup.png").stat().st_size > 10_000
     # the main training of mpt-tiny was never touched
-    assert not (tmp_path / "results/mpt-tiny/train.json").exists()
+    assert not (wd / "results/mpt-tiny/train.json").exists()
     # the report takes the existing study (report.runs is empty: nothing else is trained)
-    snakemake(tmp_path, *args, "report", timeout=300)
-    assert (tmp_path / "results/report/speedup.png").stat().st_size > 10_000
+    snakemake(wd, *args, "report", timeout=300)
+    assert (wd / "results/report/speedup.png").stat().st_size > 10_000
 
 
 def test_dry_run_of_a_finetune_study(workdir):

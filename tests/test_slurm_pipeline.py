@@ -305,9 +305,10 @@ def time_limit_run(two_node_run, site, slurm_cluster, tmp_path_factory):
     test (it releases a requeued job once no node is completing a job) and the SIGKILL test (it reads the nodes'
     shared memory).
 
-    A 3-minute time limit and a 30 s batch-script set-up: one allocation trains at most 180 - 30 (set-up) - 10
-    (signal delay) - ~10 (start-up) = 130 s, less when the signal comes early (the controller's 30 s event loop) or
-    the start-up is slow: 140 s of training needs at least two allocations. The steps are paced
+    One node (the requeue and SIGKILL tests train on two), a 3-minute time limit and a 30 s batch-script set-up: one
+    allocation trains at most 180 - 30 (set-up) - 10 (signal delay) - ~10 (start-up) = 130 s, less when the signal
+    comes early (the controller's 30 s event loop) or the start-up is slow: 140 s of training needs at least two
+    allocations. The steps are paced
     (tests/helpers/sitecustomize.py) above the tiny model's step with a checkpoint save on a loaded 2-core machine,
     so that the training's seconds do not depend on the load."""
     wd = copy_run(two_node_run.wd, tmp_path_factory.mktemp("time-limits") / "wd")
@@ -318,7 +319,7 @@ def time_limit_run(two_node_run, site, slurm_cluster, tmp_path_factory):
     extra.write_text(yaml.safe_dump({
         "slurm": {"setup": ["export LLMPIPE_TEST_SETUP=from-setup", "sleep 30"], "setup_s": 30, "signal_delay_s": 10},
         "models": {"mpt-tiny": {"train": {"max_duration_batches": steps, "save_interval_batches": steps // 20},
-                                "resources": {"time_min": 3}}}}))
+                                "resources": {"time_min": 3, "nodes": 1}}}}))
     env = {"PYTHONPATH": os.pathsep.join([str(REPO / "tests" / "helpers"), str(REPO)]),
            "LLMPIPE_TEST_MIN_STEP_S": str(min_step_s)}
     t0 = time.time()
@@ -559,7 +560,8 @@ def test_training_over_several_time_limits_with_a_long_setup_finishes_by_itself(
     resumed = [int(a or b) for a, b in re.findall(r"resumes from the checkpoint at batch (\d+)|it resumes from "
                                                   r"batch (\d+)", log)]
     assert resumed and resumed == sorted(set(resumed)) and resumed[0] > 0, (resumed, log)   # >= 2 allocations
-    assert re.search(rf"-ba{resumed[-1]}$", train["resumed_from"]), (train, resumed)
+    # one rank: a full checkpoint (ep<E>-ba<N>-rank0.pt), not a sharded folder
+    assert re.search(rf"-ba{resumed[-1]}-rank0\.pt$", train["resumed_from"]), (train, resumed)
     # the pace reached the ranks: the last allocation's batches came at least min_step_s apart
     rows = [json.loads(line) for line in (wd / train["train_log"]).read_text().splitlines()]
     last = [r for r in rows if r["batch"] > resumed[-1] + 1]
