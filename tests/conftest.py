@@ -241,6 +241,12 @@ def no_symlink_env(workdir: Path) -> dict:
             "LLMPIPE_TEST_NO_SYMLINK": str(workdir)}
 
 
+#: A shorter tiny training for tests that kill and resume it: half the tiny run's batches, a checkpoint every 20.
+SHORT_TRAIN = "'train': {'max_duration_batches': 60, 'save_interval_batches': 20}"
+#: :data:`SHORT_TRAIN` as a ``--config`` value.
+SHORT_TINY = "models={'mpt-tiny': {" + SHORT_TRAIN + "}}"
+
+
 def copy_run(src: Path, dst: Path) -> Path:
     """Copy a finished working folder (results and Snakemake's metadata), keeping modification times."""
     shutil.copytree(src, dst, symlinks=True, copy_function=shutil.copy2)

@@ -21,11 +21,9 @@ from llmpipe.dispatch import lease
 from llmpipe.atomic import atomic_write_json
 from llmpipe.dispatch.orphans import DieWithParent, process_start_time
 from llmpipe.steps import THIS_RUN
-from tests.conftest import REPO, SNAKEMAKE, copy_run
+from tests.conftest import REPO, SHORT_TINY, SNAKEMAKE, copy_run
 
 TRAIN = "results/mpt-tiny/train.json"
-#: the trainings of these tests: half the tiny run's batches, a checkpoint every 20
-SHORT = "models={'mpt-tiny': {'train': {'max_duration_batches': 60, 'save_interval_batches': 20}}}"
 
 
 _PARENT = """
@@ -111,7 +109,7 @@ def test_kill_of_the_printed_pid_ends_the_training_and_the_rerun_trains_once(tin
     shutil.rmtree(wd / "results/mpt-tiny/checkpoints")
     (wd / TRAIN).unlink()
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    cmd = [*SNAKEMAKE, "-s", str(REPO / "Snakefile"), "-d", str(wd), "--cores", "2", TRAIN, "--config", SHORT]
+    cmd = [*SNAKEMAKE, "-s", str(REPO / "Snakefile"), "-d", str(wd), "--cores", "2", TRAIN, "--config", SHORT_TINY]
     proc = subprocess.Popen(cmd, cwd=wd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     first = f"{wd}/results/mpt-tiny/checkpoints/*/ep0-ba20*.complete"
     t0 = time.time()
@@ -177,7 +175,7 @@ def test_kill_of_snakemake_alone_ends_its_rule_script_and_the_history_keeps_the_
     log = wd / "results/logs/train/mpt-tiny.log"
     log.unlink()   # the copied run's log has its own submission line and no THIS_RUN marker before it
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    cmd = [*SNAKEMAKE, "-s", str(REPO / "Snakefile"), "-d", str(wd), "--cores", "2", TRAIN, "--config", SHORT]
+    cmd = [*SNAKEMAKE, "-s", str(REPO / "Snakefile"), "-d", str(wd), "--cores", "2", TRAIN, "--config", SHORT_TINY]
     proc = subprocess.Popen(cmd, cwd=wd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                             start_new_session=True)
 

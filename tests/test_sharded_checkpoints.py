@@ -19,16 +19,14 @@ import torch
 from llmpipe.train import checkpoints as ckpt
 from llmpipe.config.runs import run_settings
 from llmpipe.steps import THIS_RUN
-from tests.conftest import copy_run, no_symlink_env, project_config, snakemake
+from tests.conftest import SHORT_TINY, SHORT_TRAIN, copy_run, no_symlink_env, project_config, snakemake
 from tests.test_convert import LOAD_WITHOUT_FOUNDRY
 
 pytestmark = pytest.mark.slow
 
 TWO_RANKS = "models={'mpt-tiny': {'resources': {'tasks_per_node': 2, 'cpus_per_task': 1}}}"
-#: the FSDP run's training: half the tiny run's batches, a checkpoint every 20 (three jobs of 20 batches each)
-SHORT = "'train': {'max_duration_batches': 60, 'save_interval_batches': 20}"
-FSDP_TWO_RANKS = "models={'mpt-tiny': {'resources': {'tasks_per_node': 2, 'cpus_per_task': 1}, " + SHORT + "}}"
-FSDP_ONE_RANK = "models={'mpt-tiny': {" + SHORT + "}}"
+#: the FSDP run's training on 2 ranks (:data:`tests.conftest.SHORT_TRAIN`: three jobs of 20 batches each)
+FSDP_TWO_RANKS = "models={'mpt-tiny': {'resources': {'tasks_per_node': 2, 'cpus_per_task': 1}, " + SHORT_TRAIN + "}}"
 TRAIN = "results/mpt-tiny/train.json"
 
 
@@ -47,7 +45,7 @@ def run_killed_at(wd, marker_glob: str, *config: str):
 
 @pytest.fixture(scope="module")
 def fsdp_run(tiny_run, tmp_path_factory):
-    """The tiny model trained under FSDP with sharded checkpoints (:data:`SHORT`: 60 batches): 2 ranks killed after
+    """The tiny model trained under FSDP with sharded checkpoints (:data:`tests.conftest.SHORT_TRAIN`: 60 batches): 2 ranks killed after
     batch 20, 2 ranks killed after batch 40, then 1 rank to the end. Data and tokenizer come from the tiny run (same
     identity)."""
     wd = copy_run(tiny_run, tmp_path_factory.mktemp("fsdp") / "wd")
@@ -55,7 +53,7 @@ def fsdp_run(tiny_run, tmp_path_factory):
     (wd / TRAIN).unlink()
     run_killed_at(wd, "results/mpt-tiny/checkpoints/*/ep0-ba20.complete", FSDP_TWO_RANKS)
     run_killed_at(wd, "results/mpt-tiny/checkpoints/*/ep0-ba40.complete", FSDP_TWO_RANKS)
-    snakemake(wd, "--cores", "2", TRAIN, "--config", FSDP_ONE_RANK, env=no_symlink_env(wd))
+    snakemake(wd, "--cores", "2", TRAIN, "--config", SHORT_TINY, env=no_symlink_env(wd))
     return wd
 
 

@@ -112,13 +112,14 @@ def fresh_training(wd: Path) -> None:
     shutil.rmtree(wd / RUN_DIR / "checkpoints")  # the loss log lives there too
 
 
-def slurm_jobs_since(cluster, t0: float, name: str, wd: Path) -> list[dict[str, str]]:
-    """Every run (requeues included) of jobs called ``name`` that the working folder ``wd`` submitted (sacct's
-    WorkDir: the tests of this module run their jobs beside each other's) at or after ``t0``: JobID, State, Submit,
-    NodeList, WorkDir."""
+def slurm_jobs_since(cluster, t0: float, name: str | None, wd: Path) -> list[dict[str, str]]:
+    """Every run (requeues included) of jobs called ``name`` (None: of any name) that the working folder ``wd``
+    submitted (sacct's WorkDir: the tests of this module run their jobs beside each other's) at or after ``t0``:
+    JobID, State, Submit, NodeList, WorkDir."""
     since = time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(t0 - 1))
     keys = ["JobID", "State", "Submit", "NodeList", "WorkDir"]
-    out = cluster.run("sacct", "--noheader", "--parsable2", "--allocations", "--duplicates", "--name", name,
+    named = ["--name", name] if name else []
+    out = cluster.run("sacct", "--noheader", "--parsable2", "--allocations", "--duplicates", *named,
                       "--starttime", since, "--format", ",".join(keys))
     rows = [dict(zip(keys, line.split("|"))) for line in out.splitlines() if line.strip()]
     rows = [r for r in rows if os.path.realpath(r["WorkDir"]) == os.path.realpath(wd)]
@@ -308,9 +309,8 @@ def time_limit_run(two_node_run, site, slurm_cluster, tmp_path_factory):
     One node (the requeue and SIGKILL tests train on two), a 3-minute time limit and a 30 s batch-script set-up: one
     allocation trains at most 180 - 30 (set-up) - 10 (signal delay) - ~10 (start-up) = 130 s, less when the signal
     comes early (the controller's 30 s event loop) or the start-up is slow: 140 s of training needs at least two
-    allocations. The steps are paced
-    (tests/helpers/sitecustomize.py) above the tiny model's step with a checkpoint save on a loaded 2-core machine,
-    so that the training's seconds do not depend on the load."""
+    allocations. The steps are paced (tests/helpers/sitecustomize.py) above the tiny model's step with a checkpoint
+    save on a loaded 2-core machine, so that the training's seconds do not depend on the load."""
     wd = copy_run(two_node_run.wd, tmp_path_factory.mktemp("time-limits") / "wd")
     min_step_s = 0.6
     steps = int(140 / min_step_s)
@@ -511,6 +511,7 @@ def test_step_failing_at_run_time_reports_job_state_and_log(two_node_run, site, 
      r"minutes"),
 ], ids=["partition", "nodes", "gpus", "time-limit"])
 def test_preflight_fails_the_dry_run(slurm_cluster, site, tmp_path, change, expected):
+    t0 = time.time()
     # `--profile slurm` by name, set up as docs/slurm.md says (a link in the user's Snakemake config folder)
     (tmp_path / "xdg/snakemake").mkdir(parents=True)
     (tmp_path / "xdg/snakemake/slurm").symlink_to(REPO / "profiles/slurm")
@@ -524,10 +525,7 @@ def test_preflight_fails_the_dry_run(slurm_cluster, site, tmp_path, change, expe
     # the message alone, not wrapped as an input function's failure with a traceback
     assert "InputFunctionException" not in out and "Traceback" not in out, out[-4000:]
     # nothing was submitted from this folder (other tests' jobs run beside this one: time_limit_run)
-    submitted = slurm_cluster.run("sacct", "--noheader", "--parsable2", "--allocations", "--starttime", "now-1days",
-                                  "--format", "JobID,WorkDir")
-    assert not [line for line in submitted.splitlines()
-                if os.path.realpath(line.split("|")[-1]) == os.path.realpath(tmp_path)], submitted
+    assert slurm_jobs_since(slurm_cluster, t0, None, tmp_path) == []
 
 
 def test_fitting_request_passes_preflight_by_profile_name(slurm_cluster, site, tmp_path):
