@@ -46,7 +46,7 @@ def test_acceptance_tool_runs_kills_resumes_and_records(tmp_path, monkeypatch):
     data = _standin_foundry_files(tmp_path / "foundry")
     out = tmp_path / "record.json"
     argv = ["--run", "mpt-tiny", "--gpus", "0", "--batches", "20", "--save-every", "10", "--eval-every", "20",
-            "--global-batch", "16", "--task-data", str(data), "--results", str(tmp_path / "res"), "--out", str(out)]
+            "--global-batch", "8", "--task-data", str(data), "--results", str(tmp_path / "res"), "--out", str(out)]
     assert tool.main(argv) == 0
     rec = json.loads(out.read_text())
     ph = rec["phases"]

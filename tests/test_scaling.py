@@ -106,7 +106,9 @@ def test_one_vs_two_nodes_of_the_tiny_model_on_slurm(slurm_cluster, tiny_run, tm
     snakemake(wd, *args, "scaling", timeout=1000)
     runs = {n: json.loads((wd / f"results/scaling/mpt-tiny/nodes{n}/train.json").read_text()) for n in (1, 2)}
     assert [runs[n]["nodes"] for n in (1, 2)] == [1, 2] and [runs[n]["devices"] for n in (1, 2)] == [1, 2]
-    assert all(r["steps"] == 12 and r["tokens"] == 12 * 16 * 128 for r in runs.values())
+    tiny = project_config()["models"]["mpt-tiny"]
+    tokens = 12 * tiny["train"]["global_batch_size"] * tiny["data"]["concat_tokens"]   # the study's batches x global batch
+    assert all(r["steps"] == 12 and r["tokens"] == tokens for r in runs.values())
     # each count ran as one Slurm job on that many nodes
     for n in (1, 2):
         log = (wd / f"results/logs/scaling/mpt-tiny/nodes{n}.log").read_text()

@@ -1,5 +1,5 @@
-"""Checkpoints through the real pipeline: FSDP over 2 CPU processes (gloo) saves sharded checkpoints, a killed job
-resumes on 2 ranks and on 1, retention counts every job's saves, the sharded checkpoint converts without a training
+"""Checkpoints through the real pipeline: FSDP over 2 CPU processes (gloo) saves sharded checkpoints, a job killed on
+2 ranks resumes on 1, retention counts every job's saves, the sharded checkpoint converts without a training
 launch, a changed run killed mid-training never costs the finished one, and a damaged newest checkpoint is skipped.
 
 A kill is real: tests/helpers/sitecustomize.py SIGKILLs every training rank once a given checkpoint's .complete
@@ -25,7 +25,7 @@ from tests.test_convert import LOAD_WITHOUT_FOUNDRY
 pytestmark = pytest.mark.slow
 
 TWO_RANKS = "models={'mpt-tiny': {'resources': {'tasks_per_node': 2, 'cpus_per_task': 1}}}"
-#: the FSDP run's training on 2 ranks (:data:`tests.conftest.SHORT_TRAIN`: three jobs of 20 batches each)
+#: the FSDP run's training on 2 ranks (:data:`tests.conftest.SHORT_TRAIN`: 60 batches, a checkpoint every 20)
 FSDP_TWO_RANKS = "models={'mpt-tiny': {'resources': {'tasks_per_node': 2, 'cpus_per_task': 1}, " + SHORT_TRAIN + "}}"
 TRAIN = "results/mpt-tiny/train.json"
 
@@ -45,40 +45,44 @@ def run_killed_at(wd, marker_glob: str, *config: str):
 
 @pytest.fixture(scope="module")
 def fsdp_run(tiny_run, tmp_path_factory):
-    """The tiny model trained under FSDP with sharded checkpoints (:data:`tests.conftest.SHORT_TRAIN`: 60 batches): 2 ranks killed after
-    batch 20, 2 ranks killed after batch 40, then 1 rank to the end. Data and tokenizer come from the tiny run (same
-    identity)."""
+    """The tiny model trained under FSDP with sharded checkpoints (:data:`tests.conftest.SHORT_TRAIN`: 60 batches):
+    2 ranks killed after batch 20, then 1 rank to the end. Data and tokenizer come from the tiny run (same identity).
+    Returns the working folder and the shard files of the 2 ranks' checkpoint, listed before the second job's
+    retention removed it. (A resume on the same 2 ranks after a kill: tests/test_slurm_pipeline.py's SIGKILL test.)"""
     wd = copy_run(tiny_run, tmp_path_factory.mktemp("fsdp") / "wd")
     shutil.rmtree(wd / "results/mpt-tiny/checkpoints")
     (wd / TRAIN).unlink()
     run_killed_at(wd, "results/mpt-tiny/checkpoints/*/ep0-ba20.complete", FSDP_TWO_RANKS)
-    run_killed_at(wd, "results/mpt-tiny/checkpoints/*/ep0-ba40.complete", FSDP_TWO_RANKS)
+    two_rank_shards = sorted(p.name for p in wd.glob("results/mpt-tiny/checkpoints/*/ep0-ba20/*.distcp"))
     snakemake(wd, "--cores", "2", TRAIN, "--config", SHORT_TINY, env=no_symlink_env(wd))
-    return wd
+    return wd, two_rank_shards
 
 
-def test_fsdp_training_resumes_on_two_ranks_and_on_one_with_exact_steps(fsdp_run):
-    train = load(fsdp_run, TRAIN)
+def test_fsdp_training_killed_on_two_ranks_resumes_on_one_with_exact_steps(fsdp_run):
+    wd, two_rank_shards = fsdp_run
+    train = load(wd, TRAIN)
     assert train["steps"] == 60 and train["fsdp"] is True and train["devices"] == 1
     assert train["activation_checkpointing"] is False  # what composer ran with (fsdp: null: its defaults)
-    assert train["resumed_from"].endswith("ep0-ba40"), train["resumed_from"]
-    assert train["batches_this_job"] == 20
-    folder = fsdp_run / train["final_checkpoint"]
+    assert train["resumed_from"].endswith("ep0-ba20"), train["resumed_from"]
+    assert train["batches_this_job"] == 40
+    folder = wd / train["final_checkpoint"]
     assert ckpt.is_sharded(str(folder)) and (folder / ".metadata").exists()
     # the job on 2 ranks wrote one shard per rank (the checkpoint resumed from); the job on 1 rank one shard
-    assert sorted(p.name for p in (folder.parent / "ep0-ba40").glob("*.distcp")) == ["__0_0.distcp", "__1_0.distcp"]
+    assert two_rank_shards == ["__0_0.distcp", "__1_0.distcp"]
     assert sorted(p.name for p in folder.glob("*.distcp")) == ["__0_0.distcp"]
 
 
 def test_retention_counts_the_checkpoints_of_every_job(fsdp_run):
-    """checkpoints_to_keep is 2: after three jobs (20, 40, 60) only the two newest remain."""
-    folder = (fsdp_run / load(fsdp_run, TRAIN)["final_checkpoint"]).parent
+    """checkpoints_to_keep is 2: after two jobs (20; then 40, 60) only the two newest remain, the first job's gone."""
+    wd, _ = fsdp_run
+    folder = (wd / load(wd, TRAIN)["final_checkpoint"]).parent
     assert [b for b, _ in ckpt.complete_checkpoints(str(folder))] == [40, 60]
     assert not any(p.name.startswith("ep0-ba20") for p in folder.iterdir())
 
 
-def test_the_loss_log_holds_each_batch_once_after_two_kills(fsdp_run):
-    rows = [json.loads(line) for line in (fsdp_run / load(fsdp_run, TRAIN)["train_log"]).read_text().splitlines()]
+def test_the_loss_log_holds_each_batch_once_after_a_kill(fsdp_run):
+    wd, _ = fsdp_run
+    rows = [json.loads(line) for line in (wd / load(wd, TRAIN)["train_log"]).read_text().splitlines()]
     batches = [r["batch"] for r in rows]
     assert batches == [1] + list(range(5, 61, 5)), batches
 
@@ -92,10 +96,11 @@ def test_sharded_checkpoint_converts_with_fp32_logits_of_the_trained_model(fsdp_
     from llmpipe.hf.export import convert_checkpoint, mpt_config_dict
     from llmpipe.config.stage_settings import ConvertSettings
 
+    wd, _ = fsdp_run
     rc = run_settings(project_config(), "mpt-tiny")
-    final = str(fsdp_run / load(fsdp_run, TRAIN)["final_checkpoint"])
+    final = str(wd / load(wd, TRAIN)["final_checkpoint"])
     out = tmp_path / "hf"
-    manifest = convert_checkpoint(rc, final, str(fsdp_run / "results/tokenizers/bpe-builtin-docs"), str(out),
+    manifest = convert_checkpoint(rc, final, str(wd / "results/tokenizers/bpe-builtin-docs"), str(out),
                                   ConvertSettings(dtype="float32", max_shard_size="1MB"))
     assert manifest["source_checkpoint_sharded"] and len(manifest["safetensors_files"]) > 1  # 3.7 MB in 1 MB files
     assert (out / "model.safetensors.index.json").exists() and manifest["peak_rss_gib_export"] > 0

@@ -298,20 +298,22 @@ class Background:
 
 
 @pytest.fixture(scope="module")
-def time_limit_run(two_node_run, site, slurm_cluster, tmp_path_factory):
+def time_limit_run(tiny_run, site, slurm_cluster, tmp_path_factory):
     """The training of :func:`test_training_over_several_time_limits_with_a_long_setup_finishes_by_itself`, started in
-    the background by the module's first test: its allocations (about 5 minutes, mostly Slurm's clock) run beside
-    the module's next tests, which share only the cluster's nodes (each test finds its jobs by working folder). Its
-    test, later in the file, waits for it. The tests that need the nodes to themselves run after that: the requeue
-    test (it releases a requeued job once no node is completing a job) and the SIGKILL test (it reads the nodes'
-    shared memory).
+    the background by the module's first test before the module's shared run (:func:`two_node_run`): its allocations
+    (about 5 minutes, mostly Slurm's clock) run beside that run and the module's next tests, which share only the
+    cluster's nodes (each test finds its jobs by working folder; each training has its own shared-memory names,
+    ``llmpipe.train.shm_names``). It trains on the data and tokenizer of the session's local tiny run (the same
+    identities). Its test, later in the file, waits for it. The tests that need the nodes to themselves run after
+    that: the requeue test (it releases a requeued job once no node is completing a job) and the SIGKILL test (it
+    reads the nodes' shared memory).
 
     One node (the requeue and SIGKILL tests train on two), a 3-minute time limit and a 30 s batch-script set-up: one
     allocation trains at most 180 - 30 (set-up) - 10 (signal delay) - ~10 (start-up) = 130 s, less when the signal
     comes early (the controller's 30 s event loop) or the start-up is slow: 140 s of training needs at least two
     allocations. The steps are paced (tests/helpers/sitecustomize.py) above the tiny model's step with a checkpoint
     save on a loaded 2-core machine, so that the training's seconds do not depend on the load."""
-    wd = copy_run(two_node_run.wd, tmp_path_factory.mktemp("time-limits") / "wd")
+    wd = copy_run(tiny_run, tmp_path_factory.mktemp("time-limits") / "wd")
     min_step_s = 0.6
     steps = int(140 / min_step_s)
     fresh_training(wd)
@@ -333,8 +335,9 @@ def time_limit_run(two_node_run, site, slurm_cluster, tmp_path_factory):
 # ------------------------------------------------------------------------------------------------ 1. end to end
 
 @pytest.mark.timeout(900)
-def test_tiny_pipeline_on_two_nodes(two_node_run, time_limit_run, site, slurm_cluster):
-    # time_limit_run: asked for here, the module's first test, so that its training starts now (see the fixture)
+def test_tiny_pipeline_on_two_nodes(time_limit_run, two_node_run, site, slurm_cluster):
+    # time_limit_run: asked for here, the module's first test, and before two_node_run, so that its training starts
+    # first (see the fixture)
     wd = two_node_run.wd
     train = read_json(wd, TRAIN_JSON)
     assert train["steps"] == STEPS and train["devices"] == 2 and train["nodes"] == 2, train
@@ -503,7 +506,8 @@ def test_step_failing_at_run_time_reports_job_state_and_log(two_node_run, site, 
     ("models={'mpt-tiny': {'resources': {'nodes': 4}}}",
      r"models\.mpt-tiny\.resources\.nodes is 4, but Slurm partition 'debug' has only 2 node\(s\).*"
      r"Fix: lower models\.mpt-tiny\.resources\.nodes to at most 2"),
-    ("models={'mpt-tiny': {'resources': {'gpus_per_node': 8}}}",
+    # (a global batch that 2 nodes x 8 GPUs divide: the batch check comes before the partition's)
+    ("models={'mpt-tiny': {'resources': {'gpus_per_node': 8}, 'train': {'global_batch_size': 16}}}",
      r"models\.mpt-tiny\.resources\.gpus_per_node is 8, but the nodes of Slurm partition 'debug' have at most 4 "
      r"GPU\(s\) each"),
     ("models={'mpt-tiny': {'resources': {'time_min': 2000}}}",
