@@ -39,7 +39,7 @@ CASES = {
                                    "model_defaults.resources.gpus_per_node (8)."]),
     "global batch not divisible by CPU tasks": (
         {"models": {"mpt-tiny": {"resources": {"tasks_per_node": 3}}}}, "mpt-tiny",
-        ["models.mpt-tiny.train.global_batch_size (16) is not divisible by the number of tasks at 1 node(s) "
+        ["models.mpt-tiny.train.global_batch_size (8) is not divisible by the number of tasks at 1 node(s) "
          "(3 = 1 x 3 per node)", "Fix: make global_batch_size a multiple of 3"]),
     "microbatch does not divide the per-device batch": (
         {"models": {"mpt-125m": {"train": {"microbatch_size": 12}}}}, "mpt-125m",
