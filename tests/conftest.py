@@ -216,13 +216,20 @@ def _file_seconds() -> dict[str, float]:
     return json.loads(FILE_SECONDS.read_text()) if FILE_SECONDS.exists() else {}
 
 
+@functools.cache
+def _uses_tiny_run(test_file: str) -> bool:
+    return "tiny_run" in (REPO / test_file).read_text()
+
+
 def unit_order(nodeid: str) -> tuple[int, float]:
     """The sort key of a test under pytest-xdist: the Slurm unit first (:data:`SLURM_UNIT`, the longest: one worker
     starts with it), then the other files longest first by :data:`FILE_SECONDS`, a file missing there before every
     measured one (it may be long), so that the units left for the end are the short ones and both workers end close
-    together (longest-processing-time-first scheduling)."""
+    together (longest-processing-time-first scheduling). Inside the Slurm unit the files that use the session's
+    :func:`tiny_run` come last: the other worker builds it at its start, and it is ready by then instead of waited
+    for."""
     if xdist_unit(nodeid) == SLURM_UNIT:
-        return (0, 0.0)
+        return (0, 1.0 if _uses_tiny_run(nodeid.split("::", 1)[0]) else 0.0)
     seconds = _file_seconds().get(nodeid.split("::", 1)[0])
     return (1, float("-inf") if seconds is None else -seconds)
 

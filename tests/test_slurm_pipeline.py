@@ -304,9 +304,10 @@ def time_limit_run(tiny_run, site, slurm_cluster, tmp_path_factory):
     (about 5 minutes, mostly Slurm's clock) run beside that run and the module's next tests, which share only the
     cluster's nodes (each test finds its jobs by working folder; each training has its own shared-memory names,
     ``llmpipe.train.shm_names``). It trains on the data and tokenizer of the session's local tiny run (the same
-    identities). Its test, later in the file, waits for it. The tests that need the nodes to themselves run after
-    that: the requeue test (it releases a requeued job once no node is completing a job) and the SIGKILL test (it
-    reads the nodes' shared memory).
+    identities). Its test, later in the file, waits for it; the requeue test runs before that, beside it (it
+    releases its requeued job once no node is completing a job, this one's included). The SIGKILL test runs after it:
+    it reads the shared memory that its killed job leaves on the nodes, which another job's start on the same node
+    would clean up (``llmpipe.train.shm_names``).
 
     One node (the requeue and SIGKILL tests train on two), a 3-minute time limit and a 30 s batch-script set-up: one
     allocation trains at most 180 - 30 (set-up) - 10 (signal delay) - ~10 (start-up) = 130 s, less when the signal
@@ -540,40 +541,6 @@ def test_fitting_request_passes_preflight_by_profile_name(slurm_cluster, site, t
     assert planned_jobs(proc)["train"] == 1
 
 
-# ------------------------------------------------------------------------------------------------ 2b. time limits
-
-@pytest.mark.timeout(1800)
-def test_training_over_several_time_limits_with_a_long_setup_finishes_by_itself(time_limit_run, slurm_cluster):
-    """A 3-minute time limit, a 30 s batch-script set-up and a training that needs two allocations
-    (:func:`time_limit_run`): it finishes without a rerun by hand (Slurm's early time-limit signal, a requeue or the
-    step's own resubmission after TIMEOUT), and the rule log shows the batch each later allocation resumed from. No
-    allocation is left FAILED."""
-    run = time_limit_run
-    wd, steps = run.wd, run.steps
-    try:
-        run.proc.wait(timeout=max(1.0, run.t0 + 1700 - time.time()))
-    finally:
-        cancel_jobs_of(slurm_cluster, wd)
-    out = run.out.read_text()
-    assert run.proc.returncode == 0, out[-6000:]
-    train = read_json(wd, TRAIN_JSON)
-    assert train["steps"] == steps, train
-    log = rule_log(wd, "train")
-    resumed = [int(a or b) for a, b in re.findall(r"resumes from the checkpoint at batch (\d+)|it resumes from "
-                                                  r"batch (\d+)", log)]
-    assert resumed and resumed == sorted(set(resumed)) and resumed[0] > 0, (resumed, log)   # >= 2 allocations
-    # one rank: a full checkpoint (ep<E>-ba<N>-rank0.pt), not a sharded folder
-    assert re.search(rf"-ba{resumed[-1]}-rank0\.pt$", train["resumed_from"]), (train, resumed)
-    # the pace reached the ranks: the last allocation's batches came at least min_step_s apart
-    rows = [json.loads(line) for line in (wd / train["train_log"]).read_text().splitlines()]
-    last = [r for r in rows if r["batch"] > resumed[-1] + 1]
-    paces = [(b["elapsed_s"] - a["elapsed_s"]) / (b["batch"] - a["batch"]) for a, b in zip(last, last[1:])]
-    assert paces and min(paces) >= run.min_step_s * 0.95, rows[-5:]
-    rows = settled_jobs_since(slurm_cluster, run.t0, "train_mpt-tiny", wd, expect=len(resumed) + 1, timeout=60)
-    states = [r["State"].split()[0] for r in rows]
-    assert states[-1] == "COMPLETED" and "FAILED" not in states and len(states) == len(resumed) + 1, (rows, log)
-
-
 # ------------------------------------------------------------------------------------------------ 2. requeue twice
 
 @pytest.mark.timeout(600)
@@ -619,6 +586,40 @@ def test_requeued_twice_resumes_and_ends_at_the_step_count(two_node_run, site, s
                                                         (job_id, "COMPLETED")], rows
     assert slurm_cluster.job_fields(job_id)["Restarts"] == "2"
     assert submitted_ids(rule_log(wd, "train")) == [job_id]
+
+
+# ------------------------------------------------------------------------------------------------ 2b. time limits
+
+@pytest.mark.timeout(1800)
+def test_training_over_several_time_limits_with_a_long_setup_finishes_by_itself(time_limit_run, slurm_cluster):
+    """A 3-minute time limit, a 30 s batch-script set-up and a training that needs two allocations
+    (:func:`time_limit_run`): it finishes without a rerun by hand (Slurm's early time-limit signal, a requeue or the
+    step's own resubmission after TIMEOUT), and the rule log shows the batch each later allocation resumed from. No
+    allocation is left FAILED."""
+    run = time_limit_run
+    wd, steps = run.wd, run.steps
+    try:
+        run.proc.wait(timeout=max(1.0, run.t0 + 1700 - time.time()))
+    finally:
+        cancel_jobs_of(slurm_cluster, wd)
+    out = run.out.read_text()
+    assert run.proc.returncode == 0, out[-6000:]
+    train = read_json(wd, TRAIN_JSON)
+    assert train["steps"] == steps, train
+    log = rule_log(wd, "train")
+    resumed = [int(a or b) for a, b in re.findall(r"resumes from the checkpoint at batch (\d+)|it resumes from "
+                                                  r"batch (\d+)", log)]
+    assert resumed and resumed == sorted(set(resumed)) and resumed[0] > 0, (resumed, log)   # >= 2 allocations
+    # one rank: a full checkpoint (ep<E>-ba<N>-rank0.pt), not a sharded folder
+    assert re.search(rf"-ba{resumed[-1]}-rank0\.pt$", train["resumed_from"]), (train, resumed)
+    # the pace reached the ranks: the last allocation's batches came at least min_step_s apart
+    rows = [json.loads(line) for line in (wd / train["train_log"]).read_text().splitlines()]
+    last = [r for r in rows if r["batch"] > resumed[-1] + 1]
+    paces = [(b["elapsed_s"] - a["elapsed_s"]) / (b["batch"] - a["batch"]) for a, b in zip(last, last[1:])]
+    assert paces and min(paces) >= run.min_step_s * 0.95, rows[-5:]
+    rows = settled_jobs_since(slurm_cluster, run.t0, "train_mpt-tiny", wd, expect=len(resumed) + 1, timeout=60)
+    states = [r["State"].split()[0] for r in rows]
+    assert states[-1] == "COMPLETED" and "FAILED" not in states and len(states) == len(resumed) + 1, (rows, log)
 
 
 # ------------------------------------------------------------------------------------------------ 6. SIGKILLed job
