@@ -181,11 +181,17 @@ SLURM_UNIT = "slurm-cluster"
 
 
 @functools.cache
+def _test_file_text(test_file: str) -> str:
+    """The source of a test file (relative to the repository), read once per session for the scheduling below."""
+    return (REPO / test_file).read_text()
+
+
+@functools.cache
 def xdist_unit(nodeid: str) -> str:
     """The pytest-xdist unit of work of a test (its node id, relative to the repository): :data:`SLURM_UNIT` when its
     file uses the ``slurm_cluster`` fixture, else the file, so that the file's module fixtures are built once."""
     test_file = nodeid.split("::", 1)[0]
-    return SLURM_UNIT if "slurm_cluster" in (REPO / test_file).read_text() else test_file
+    return SLURM_UNIT if "slurm_cluster" in _test_file_text(test_file) else test_file
 
 
 @pytest.hookimpl(tryfirst=True, optionalhook=True)
@@ -216,11 +222,6 @@ def _file_seconds() -> dict[str, float]:
     return json.loads(FILE_SECONDS.read_text()) if FILE_SECONDS.exists() else {}
 
 
-@functools.cache
-def _uses_tiny_run(test_file: str) -> bool:
-    return "tiny_run" in (REPO / test_file).read_text()
-
-
 def unit_order(nodeid: str) -> tuple[int, float]:
     """The sort key of a test under pytest-xdist: the Slurm unit first (:data:`SLURM_UNIT`, the longest: one worker
     starts with it), then the other files longest first by :data:`FILE_SECONDS`, a file missing there before every
@@ -229,7 +230,7 @@ def unit_order(nodeid: str) -> tuple[int, float]:
     :func:`tiny_run` come last: the other worker builds it at its start, and it is ready by then instead of waited
     for."""
     if xdist_unit(nodeid) == SLURM_UNIT:
-        return (0, 1.0 if _uses_tiny_run(nodeid.split("::", 1)[0]) else 0.0)
+        return (0, 1.0 if "tiny_run" in _test_file_text(nodeid.split("::", 1)[0]) else 0.0)
     seconds = _file_seconds().get(nodeid.split("::", 1)[0])
     return (1, float("-inf") if seconds is None else -seconds)
 
