@@ -11,6 +11,7 @@ import subprocess
 import sys
 import threading
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import cloudpickle
@@ -54,7 +55,52 @@ def wait_for_state(cluster, name: str, want: str = "RUNNING", timeout: float = 6
     raise AssertionError(f"job {name!r} never reached {want}; squeue: {cluster.run('squeue')}")
 
 
-def test_two_nodes_one_task_each(slurm_cluster, tmp_path, monkeypatch):
+@dataclass
+class TimeoutRun:
+    """The step of :func:`test_job_that_ends_timeout_after_progress_is_submitted_again`, running in a thread."""
+    name: str
+    log: Path
+    t0: float
+    thread: threading.Thread
+    out: list = field(default_factory=list)    # run_step's result or exception, once it returned
+
+
+@pytest.fixture(scope="module")
+def timeout_run(slurm_cluster, tmp_path_factory):
+    """Started by the module's first test: a job that ends TIMEOUT waits for Slurm's 1-minute time limit (and its
+    time-limit check, up to 30 s late), so the step runs in a thread beside the module's next tests; its test, before
+    the test that asks for two whole nodes (``exclusive``), waits for it. It takes one CPU of one node; every other
+    test finds its own jobs by name."""
+    tmp_path = tmp_path_factory.mktemp("timeout")
+    name = step_name(tmp_path, "timeout")
+    folder = tmp_path / "ckpt"
+
+    def newest() -> int:
+        return max((int(p.name.split("-")[1]) for p in folder.glob("step-*")), default=0)
+
+    log = tmp_path / "rule.log"
+    run = TimeoutRun(name=name, log=log, t0=time.time(), thread=threading.Thread(target=lambda: None))
+
+    def step():
+        try:
+            # at most 30 steps (seconds) a job, half its 1-minute limit: the first ends TIMEOUT however late Slurm's
+            # check comes, the second counts the last 10 and finishes
+            run.out.append(run_step(jobs.deaf_counter, str(folder), 40, 30, step=name, config=config(tmp_path),
+                                    resources=resources(time_min=1), log_dir=str(tmp_path / "logs"),
+                                    key=job_key(name), log_file=str(log), resume_batch=newest))
+        except Exception as exc:  # noqa: BLE001 - reported by the test
+            run.out.append(exc)
+
+    run.thread = threading.Thread(target=step, name="timeout-step", daemon=True)
+    run.thread.start()
+    yield run
+    run.thread.join(300)
+    if run.thread.is_alive():
+        slurm_cluster.run("scancel", "--name", name.replace(" ", "_"), check=False)
+
+
+def test_two_nodes_one_task_each(timeout_run, slurm_cluster, tmp_path, monkeypatch):
+    # timeout_run: asked for here, the module's first Slurm test, so that its job starts first (see the fixture)
     monkeypatch.delenv("MASTER_PORT", raising=False)   # the job inherits this process's environment
     name = step_name(tmp_path, "probe")
     log = tmp_path / "rule.log"
@@ -268,35 +314,6 @@ def test_checkpointable_step_is_requeued_and_resumes(slurm_cluster, tmp_path):
 
 
 @pytest.mark.timeout(420)
-def test_job_that_ends_timeout_after_progress_is_submitted_again(slurm_cluster, tmp_path):
-    """The time-limit signal never reaches the step (it came during the set-up): the job ends TIMEOUT with newer
-    checkpoints than it started from, and the step submits it again instead of failing; it resumes and finishes."""
-    name = step_name(tmp_path, "timeout")
-    folder = tmp_path / "ckpt"
-
-    def newest() -> int:
-        return max((int(p.name.split("-")[1]) for p in folder.glob("step-*")), default=0)
-
-    log = tmp_path / "rule.log"
-    t0 = time.time()
-    # at most 30 steps (seconds) a job, half its 1-minute limit: the first ends TIMEOUT however late Slurm's check
-    # comes, the second counts the last 10 and finishes
-    res = run_step(jobs.deaf_counter, str(folder), 40, 30, step=name, config=config(tmp_path),
-                   resources=resources(time_min=1),
-                   log_dir=str(tmp_path / "logs"), key=job_key(name), log_file=str(log), resume_batch=newest)
-    # the second job's accounting row can lag its end by more than the default 20 s on a loaded 2-core machine
-    runs = slurm_cluster.jobs_named(name.replace(" ", "_"), expect=2, settle_s=90)
-    assert [r["State"] for r in runs] == ["TIMEOUT", "COMPLETED"], runs     # two jobs: Slurm requeued nothing
-    first, second = runs[0]["JobID"], runs[1]["JobID"]
-    assert res["job_id"] == second and res["steps"] == 40 and res["started_at"] == 30, res
-    text = log.read_text()
-    assert (f"job {first} ended TIMEOUT: the time-limit signal did not reach the training in time" in text and
-            f"Its newest checkpoint is at batch {res['started_at']} (progress since batch 0): submitting it again "
-            f"(resubmission 1; it resumes from batch {res['started_at']})" in text), text
-    assert f"submitted job {second} (slurm" in text and text.count("submitted job") == 2, text
-    assert time.time() - t0 < 400
-
-
 def test_resubmission_after_timeout_is_capped_by_allocations_without_progress():
     """resubmit_after_timeout: progress is free, ends without progress count against slurm.max_requeue_timeouts,
     and only TIMEOUT is resubmitted."""
@@ -383,6 +400,27 @@ def test_array_of_a_killed_driver_is_reattached_not_resubmitted(slurm_cluster, t
     assert sorted(r["JobID"] for r in runs) == [f"{array_id}_0", f"{array_id}_1"], runs  # nothing resubmitted
     assert not list((tmp_path / "state").glob("*.json"))
     assert not dispatch.finish_recorded_array(cfg, key, name, str(log))  # nothing left to wait for
+
+
+def test_job_that_ends_timeout_after_progress_is_submitted_again(timeout_run, slurm_cluster):
+    """The time-limit signal never reaches the step (it came during the set-up): the job ends TIMEOUT with newer
+    checkpoints than it started from, and the step submits it again instead of failing; it resumes and finishes
+    (:func:`timeout_run`)."""
+    run = timeout_run
+    run.thread.join(max(1.0, run.t0 + 300 - time.time()))
+    assert not run.thread.is_alive() and run.out, "run_step did not return within 300 s"
+    res = run.out[0]
+    assert not isinstance(res, Exception), f"run_step raised {type(res).__name__}: {res}"
+    # the second job's accounting row can lag its end by more than the default 20 s on a loaded 2-core machine
+    runs = slurm_cluster.jobs_named(run.name.replace(" ", "_"), expect=2, settle_s=90)
+    assert [r["State"] for r in runs] == ["TIMEOUT", "COMPLETED"], runs     # two jobs: Slurm requeued nothing
+    first, second = runs[0]["JobID"], runs[1]["JobID"]
+    assert res["job_id"] == second and res["steps"] == 40 and res["started_at"] == 30, res
+    text = run.log.read_text()
+    assert (f"job {first} ended TIMEOUT: the time-limit signal did not reach the training in time" in text and
+            f"Its newest checkpoint is at batch {res['started_at']} (progress since batch 0): submitting it again "
+            f"(resubmission 1; it resumes from batch {res['started_at']})" in text), text
+    assert f"submitted job {second} (slurm" in text and text.count("submitted job") == 2, text
 
 
 def test_site_settings_reach_the_slurm_job(slurm_cluster, tmp_path):
