@@ -134,24 +134,6 @@ def test_failed_step_leaves_nothing_complete_and_rerun_fixes_only_it(tiny_run, t
     assert (wd / "results/mpt-tiny/eval.json").exists()  # the finished evaluation stays until its rerun replaces it
 
 
-def test_resume_from_newest_complete_checkpoint_without_symlinks(tiny_run, tmp_path):
-    """Lose the final checkpoint and train.json: the rerun resumes from the newest complete one (not from a
-    half-written newer file) and ends at exactly the configured step count."""
-    wd = copy_run(tiny_run, tmp_path / "wd")
-    train0 = load(wd, "mpt-tiny/train.json")
-    final = str(wd / train0["final_checkpoint"])
-    ck = (wd / train0["final_checkpoint"]).parent  # the identity's folder under results/mpt-tiny/checkpoints
-    os.remove(final)
-    os.remove(final + ".complete")
-    (wd / "results/mpt-tiny/train.json").unlink()
-    (ck / "ep0-ba100-rank0.pt").write_bytes(b"half-written")  # no .complete marker: must be ignored
-    snakemake(wd, "--cores", "2", "results/mpt-tiny/train.json", env=no_symlink_env(wd))
-    train1 = load(wd, "mpt-tiny/train.json")
-    assert train1["resumed_from"].endswith("ep0-ba80-rank0.pt"), train1["resumed_from"]
-    assert train1["steps"] == train0["steps"] and train1["batches_this_job"] == train0["steps"] - 80
-    assert not (ck / "ep0-ba100-rank0.pt").exists()
-
-
 def test_lost_train_json_reuses_finished_training(tiny_run, tmp_path):
     """The job ended after the final checkpoint but train.json was lost: the rerun trains nothing again."""
     wd = copy_run(tiny_run, tmp_path / "wd")

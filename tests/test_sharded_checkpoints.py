@@ -134,16 +134,24 @@ def test_a_changed_run_killed_midway_keeps_the_finished_one(tiny_run, tmp_path):
     assert "training already complete" in log and "submitted job" not in log.split(THIS_RUN)[-1], log[-2000:]
 
 
-def test_a_damaged_newest_checkpoint_is_skipped(tiny_run, tmp_path):
+def test_resume_skips_a_damaged_newest_and_a_half_written_checkpoint_without_symlinks(tiny_run, tmp_path):
+    """Lose train.json; the final checkpoint (batch 120) is damaged but has its ``.complete`` marker, and a newer
+    half-written file (batch 100 again, no marker) lies beside it: the rerun moves the damaged one aside, ignores and
+    removes the half-written one, resumes from the newest complete loadable one (batch 80) and ends at exactly the
+    configured step count; with symlinks refused, as on shared drives that refuse them."""
     wd = copy_run(tiny_run, tmp_path / "wd")
     train0 = load(wd, TRAIN)
     final = wd / train0["final_checkpoint"]
+    ck = final.parent   # the identity's folder under results/mpt-tiny/checkpoints
     final.write_bytes(b"garbage, not a zip file")          # its .complete marker stays
+    (ck / "ep0-ba100-rank0.pt").write_bytes(b"half-written")  # no .complete marker: must be ignored
     (wd / TRAIN).unlink()
     snakemake(wd, "--cores", "2", TRAIN, env=no_symlink_env(wd))
     train1 = load(wd, TRAIN)
-    assert train1["resumed_from"].endswith("ep0-ba80-rank0.pt") and train1["steps"] == 120
+    assert train1["resumed_from"].endswith("ep0-ba80-rank0.pt"), train1["resumed_from"]
+    assert train1["steps"] == train0["steps"] == 120 and train1["batches_this_job"] == 40, train1
     assert (final.parent / "damaged" / final.name).exists()
+    assert not (ck / "ep0-ba100-rank0.pt").exists()
     job_logs = "".join(p.read_text() for p in (wd / "results/logs/train").rglob("*_0_log.out"))
     assert f"checkpoint {final}" in job_logs and "cannot be loaded" in job_logs
 

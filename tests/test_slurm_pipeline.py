@@ -70,6 +70,7 @@ class Run:
     wd: Path
     output: str
     seconds: float
+    t0: float       # when it started (time.time())
 
 
 # ------------------------------------------------------------------------------------------------ helpers
@@ -284,7 +285,7 @@ def two_node_run(slurm_cluster, site, tmp_path_factory) -> Run:
     out = proc.stdout + proc.stderr
     (wd / "snakemake-output.txt").write_text(out)
     assert proc.returncode == 0, f"the pipeline failed on Slurm:\n{out[-8000:]}\n{slurm_cluster.log_tail(10)}"
-    return Run(wd=wd, output=out, seconds=time.time() - t0)
+    return Run(wd=wd, output=out, seconds=time.time() - t0, t0=t0)
 
 
 @dataclass
@@ -353,7 +354,8 @@ def test_tiny_pipeline_on_two_nodes(time_limit_run, two_node_run, site, slurm_cl
         assert m, task_log(wd, job_id, rank)[-3000:]
         ranks[rank] = m.groups()
     assert ranks == {0: ("0", "2", "n1", "0", "n1"), 1: ("1", "2", "n2", "1", "n1")}, ranks
-    rows = [r for r in slurm_cluster.jobs_named("train_mpt-tiny") if r["JobID"] == job_id]
+    # this run's jobs only: the time-limit training (same job name) still runs beside it
+    rows = settled_jobs_since(slurm_cluster, two_node_run.t0, "train_mpt-tiny", wd, expect=1)
     assert [(r["State"], r["NodeList"]) for r in rows] == [("COMPLETED", "n[1-2]")], rows
 
     # every compute step went to Slurm (data prep as a job array), each through the dispatch module

@@ -14,7 +14,7 @@ import pytest
 from llmpipe.train import tracking
 from llmpipe.config.settings import ConfigError
 from llmpipe.train.throughput import warmup_batches
-from tests.conftest import copy_run, no_symlink_env, planned_jobs, snakemake
+from tests.conftest import SHORT_TINY, copy_run, no_symlink_env, planned_jobs, snakemake
 
 mlflow = pytest.importorskip("mlflow")
 
@@ -73,23 +73,23 @@ def test_one_tracked_run_per_identity_kept_in_its_checkpoint_folder(tmp_path, mo
 
 @pytest.mark.slow
 def test_tracked_training_killed_and_resumed_is_one_run_with_continuous_steps(tiny_run, tmp_path):
-    """MLflow file store, W&B offline and TensorBoard: the tiny training SIGKILLed after its batch-40 checkpoint, then
-    resumed, logs into one MLflow run whose steps run on from the resumed batch, and into TensorBoard event files read
+    """MLflow file store, W&B offline and TensorBoard: the short tiny training (:data:`tests.conftest.SHORT_TRAIN`, 60
+    batches) SIGKILLed after its batch-20 checkpoint, then resumed, logs into one MLflow run whose steps run on from the resumed batch, and into TensorBoard event files read
     back as one run with the same steps; the resumed job's train.json has steady-state figures consistent with its
     loss log, and its step log the live lines. Turning tracking on or off reruns nothing."""
     wd = copy_run(tiny_run, tmp_path / "wd")
     assert planned_jobs(snakemake(wd, "-n", "--config", MLFLOW_ON)) == {}   # finished runs: nothing reruns
     shutil.rmtree(wd / "results/mpt-tiny/checkpoints")
     (wd / TRAIN).unlink()
-    env = {**no_symlink_env(wd), "LLMPIPE_TEST_KILL_AT": str(wd / "results/mpt-tiny/checkpoints/*/ep0-ba40*.complete")}
-    proc = snakemake(wd, "--cores", "2", TRAIN, "--config", MLFLOW_ON, env=env, check=False)   # killed after ba40
+    env = {**no_symlink_env(wd), "LLMPIPE_TEST_KILL_AT": str(wd / "results/mpt-tiny/checkpoints/*/ep0-ba20*.complete")}
+    proc = snakemake(wd, "--cores", "2", TRAIN, "--config", MLFLOW_ON, SHORT_TINY, env=env, check=False)  # after ba20
     assert proc.returncode != 0, proc.stdout[-3000:]
     # resumed with a changed speed-only setting (same identity, same tracked run; a parameter value MLflow would refuse)
     snakemake(wd, "--cores", "2", TRAIN, "--config", MLFLOW_ON,
-              "models={'mpt-tiny': {'train': {'save_interval_batches': 20}}}", env=no_symlink_env(wd))
+              SHORT_TINY.replace("'save_interval_batches': 20", "'save_interval_batches': 10"), env=no_symlink_env(wd))
     train = json.loads((wd / TRAIN).read_text())
-    assert train["steps"] == 120 and train["resumed_from"].endswith("ep0-ba40-rank0.pt")
-    assert train["batches_this_job"] == 80
+    assert train["steps"] == 60 and train["resumed_from"].endswith("ep0-ba20-rank0.pt")
+    assert train["batches_this_job"] == 40
 
     folder = wd / train["train_log"].rsplit("/", 1)[0]
     state = json.loads((folder / "tracking.json").read_text())
@@ -106,9 +106,9 @@ def test_tracked_training_killed_and_resumed_is_one_run_with_continuous_steps(ti
     assert any(k.startswith("lr-") for k in keys), sorted(keys)
     assert run.data.params, "the training's settings are logged as parameters"
     steps = sorted({m.step for m in client.get_metric_history(run.info.run_id, "loss/train/total")})
-    assert steps == list(range(120)), steps            # composer logs at the batch count before the step: 0 .. 119
+    assert steps == list(range(60)), steps             # composer logs at the batch count before the step: 0 .. 59
     tps_steps = [m.step for m in client.get_metric_history(run.info.run_id, "llmpipe/tokens_per_s")]
-    assert min(tps_steps) == 1 and max(tps_steps) == 120 and 45 in tps_steps and 60 in tps_steps
+    assert min(tps_steps) == 1 and max(tps_steps) == 60 and 15 in tps_steps and 25 in tps_steps   # both jobs
 
     # TensorBoard: both jobs' event files in the identity's folder (composer: tensorboard/<run name>/, a new file
     # after every flush, named ...<host>.<pid>.<n>), read back together as one run with the same metric steps as
@@ -126,9 +126,9 @@ def test_tracked_training_killed_and_resumed_is_one_run_with_continuous_steps(ti
     assert any(k.startswith("lr-") for k in tags), sorted(tags)
     tb_steps = Counter(e.step for e in acc.Scalars("loss/train/total"))
     assert sorted(tb_steps) == steps
-    # a step shows twice only where the killed job trained past its last checkpoint (batch 40) and the resumed one
+    # a step shows twice only where the killed job trained past its last checkpoint (batch 20) and the resumed one
     # trained that batch again (composer's logger opens its writer without TensorBoard's purge_step)
-    assert all(s >= 40 for s, n in tb_steps.items() if n > 1), tb_steps
+    assert all(s >= 20 for s, n in tb_steps.items() if n > 1), tb_steps
     assert {e.step for e in acc.Scalars("llmpipe/tokens_per_s")} == set(tps_steps)
 
     # W&B offline: each job's run folder carries the identity's one run id (wandb sync merges them)
@@ -141,21 +141,25 @@ def test_tracked_training_killed_and_resumed_is_one_run_with_continuous_steps(ti
     assert w["warmup_batches"] == warmup_batches(train["batches_this_job"])
     assert w["batches"] + w["excluded_batches"] + w["warmup_batches"] == train["batches_this_job"]
     assert w["excluded_batches"] >= 1 and w["tokens"] == w["batches"] * per_batch
-    assert w["first_batch"] > 120 - train["batches_this_job"] + w["warmup_batches"] - 1
+    assert w["first_batch"] > 60 - train["batches_this_job"] + w["warmup_batches"] - 1
     assert train["steady_tokens_per_s"] == pytest.approx(w["tokens"] / w["seconds"], rel=1e-3)
     log = {r["batch"]: r for r in map(json.loads, (wd / train["train_log"]).read_text().splitlines())}
     assert all(r["tokens"] == b * per_batch for b, r in log.items())
-    start = max(b for b in log if b < w["first_batch"])
-    assert 0 < w["seconds"] <= log[w["last_batch"]]["elapsed_s"] - log[start]["elapsed_s"] + 0.01
+    # the window lies inside this job's time (elapsed_s counts from its fit start): from its last logged batch before
+    # the window, or from its start where it logged none (the rows up to the resumed batch are the killed job's)
+    resumed_at = int(re.search(r"-ba(\d+)-rank0\.pt$", train["resumed_from"]).group(1))
+    start = max((b for b in log if resumed_at < b < w["first_batch"]), default=None)
+    since = log[start]["elapsed_s"] if start is not None else 0.0
+    assert 0 < w["seconds"] <= log[w["last_batch"]]["elapsed_s"] - since + 0.01
     # the whole-run figure divides all of this job's tokens by the time from fit start to the end, which holds the
     # steady window's intervals; the two rates are not ordered (the window drops eval/save intervals that may cost
     # almost nothing in a tiny run), their times and tokens are
     fit_s = train["batches_this_job"] * per_batch / train["tokens_per_s"]
     assert fit_s >= w["seconds"] * (1 - 1e-3) and train["batches_this_job"] * per_batch > w["tokens"]
     out = "".join(p.read_text(errors="replace") for p in (wd / "results/logs/train").rglob("*.out"))
-    lines = re.findall(r"llmpipe: batch (\d+)/120  loss \S+  tokens/s \S+  MFU -  mem \S+ GiB  ETA \d+:\d\d:\d\d",
+    lines = re.findall(r"llmpipe: batch (\d+)/60  loss \S+  tokens/s \S+  MFU -  mem \S+ GiB  ETA \d+:\d\d:\d\d",
                        out)
-    assert {1, 60, 120} <= {int(b) for b in lines}, out[-3000:]
+    assert {1, 20, 60} <= {int(b) for b in lines}, out[-3000:]
 
     # switching tracking off again retrains nothing
-    assert planned_jobs(snakemake(wd, "-n", TRAIN)) == {}
+    assert planned_jobs(snakemake(wd, "-n", TRAIN, "--config", SHORT_TINY)) == {}
