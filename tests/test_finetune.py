@@ -290,6 +290,9 @@ def test_hub_finetune_data_and_config_on_standin_rows(tmp_path, run, iset, with_
 
     # llm-foundry's finetuning dataloader on the stand-in rows: one batch, prompt tokens masked out of the labels
     tok_dir = _tokenizer(tmp_path, [r["prompt"] + r["response"] for r in _standin_rows(12, False)])
+    # read in this process: the run's loader workers, forked from the test process for one batch and left to the
+    # garbage collector, cost seconds each on a loaded 2-core machine
+    rs = cfg.run_settings(cfg.deep_merge(config, {"finetunes": {run: {"train": {"num_workers": 0}}}}), run)
     spec = build_dataloader(rs, str(out_dir), "train", tok_dir, device_batch_size=2)
     batch = next(iter(spec.dataloader))
     seq = rc["data"]["max_seq_len"]
