@@ -130,7 +130,7 @@ def test_gate_blocks_training_below_threshold_and_passes_above(local_bench):
 def test_two_node_sweep_on_the_slurm_cluster(slurm_cluster, tmp_path):
     cfg = write_config(tmp_path / "bench.yaml", {
         "dispatch": {"executor": "slurm", "poll_s": 0.5},
-        "slurm": {"poll_s": 2, "partition": slurm_cluster.partition},
+        "slurm": {"poll_s": 1, "partition": slurm_cluster.partition},
         "allreduce": {"max_bytes": 4 * MB, "warmup": 2, "iters": 5, "nodes": [2],
                       "resources": {"gpus_per_node": 0, "tasks_per_node": 1, "cpus_per_task": 1, "time_min": 10}}})
     snakemake(tmp_path, "--profile", str(REPO / "profiles/slurm"), "--configfile", str(REPO / "config/config.yaml"),

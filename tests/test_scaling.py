@@ -96,7 +96,7 @@ def test_one_vs_two_nodes_of_the_tiny_model_on_slurm(slurm_cluster, tiny_run, tm
     site = tmp_path / "site.yaml"
     site.write_text(yaml.safe_dump({
         "dispatch": {"executor": "slurm", "poll_s": 0.5},
-        "slurm": {"poll_s": 2, "partition": slurm_cluster.partition},
+        "slurm": {"poll_s": 1, "partition": slurm_cluster.partition},
         "scaling": {"nodes": [1, 2], "max_duration_batches": 12, "runs": ["mpt-tiny"]},
         "report": {"runs": []}}))
     # --jobs 1: the two trainings run one after the other. Run at once on the same namespace node (the test cluster

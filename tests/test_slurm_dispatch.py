@@ -30,7 +30,7 @@ cloudpickle.register_pickle_by_value(jobs)  # the nodes run the functions withou
 
 def config(tmp_path: Path, **site) -> dict:
     return {"dispatch": {"executor": "slurm", "state_dir": str(tmp_path / "state"), "poll_s": 0.5},
-            "slurm": {"poll_s": 2, "signal_delay_s": 20, **site}}
+            "slurm": {"poll_s": 1, "signal_delay_s": 20, **site}}
 
 
 def resources(**over) -> dict:

@@ -254,7 +254,7 @@ def site(tmp_path_factory) -> Site:
     conf = {
         "dispatch": {"poll_s": 1},
         "slurm": {
-            "poll_s": 3,
+            "poll_s": 1,
             "env": SITE_ENV,
             "setup": ["export LLMPIPE_TEST_SETUP=from-setup"],
             "container": {"type": "apptainer", "image": str(image), "apptainer": str(fake),
