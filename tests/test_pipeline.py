@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import glob
 import json
 import math
 import re
@@ -155,7 +156,8 @@ def run_outputs(run) -> dict:
 
 
 def test_going_back_after_a_killed_changed_run_restores_every_step(tiny_run, tmp_path):
-    """A changed run (another seed) whose Snakemake is killed mid-training, after Snakemake deleted train.json; back
+    """A changed run (another seed) whose Snakemake is killed mid-training, after Snakemake deleted train.json and
+    after the changed run's first checkpoint (its retention ran beside the finished identity's folder); back
     at the shipped settings, eval.json alone plans nothing (the results after training are up to date) and the
     console names the command that restores train.json; asking for train.json and eval.json then submits no job and
     loads no model: train.json comes from the finished training's record, the export, generate.json and eval.json
@@ -171,8 +173,9 @@ def test_going_back_after_a_killed_changed_run_restores_every_step(tiny_run, tmp
            "--config", "models={'mpt-tiny': {'train': {'seed': 18}}}"]
     proc = subprocess.Popen(cmd, cwd=wd, env={**os.environ, **no_symlink_env(wd)}, stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL, start_new_session=True)
+    first = f"{run}/checkpoints/*/ep0-ba40-rank0.pt.complete"    # the changed identity's (the tiny run kept 80, 120)
     t0 = time.time()
-    while not (log.exists() and "submitted job" in log.read_text().partition(THIS_RUN)[2]) and time.time() - t0 < 300:
+    while not glob.glob(first) and time.time() - t0 < 300:
         assert proc.poll() is None
         time.sleep(0.2)
     below = _descendants(proc.pid)
@@ -184,6 +187,7 @@ def test_going_back_after_a_killed_changed_run_restores_every_step(tiny_run, tmp
         if process_start_time(p) is not None:
             os.kill(p, signal.SIGKILL)
     assert not (run / "train.json").exists()
+    assert len(list((run / "checkpoints").iterdir())) == 2   # the finished identity and the changed one
     snakemake(wd, "--unlock", TRAIN)
 
     dry = snakemake(wd, "-n", "results/mpt-tiny/eval.json")

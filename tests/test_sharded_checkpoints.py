@@ -119,21 +119,6 @@ def test_sharded_checkpoint_converts_with_fp32_logits_of_the_trained_model(fsdp_
     assert (torch.load(tmp_path / "logits.pt") - want).abs().max().item() <= 1e-4
 
 
-def test_a_changed_run_killed_midway_keeps_the_finished_one(tiny_run, tmp_path):
-    """Other settings train until their first checkpoint and die; going back to the shipped settings reuses the
-    finished training without a job."""
-    wd = copy_run(tiny_run, tmp_path / "wd")
-    train0 = load(wd, TRAIN)
-    run_killed_at(wd, "results/mpt-tiny/checkpoints/*/ep0-ba40-rank0.pt.complete",
-                  "models={'mpt-tiny': {'train': {'seed': 18}}}")
-    folders = sorted(p for p in (wd / "results/mpt-tiny/checkpoints").iterdir())
-    assert len(folders) == 2  # the finished identity and the changed one
-    snakemake(wd, "--cores", "2", TRAIN, env=no_symlink_env(wd))
-    assert load(wd, TRAIN) == train0
-    log = (wd / "results/logs/train/mpt-tiny.log").read_text()
-    assert "training already complete" in log and "submitted job" not in log.split(THIS_RUN)[-1], log[-2000:]
-
-
 def test_resume_skips_a_damaged_newest_and_a_half_written_checkpoint_without_symlinks(tiny_run, tmp_path):
     """Lose train.json; the final checkpoint (batch 120) is damaged but has its ``.complete`` marker, and a newer
     half-written file (batch 100 again, no marker) lies beside it: the rerun moves the damaged one aside, ignores and

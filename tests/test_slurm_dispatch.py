@@ -84,8 +84,8 @@ def timeout_run(slurm_cluster, tmp_path_factory):
     def step():
         try:
             # at most 30 steps (seconds) a job, half its 1-minute limit: the first ends TIMEOUT however late Slurm's
-            # check comes, the second counts the last 10 and finishes
-            run.out.append(run_step(jobs.deaf_counter, str(folder), 40, 30, step=name, config=config(tmp_path),
+            # check comes, the second counts the last 2 and finishes
+            run.out.append(run_step(jobs.deaf_counter, str(folder), 32, 30, step=name, config=config(tmp_path),
                                     resources=resources(time_min=1), log_dir=str(tmp_path / "logs"),
                                     key=job_key(name), log_file=str(log), resume_batch=newest))
         except Exception as exc:  # noqa: BLE001 - reported by the test
@@ -415,7 +415,7 @@ def test_job_that_ends_timeout_after_progress_is_submitted_again(timeout_run, sl
     runs = slurm_cluster.jobs_named(run.name.replace(" ", "_"), expect=2, settle_s=90)
     assert [r["State"] for r in runs] == ["TIMEOUT", "COMPLETED"], runs     # two jobs: Slurm requeued nothing
     first, second = runs[0]["JobID"], runs[1]["JobID"]
-    assert res["job_id"] == second and res["steps"] == 40 and res["started_at"] == 30, res
+    assert res["job_id"] == second and res["steps"] == 32 and res["started_at"] == 30, res
     text = run.log.read_text()
     assert (f"job {first} ended TIMEOUT: the time-limit signal did not reach the training in time" in text and
             f"Its newest checkpoint is at batch {res['started_at']} (progress since batch 0): submitting it again "
