@@ -20,6 +20,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -306,7 +307,8 @@ def time_limit_run(tiny_run, site, slurm_cluster, tmp_path_factory):
     cluster's nodes (each test finds its jobs by working folder; each training has its own shared-memory names,
     ``llmpipe.train.shm_names``). It trains on the data and tokenizer of the session's local tiny run (the same
     identities). Its test, later in the file, waits for it; the requeue test runs before that, beside it (it
-    releases its requeued job once no node is completing a job, this one's included). The SIGKILL test runs after it:
+    releases its requeued job once no node is completing a job, this one's included). A thread releases this
+    training's requeued job from Slurm's hold the same way (:func:`_release_requeue_holds`). The SIGKILL test runs after it:
     it reads the shared memory that its killed job leaves on the nodes, which another job's start on the same node
     would clean up (``llmpipe.train.shm_names``).
 
@@ -327,11 +329,27 @@ def time_limit_run(tiny_run, site, slurm_cluster, tmp_path_factory):
     env = {"PYTHONPATH": os.pathsep.join([str(REPO / "tests" / "helpers"), str(REPO)]),
            "LLMPIPE_TEST_MIN_STEP_S": str(min_step_s)}
     t0 = time.time()
+    stop = threading.Event()
     try:
         with background_snakemake(wd, TRAIN_JSON, *site.with_configfile(extra), env=env) as (proc, out):
+            releaser = threading.Thread(target=_release_requeue_holds, args=(slurm_cluster, wd, proc, stop),
+                                        name="time-limit-releaser", daemon=True)
+            releaser.start()
             yield Background(wd=wd, proc=proc, out=out, t0=t0, steps=steps, min_step_s=min_step_s)
     finally:
+        stop.set()
         cancel_jobs_of(slurm_cluster, wd)
+
+
+def _release_requeue_holds(cluster, wd: Path, proc: subprocess.Popen, stop: threading.Event) -> None:
+    """Release the training job of ``wd`` from Slurm's hold each time it is requeued (``release_requeued``: the
+    cluster's cred_expire, 30 s), as the requeue test does, until its Snakemake ends: the allocations and their time
+    limits are Slurm's own. Checks every 2 s."""
+    while proc.poll() is None and not stop.wait(2):
+        with contextlib.suppress(Exception):     # no job yet, or one Slurm no longer lists
+            ids = submitted_ids(rule_log(wd, "train"))
+            if ids and cluster.job_fields(ids[-1]).get("Reason") == "BeginTime":    # requeued and held
+                cluster.release_requeued(ids[-1], timeout=20)
 
 
 # ------------------------------------------------------------------------------------------------ 1. end to end
