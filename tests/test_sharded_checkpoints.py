@@ -120,8 +120,8 @@ def test_sharded_checkpoint_converts_with_fp32_logits_of_the_trained_model(fsdp_
 
 
 def test_resume_skips_a_damaged_newest_and_a_half_written_checkpoint_without_symlinks(tiny_run, tmp_path):
-    """Lose train.json; the final checkpoint (batch 120) is damaged but has its ``.complete`` marker, and a newer
-    half-written file (batch 100 again, no marker) lies beside it: the rerun moves the damaged one aside, ignores and
+    """Lose train.json; the final checkpoint (batch 120) is damaged but has its ``.complete`` marker, and a
+    half-written file at batch 100 (no marker) lies beside it: the rerun moves the damaged one aside, ignores and
     removes the half-written one, resumes from the newest complete loadable one (batch 80) and ends at exactly the
     configured step count; with symlinks refused, as on shared drives that refuse them."""
     wd = copy_run(tiny_run, tmp_path / "wd")
@@ -135,7 +135,7 @@ def test_resume_skips_a_damaged_newest_and_a_half_written_checkpoint_without_sym
     train1 = load(wd, TRAIN)
     assert train1["resumed_from"].endswith("ep0-ba80-rank0.pt"), train1["resumed_from"]
     assert train1["steps"] == train0["steps"] == 120 and train1["batches_this_job"] == 40, train1
-    assert (final.parent / "damaged" / final.name).exists()
+    assert (ck / "damaged" / final.name).exists()
     assert not (ck / "ep0-ba100-rank0.pt").exists()
     job_logs = "".join(p.read_text() for p in (wd / "results/logs/train").rglob("*_0_log.out"))
     assert f"checkpoint {final}" in job_logs and "cannot be loaded" in job_logs

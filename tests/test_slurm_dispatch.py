@@ -11,7 +11,7 @@ import subprocess
 import sys
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import cloudpickle
@@ -55,6 +55,22 @@ def wait_for_state(cluster, name: str, want: str = "RUNNING", timeout: float = 6
     raise AssertionError(f"job {name!r} never reached {want}; squeue: {cluster.run('squeue')}")
 
 
+def step_in_thread(*args, **kwargs) -> tuple[threading.Thread, list]:
+    """``run_step(*args, **kwargs)`` in a started daemon thread, as a waiting rule runs it; returns the thread and a
+    list that receives run_step's result, or the exception it raised, once it returns."""
+    out: list = []
+
+    def step():
+        try:
+            out.append(run_step(*args, **kwargs))
+        except Exception as exc:  # noqa: BLE001 - reported by the caller's assertion
+            out.append(exc)
+
+    thread = threading.Thread(target=step, daemon=True)
+    thread.start()
+    return thread, out
+
+
 @dataclass
 class TimeoutRun:
     """The step of :func:`test_job_that_ends_timeout_after_progress_is_submitted_again`, running in a thread."""
@@ -62,7 +78,7 @@ class TimeoutRun:
     log: Path
     t0: float
     thread: threading.Thread
-    out: list = field(default_factory=list)    # run_step's result or exception, once it returned
+    out: list    # run_step's result or exception, once it returned (:func:`step_in_thread`)
 
 
 @pytest.fixture(scope="module")
@@ -79,23 +95,15 @@ def timeout_run(slurm_cluster, tmp_path_factory):
         return max((int(p.name.split("-")[1]) for p in folder.glob("step-*")), default=0)
 
     log = tmp_path / "rule.log"
-    run = TimeoutRun(name=name, log=log, t0=time.time(), thread=threading.Thread(target=lambda: None))
-
-    def step():
-        try:
-            # at most 30 steps (seconds) a job, half its 1-minute limit: the first ends TIMEOUT however late Slurm's
-            # check comes, the second counts the last 2 and finishes
-            run.out.append(run_step(jobs.deaf_counter, str(folder), 32, 30, step=name, config=config(tmp_path),
-                                    resources=resources(time_min=1), log_dir=str(tmp_path / "logs"),
-                                    key=job_key(name), log_file=str(log), resume_batch=newest))
-        except Exception as exc:  # noqa: BLE001 - reported by the test
-            run.out.append(exc)
-
-    run.thread = threading.Thread(target=step, name="timeout-step", daemon=True)
-    run.thread.start()
-    yield run
-    run.thread.join(300)
-    if run.thread.is_alive():
+    t0 = time.time()
+    # at most 30 steps (seconds) a job, half its 1-minute limit: the first ends TIMEOUT however late Slurm's check
+    # comes, the second counts the last 2 and finishes
+    thread, out = step_in_thread(jobs.deaf_counter, str(folder), 32, 30, step=name, config=config(tmp_path),
+                                 resources=resources(time_min=1), log_dir=str(tmp_path / "logs"), key=job_key(name),
+                                 log_file=str(log), resume_batch=newest)
+    yield TimeoutRun(name=name, log=log, t0=t0, thread=thread, out=out)
+    thread.join(300)
+    if thread.is_alive():
         slurm_cluster.run("scancel", "--name", name.replace(" ", "_"), check=False)
 
 
@@ -271,23 +279,15 @@ def test_record_of_a_job_slurm_does_not_know_is_not_waited_for(slurm_cluster, tm
 def test_checkpointable_step_is_requeued_and_resumes(slurm_cluster, tmp_path):
     """Slurm's USR2 before the time limit: the step checkpoints, requeues itself and resumes; one job id throughout."""
     name = step_name(tmp_path, "requeue")
-    out: list = []
 
     def progress():  # what the step's own files say, as training reads its newest checkpoint
         logs = "".join(p.read_text() for p in (tmp_path / "logs").glob("*/*_0_log.out"))
         steps = re.findall(r"checkpoint at step (\d+)", logs)
         return f"resumes after step {steps[-1]}" if steps else None
 
-    def rule():
-        try:
-            out.append(run_step(jobs.Counter(), 12, step=name, config=config(tmp_path), resources=resources(),
-                                log_dir=str(tmp_path / "logs"), key=job_key(name),
-                                log_file=str(tmp_path / "rule.log"), progress=progress))
-        except Exception as exc:  # noqa: BLE001 - reported by the assertion below
-            out.append(exc)
-
-    t = threading.Thread(target=rule)
-    t.start()
+    t, out = step_in_thread(jobs.Counter(), 12, step=name, config=config(tmp_path), resources=resources(),
+                            log_dir=str(tmp_path / "logs"), key=job_key(name), log_file=str(tmp_path / "rule.log"),
+                            progress=progress)
     job_id = wait_for_state(slurm_cluster, name.replace(" ", "_"))
     time.sleep(4)
     slurm_cluster.run("scancel", "--signal=USR2", job_id)   # what --signal=USR2@N does before the time limit
