@@ -158,20 +158,27 @@ def training_task(ctx: StepContext, config: dict, run: str, settings: RunSetting
     return task
 
 
-def finished_training(ctx: StepContext, settings: RunSettings, label: str) -> dict | None:
+def finished_training(ctx: StepContext, settings: RunSettings, label: str, task=None) -> dict | None:
     """The recorded result when the training of ``ctx.output[0]``'s folder already finished under this identity
     (:func:`llmpipe.train.checkpoints.recorded_result`), else None.
 
     A finished training is never trained again: a forced rerun, a lost train.json, or the one re-plan after an
     upgrade changed the identity's text form returns its record without a job (no queue wait for its nodes), and
-    its ``identity.json`` is rewritten in the current form.
+    its ``identity.json`` is rewritten in the current form. With ``task`` (the training's
+    :class:`llmpipe.train.pretrain.TrainTask`), a complete final checkpoint whose job ended before writing its record
+    gets one rebuilt from the checkpoint and the loss log (:func:`llmpipe.train.checkpoints.recovered_result`), also
+    without a job.
     """
     checkpoints_dir = os.path.join(os.path.dirname(ctx.output[0]), "checkpoints")
-    result = ckpt.recorded_result(checkpoints_dir, ctx.params.identity, settings.train.max_duration_batches)
+    recover = task.recovery_fields() if task is not None else None
+    result = ckpt.recorded_result(checkpoints_dir, ctx.params.identity, settings.train.max_duration_batches,
+                                  recover, task.submit_dir if task is not None else None)
     if result is not None:
         ckpt.prepare_identity_folder(checkpoints_dir, ctx.params.identity)
-        ctx.log(f"{label}: training already complete at {result.get('final_checkpoint')}; reusing its result, "
-                f"no job submitted")
+        how = ("its record rebuilt from the final checkpoint and the loss log (the job that trained the last batches "
+               "ended before writing it; time, throughput and memory figures are null)" if result.get("recovered")
+               else "reusing its result")
+        ctx.log(f"{label}: training already complete at {result.get('final_checkpoint')}; {how}, no job submitted")
     return result
 
 
@@ -206,7 +213,7 @@ def _train_run(ctx: StepContext, label: str) -> dict:
     # one live trainer per identity folder (llmpipe.dispatch.lease): wait for one this step did not submit, never start a second
     with lease.Lease(folder, lambda line: dispatch.say(f"{label} {run}: {line}", ctx.log_file),
                      except_job=dispatch.recorded_job_id(ctx.config, ctx.key)) as held:
-        result = finished_training(ctx, settings, f"{label} {run}")
+        result = finished_training(ctx, settings, f"{label} {run}", task)
         if result is None:
             check_resumable(task, f"{label} {run}")
             result = ctx.dispatch(task, step=f"{label} {run}", on_job=held.hand_over,

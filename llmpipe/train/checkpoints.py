@@ -332,9 +332,73 @@ def write_result(folder: str, result: dict) -> None:
     atomic_write_json(os.path.join(folder, "result.json"), result)
 
 
-def finished_result(save_folder: str, newest: str | None, max_batches: int) -> dict | None:
-    """The train.json record saved in ``save_folder`` (``result.json``) when ``newest`` (the newest complete
-    checkpoint) is the final step (batch ``max_batches`` or later) and is the record's final checkpoint; else None.
+#: The train.json fields that only the job which trained the final batches measures: a record recovered from a final
+#: checkpoint (:func:`recovered_result`) holds them as null.
+JOB_MEASURED_FIELDS = ("wall_clock_s", "tokens_per_s", "tokens_per_s_per_device", "mfu", "peak_flops_per_device",
+                       "peak_memory_per_device_gib", "peak_host_rss_gib", "device", "steady_tokens_per_s",
+                       "steady_tokens_per_s_per_device", "steady_mfu", "steady_window", "resumed_from",
+                       "checkpoint_save_s", "activation_checkpointing")
+
+#: The ``recovered`` field of a record written by :func:`recovered_result` (docs/outputs.md).
+RECOVERED_NOTE = ("written from the final checkpoint and the loss log: the job that trained the last batches ended "
+                  "before writing its record, so the figures only that job measured are null")
+
+
+def recovered_result(save_folder: str, final: str, known: dict, relative_to: str | None = None) -> dict:
+    """The train.json record of a training whose final checkpoint ``final`` is complete but whose job ended before
+    writing ``result.json`` (the time limit came during the final save or the record's write; or an earlier version
+    saved a checkpoint at the final batch on Slurm's end-of-allocation signal and requeued the finished job).
+
+    Built without starting composer, from what the folder holds: ``steps`` is the checkpoint's batch; ``tokens`` and
+    ``final_train_loss`` come from the loss log's line of that batch (null when it has none), ``first_train_loss``
+    from its line of batch 1; ``checkpoint_size_bytes`` and ``fsdp`` (sharded or not) from the checkpoint. The fields
+    of :data:`JOB_MEASURED_FIELDS` are null, ``batches_this_job`` is 0 and ``recovered`` says why
+    (:data:`RECOVERED_NOTE`).
+
+    Args:
+        save_folder: the identity's checkpoint folder; ``final``: its complete final checkpoint.
+        known: fields the caller knows without the job (run, nodes, devices, global batch, ...); they win over the
+            nulls above, never over the fields read from the folder.
+        relative_to: write the paths relative to this folder when they lie inside it (as the job does).
+    """
+    log_path = os.path.join(save_folder, "train_log.jsonl")
+    batch = checkpoint_batch(final) or 0
+    rows = []
+    if os.path.exists(log_path):
+        with open(log_path) as fh:
+            rows = [json.loads(line) for line in fh if line.strip()]
+    at = {int(r.get("batch", -1)): r for r in rows}
+
+    def path(p: str | None) -> str | None:
+        if p and relative_to and os.path.abspath(p).startswith(os.path.abspath(relative_to).rstrip(os.sep) + os.sep):
+            return os.path.relpath(os.path.abspath(p), relative_to)
+        return p
+
+    rec = {**{k: None for k in JOB_MEASURED_FIELDS}, **known}
+    rec.update({
+        "steps": batch,
+        "tokens": at[batch].get("tokens") if batch in at else None,
+        "first_train_loss": at[1].get("loss") if 1 in at else None,
+        "final_train_loss": at[batch].get("loss") if batch in at else None,
+        "batches_this_job": 0,
+        "final_checkpoint": path(final),
+        "checkpoint_size_bytes": checkpoint_bytes(final),
+        "train_log": path(log_path) if rows else None,
+        "fsdp": is_sharded(final),
+        "recovered": RECOVERED_NOTE,
+    })
+    return rec
+
+
+def finished_result(save_folder: str, newest: str | None, max_batches: int, recover: dict | None = None,
+                    relative_to: str | None = None) -> dict | None:
+    """The train.json record of the training in ``save_folder`` when ``newest`` (the newest complete checkpoint) is
+    the final step (batch ``max_batches`` or later) and reads; else None.
+
+    The record is ``result.json`` when it names ``newest`` as its final checkpoint. Without such a record, and with
+    ``recover`` given (the fields known without the job, :func:`recovered_result`), the record is rebuilt from the
+    checkpoint and the loss log and written as ``result.json``: a final checkpoint is a finished training, never
+    one to resume (composer refuses to train past its duration).
 
     A training whose record this returns is finished: a rerun (forced, or after its train.json was lost or its
     identity text changed form) returns the record instead of training again."""
@@ -343,25 +407,32 @@ def finished_result(save_folder: str, newest: str | None, max_batches: int) -> d
     if checkpoint_problem(newest, deep=False) is not None:
         return None  # a damaged final checkpoint: the training job moves it aside and resumes from an older one
     rec = read_json(os.path.join(save_folder, "result.json"))
-    if rec is None or os.path.basename((rec.get("final_checkpoint") or "").rstrip(os.sep)) != os.path.basename(newest):
+    if rec is not None and os.path.basename((rec.get("final_checkpoint") or "").rstrip(os.sep)) == os.path.basename(newest):
+        return rec
+    if recover is None:
         return None
+    rec = recovered_result(save_folder, newest, recover, relative_to)
+    log.info("%s has no record of its final checkpoint %s: recovered one", save_folder, newest)
+    write_result(save_folder, rec)
     return rec
 
 
-def recorded_result(checkpoints_dir: str, identity: str, max_batches: int) -> dict | None:
+def recorded_result(checkpoints_dir: str, identity: str, max_batches: int, recover: dict | None = None,
+                    relative_to: str | None = None) -> dict | None:
     """The train.json record of a finished training of ``identity`` under ``checkpoints_dir``, or None.
 
     Finished: the identity's folder (:func:`identity_folder`; a folder of the earlier flat
     layout is adopted first) holds the same identity and :func:`finished_result` returns the record for its newest
     complete checkpoint. Light enough for the submitting machine, so a rerun of a finished training, or going back
-    to earlier settings, needs no job (:mod:`llmpipe.steps.training`).
+    to earlier settings, needs no job (:mod:`llmpipe.steps.training`). ``recover`` and ``relative_to``: as for
+    :func:`finished_result` (a final checkpoint without its record gets one, still without a job).
     """
     if os.path.isdir(checkpoints_dir):
         adopt_flat_layout(checkpoints_dir)
     folder = identity_folder(checkpoints_dir, identity)
     if not holds_identity(folder, identity):
         return None
-    return finished_result(folder, newest_checkpoint(folder), max_batches)
+    return finished_result(folder, newest_checkpoint(folder), max_batches, recover, relative_to)
 
 
 # ------------------------------------------------------------------------------------------- weights only
@@ -466,4 +537,5 @@ __all__ = ["identity_key", "identity_folder", "adopt_flat_layout", "prepare_iden
            "checkpoint_batch", "is_sharded", "complete_checkpoints", "newest_checkpoint", "checkpoint_bytes",
            "mark_complete", "checkpoint_problem", "move_aside", "loadable_checkpoint", "resume_mismatch",
            "prune_checkpoints", "prune_earlier_identities", "model_weight_names", "load_model_weights", "load_objects",
-           "cut_loss_log", "write_result", "finished_result", "recorded_result", "MARKER"]
+           "cut_loss_log", "write_result", "recovered_result", "finished_result", "recorded_result", "MARKER",
+           "JOB_MEASURED_FIELDS", "RECOVERED_NOTE"]

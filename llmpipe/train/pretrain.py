@@ -275,6 +275,7 @@ def _build_monitor_class():
             self.batches_this_job = 0
             self.log_path = None
             self.save_seconds: list[float] = []  # wall time of each save composer made in this job (not the last)
+            self.final_batch: int | None = None  # the training's duration in batches (None: not given in batches)
             self._saved = 0
             self._t_batch_end = None
             self.timer_args = {"flops_per_token": flops_per_token, "peak_flops": peak_flops, "world_size": world_size}
@@ -296,6 +297,7 @@ def _build_monitor_class():
             self.t_fit_start = time.time()
             self.start_batch = int(state.timestamp.batch)
             self.start_tokens = int(state.timestamp.token)
+            self.final_batch = final_batch(state)
             self.timer = throughput.start(state, **self.timer_args)
             if torch.cuda.is_available():
                 torch.cuda.reset_peak_memory_stats()
@@ -306,6 +308,7 @@ def _build_monitor_class():
 
         def _install_signal_handler(self) -> None:
             """Defer submitit's USR2 handler to the next batch boundary (after a checkpoint is saved)."""
+            _PENDING_SIGNAL.clear()   # a signal is of the allocation it came in, never of an earlier fit's
             try:
                 previous = signal.getsignal(signal.SIGUSR2)
             except ValueError:
@@ -346,7 +349,7 @@ def _build_monitor_class():
                 if self.first_loss is None:
                     self.first_loss = loss_v
                 self.last_loss = loss_v
-            if batch % self.log_interval == 0 or batch == 1:
+            if batch % self.log_interval == 0 or batch == 1 or batch == self.final_batch:
                 rec = {"batch": batch, "loss": loss_v, "tokens": int(state.timestamp.token),
                        "elapsed_s": round(time.time() - self.t_fit_start, 3)}
                 self.records.append(rec)
@@ -359,6 +362,11 @@ def _build_monitor_class():
         def _maybe_checkpoint_and_requeue(self, state: State, logger: Logger) -> None:
             import torch
             from composer.utils import dist
+            if self.final_batch is not None and int(state.timestamp.batch) >= self.final_batch:
+                # every rank is at the same batch, so all of them take this branch: the training ends here, its
+                # final save and result follow; a requeued job would find a finished training to resume
+                self._finish_despite_signal(state)
+                return
             # ranks agree on the flag every `signal_check_interval` batches (default: every batch; the loss read
             # above already syncs with the device, and a 70B batch can outlast Slurm's USR2 warning)
             if dist.get_world_size() > 1 and int(state.timestamp.batch) % self.signal_check_interval:
@@ -383,6 +391,17 @@ def _build_monitor_class():
             from llmpipe.dispatch.requeue import wait_to_be_requeued
             wait_to_be_requeued(rank=dist.get_global_rank())
 
+        def _finish_despite_signal(self, state: State) -> None:
+            """Drop a pending end-of-allocation signal once the final batch has trained: the job saves the final
+            checkpoint and returns its result instead of requeueing (a signal during the final save comes here
+            from :meth:`fit_end`)."""
+            if not _PENDING_SIGNAL:
+                return
+            signum = _PENDING_SIGNAL[-1][0]
+            _PENDING_SIGNAL.clear()
+            print(f"llmpipe: signal {signum} came after the final batch {int(state.timestamp.batch)} had trained: "
+                  f"saving the final checkpoint and the result instead of requeueing", flush=True)
+
         def batch_checkpoint(self, state: State, logger: Logger) -> None:
             from composer.utils import dist
             if dist.get_global_rank() != 0:
@@ -405,10 +424,20 @@ def _build_monitor_class():
             self.timer.exclude()
 
         def fit_end(self, state: State, logger: Logger) -> None:
+            self._finish_despite_signal(state)
             logger.log_metrics({f"llmpipe/{k}": v for k, v in self.timer.steady().items() if isinstance(v, float)})
             self.batch_checkpoint(state, logger)
 
     return RunMonitor
+
+
+def final_batch(state) -> int | None:
+    """The batch at which composer's ``state`` ends training: ``max_duration`` when given in batches (``"400ba"``,
+    as :func:`foundry_train_config` writes it), else None."""
+    duration = getattr(state, "max_duration", None)
+    if duration is None or getattr(duration.unit, "name", str(duration.unit)).upper() != "BATCH":
+        return None
+    return int(duration.value)
 
 
 def register() -> None:
@@ -477,6 +506,17 @@ class TrainTask:
         """Add task-specific fields to the train.json record (a subclass hook)."""
         return result
 
+    def recovery_fields(self) -> dict:
+        """The train.json fields known without training (run, nodes, devices, global batch, sequence length, FLOPs
+        per token and :meth:`finish_result`'s), for a final checkpoint whose job ended before writing its record
+        (:func:`llmpipe.train.checkpoints.recovered_result`). Imports no torch (the submitting machine calls it)."""
+        from llmpipe.model import mfu as mfu_mod
+        s = self.settings
+        return self.finish_result({
+            "run": self.run, "nodes": int(self.resources.get("nodes", 1)), "devices": world_size(self.resources),
+            "global_batch_size": s.train.global_batch_size, "concat_tokens": s.data.concat_tokens,
+            "flops_per_token": mfu_mod.flops_per_token(s.arch.as_dict(), s.data.concat_tokens)})
+
     def plan_resume(self, save_folder: str) -> dict:
         """Rank 0's start-up, before any other rank reads the folder: prepare this identity's checkpoint folder,
         pick the newest loadable checkpoint (damaged ones moved aside) and cut the loss log back to it.
@@ -489,7 +529,10 @@ class TrainTask:
         except (OSError, RuntimeError) as exc:
             return {"error": str(exc)}
         max_batches = self.settings.train.max_duration_batches
-        done = ckpt.finished_result(save_folder, resume, max_batches)
+        try:  # a final checkpoint without its record gets one here: composer refuses to train past the duration
+            done = ckpt.finished_result(save_folder, resume, max_batches, self.recovery_fields(), self.submit_dir)
+        except OSError as exc:
+            return {"error": str(exc)}
         if done is None:
             ckpt.cut_loss_log(os.path.join(save_folder, "train_log.jsonl"),
                               ckpt.checkpoint_batch(resume) if resume else 0)
@@ -520,8 +563,10 @@ class TrainTask:
         resume, done = plan["resume"], plan["done"]
         if done is not None:
             # training already reached its last step (the job ended after the final checkpoint but before Snakemake
-            # recorded train.json): nothing to redo.
-            print(f"llmpipe: rank {rank}: training already complete at {resume}; reusing its result", flush=True)
+            # recorded train.json): nothing to redo, composer is not started.
+            how = ("its record recovered from the checkpoint and the loss log" if done.get("recovered")
+                   else "reusing its result")
+            print(f"llmpipe: rank {rank}: training already complete at {resume}; {how}", flush=True)
             return done if rank == 0 else None
         res = self.resources
         ws = int(dist_env["world_size"])
