@@ -14,7 +14,7 @@ import llmpipe
 # install of another checkout would win otherwise), and a process that imports another copy stops, naming both.
 llmpipe.use_only_this_copy(workflow.basedir)
 
-from snakemake.exceptions import ResourceValidationError
+from snakemake.exceptions import ResourceValidationError, WorkflowError, print_exception
 from snakemake.utils import validate
 
 from llmpipe.bench import allreduce_bw as allreduce_mod
@@ -55,7 +55,17 @@ CHECKS.check_settings()
 CHECKS.print_notes()
 
 
+# Before its first job starts, a real run makes the dry run's checks (Slurm preflight, plans) of every job it will run,
+# in the dry run's order (DagChecks.check_jobs): Snakemake evaluates a job's resources only when the job is ready. A
+# refusal is printed as the dry run prints it, naming the rule (raised through this block, Snakemake would name this
+# file instead); on exit Snakemake releases its lock, and no job was started or flagged incomplete.
 onstart:
+    levels = workflow.dag.toposorted(set(workflow.dag.needrun_jobs()))
+    try:
+        CHECKS.check_jobs(job for level in levels for job in level)
+    except WorkflowError as exc:
+        print_exception(exc.with_traceback(None), workflow.linemaps)
+        sys.exit(1)
     CHECKS.refuse_local_multi_node(workflow.dag.needrun_jobs())
 
 

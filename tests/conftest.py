@@ -105,6 +105,16 @@ def planned_jobs(proc) -> dict[str, int]:
     return jobs
 
 
+def error_block(proc, header: str) -> str:
+    """The error Snakemake printed last, from the first line that matches the regex ``header`` to the end of the
+    stream that holds it (a dry run logs to stdout, a real run to stderr); "" when no line matches."""
+    for text in (proc.stdout, proc.stderr):
+        m = re.search(rf"^(?:{header}).*", text, re.M | re.S)
+        if m:
+            return m.group(0).strip()
+    return ""
+
+
 @pytest.fixture
 def workdir(tmp_path: Path) -> Path:
     """An empty working folder for the workflow (results/, .snakemake/ go there)."""
@@ -259,3 +269,30 @@ def copy_run(src: Path, dst: Path) -> Path:
     """Copy a finished working folder (results and Snakemake's metadata), keeping modification times."""
     shutil.copytree(src, dst, symlinks=True, copy_function=shutil.copy2)
     return dst
+
+
+#: The design card's literal command (tests/test_literal_command.py), run in a fresh clone's root.
+LITERAL = ["--profile", "slurm", "results/mpt-1b/eval.json"]
+
+
+@pytest.fixture(scope="module")
+def clone(tmp_path_factory) -> Path:
+    """A fresh ``git clone`` of this checkout's committed state, once per test module (skipped without git)."""
+    if shutil.which("git") is None or not (REPO / ".git").exists():
+        pytest.skip("needs git and a git checkout of the repository")
+    dest = tmp_path_factory.mktemp("clone") / "llmpipe"
+    subprocess.run(["git", "clone", "-q", str(REPO), str(dest)], check=True, timeout=120)
+    return dest
+
+
+def run_literal(clone: Path, tmp_path: Path, *extra: str, dry_run: bool = True, env: dict | None = None,
+                timeout: float = 300) -> subprocess.CompletedProcess:
+    """``snakemake [-n] --profile slurm results/mpt-1b/eval.json [extra]`` (:data:`LITERAL`) in the clone's root, as a
+    user would: an empty Snakemake configuration folder (``XDG_CONFIG_HOME``), no ``SNAKEMAKE_PROFILE``; ``env`` on
+    top of this process's environment."""
+    xdg = tmp_path / "xdg"
+    xdg.mkdir(exist_ok=True)
+    full_env = {**os.environ, "XDG_CONFIG_HOME": str(xdg), "PYTHONPATH": str(clone), **(env or {})}
+    full_env.pop("SNAKEMAKE_PROFILE", None)
+    return subprocess.run([*SNAKEMAKE, *(["-n"] if dry_run else []), *LITERAL, *extra], cwd=clone,
+                          capture_output=True, text=True, timeout=timeout, env=full_env)

@@ -7,37 +7,9 @@ committed, or a profile whose ``configfiles:`` path does not resolve through the
 """
 from __future__ import annotations
 
-import os
 import re
-import shutil
-import subprocess
-import sys
-from pathlib import Path
 
-import pytest
-
-from tests.conftest import REPO, planned_jobs
-
-LITERAL = ["--profile", "slurm", "results/mpt-1b/eval.json"]
-
-
-@pytest.fixture(scope="module")
-def clone(tmp_path_factory) -> Path:
-    if shutil.which("git") is None or not (REPO / ".git").exists():
-        pytest.skip("needs git and a git checkout of the repository")
-    dest = tmp_path_factory.mktemp("clone") / "llmpipe"
-    subprocess.run(["git", "clone", "-q", str(REPO), str(dest)], check=True, timeout=120)
-    return dest
-
-
-def run_literal(clone: Path, tmp_path: Path, *extra: str) -> subprocess.CompletedProcess:
-    """``snakemake -n --profile slurm results/mpt-1b/eval.json [extra]`` in the clone's root, as a user would."""
-    xdg = tmp_path / "xdg"
-    xdg.mkdir(exist_ok=True)
-    env = {**os.environ, "XDG_CONFIG_HOME": str(xdg), "PYTHONPATH": str(clone)}
-    env.pop("SNAKEMAKE_PROFILE", None)
-    return subprocess.run([sys.executable, "-m", "snakemake", "-n", *LITERAL, *extra], cwd=clone,
-                          capture_output=True, text=True, timeout=300, env=env)
+from tests.conftest import planned_jobs, run_literal
 
 
 def test_literal_command_finds_the_profile_in_a_fresh_clone(clone, tmp_path):

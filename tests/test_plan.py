@@ -14,7 +14,7 @@ import pytest
 from llmpipe.plan import memory_time as plan
 from llmpipe.config.runs import inference_plan, run_config, run_settings, step_resources
 from llmpipe.config.settings import ConfigError
-from tests.conftest import REPO, project_config, snakemake
+from tests.conftest import REPO, error_block, project_config, snakemake
 
 GIB = 2**30
 
@@ -220,6 +220,29 @@ def test_dry_run_refuses_training_that_cannot_fit(workdir):
                      r"activation_checkpointing .*models\.mpt-70b\.train\.microbatch_size .*"
                      r"models\.mpt-70b\.resources\.nodes", out), out[-3000:]
     assert "rule train:" not in proc.stdout  # nothing planned to run
+
+
+def test_a_real_run_refuses_a_plan_that_cannot_fit_before_any_job_starts(workdir):
+    """Without -n, an evaluation whose plan cannot fit stops the run before the data steps, training, export and
+    generation before it start (Snakemake evaluates a job's resources only when the job is ready; rules/common.smk's
+    onstart makes every job's checks first: DagChecks.check_jobs), with the dry run's message: no result, no job
+    log, nothing flagged incomplete, Snakemake's lock released, each plan printed once."""
+    args = ("results/mpt-tiny/eval.json", "--config", "gpu_type=h100", "gpu_memory_gb={h100: 0.001}",
+            "models={'mpt-tiny': {'step_resources': {'eval': {'gpus_per_node': 1}}}}")
+    dry = snakemake(workdir, "-n", *args, check=False)
+    real = snakemake(workdir, "--cores", "2", *args, check=False)
+    dry_out, real_out = dry.stdout + dry.stderr, real.stdout + real.stderr
+    assert dry.returncode != 0 and real.returncode != 0, real_out[-3000:]
+    assert re.search(r"^rule generate:", dry_out, re.M), dry_out[-3000:]  # the dry run lists the steps before it
+    refusal = error_block(dry, "InputFunctionException in rule eval in file")
+    assert "ConfigError: models.mpt-tiny: the eval step of mpt-tiny needs about" in refusal, dry_out[-3000:]
+    assert error_block(real, "InputFunctionException in rule eval in file") == refusal, real_out[-3000:]
+    assert not re.search(r"^(local)?rule \w+:", real_out, re.M), real_out[-3000:]  # no job started
+    for plan_line in ("plan convert mpt-tiny:", "plan eval mpt-tiny:"):
+        assert dry_out.count(plan_line) == 1 and real_out.count(plan_line) == 1, (plan_line, real_out[-3000:])
+    assert not [p for p in (workdir / "results").rglob("*") if p.is_file()]
+    assert not list((workdir / ".snakemake" / "incomplete").iterdir())
+    assert not list((workdir / ".snakemake" / "locks").iterdir())
 
 
 def test_dry_run_plans_70b_inference_on_one_node_of_8_gpus(workdir):

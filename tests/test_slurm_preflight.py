@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -17,6 +18,8 @@ import pytest
 
 from llmpipe.dispatch import slurm
 from llmpipe.config.settings import ConfigError
+from llmpipe.evaluation import suites as eval_tasks
+from tests.conftest import error_block, project_config, run_literal
 
 pytestmark = [pytest.mark.slurm, pytest.mark.timeout(120)]
 
@@ -102,6 +105,54 @@ def test_what_preflight_rejects_really_would_wait_forever(slurm_cluster):
         assert re.fullmatch(r"PENDING Partition(TimeLimit|Config)", reason), reason  # never eligible
     finally:
         slurm_cluster.run("scancel", job_id)
+
+
+# ---------------------------------------------------------------------------------------------- the real run
+
+
+def closed_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on (bound, then closed): a connection to it is refused."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def slurm_jobs(cluster) -> set[str]:
+    """Every job the cluster has queued or run today (squeue and sacct, all users)."""
+    queued = cluster.run("squeue", "--noheader", "--all", "--format", "%i").split()
+    accounted = cluster.run("sacct", "--noheader", "--allusers", "--allocations", "--starttime", "now-1days",
+                            "--format", "JobID").split()
+    return set(queued) | set(accounted)
+
+
+def test_a_refused_real_run_starts_nothing(slurm_cluster, clone, tmp_path):
+    """The literal command without -n, on a cluster whose nodes have 4 GPUs (mpt-1b's training asks for 8 per node),
+    stops before any job starts (rules/common.smk's onstart makes the dry run's checks of every job first:
+    DagChecks.check_jobs), with the dry run's message: no Slurm job queued, no local job started, no file under
+    results/, nothing flagged incomplete. Every download points at a local stand-in (the hub at a closed port of
+    127.0.0.1, eval.task_data a local folder), so a regression shows as a started job, never as traffic."""
+    _, suite = eval_tasks.run_suite(project_config(), "mpt-1b")
+    mirror = tmp_path / "llm-foundry-scripts"
+    for f in eval_tasks.foundry_files(suite["icl_tasks"]):  # items enough for every task's shots (the dry run counts)
+        (mirror / f).parent.mkdir(parents=True, exist_ok=True)
+        (mirror / f).write_text('{"stand_in": true}\n' * 40)
+    extra = ("--config", f"eval={{task_data: {{source: local, local_dir: '{mirror}'}}}}")
+    env = {"HF_ENDPOINT": f"http://127.0.0.1:{closed_port()}", "HF_HOME": str(tmp_path / "hf-home")}
+    before = slurm_jobs(slurm_cluster)
+    dry = run_literal(clone, tmp_path, *extra, env=env)
+    real = run_literal(clone, tmp_path, *extra, dry_run=False, env=env)
+    dry_out, real_out = dry.stdout + dry.stderr, real.stdout + real.stderr
+    assert dry.returncode != 0 and real.returncode != 0, real_out[-3000:]
+    assert re.search(r"^rule corpus:", dry_out, re.M), dry_out[-3000:]  # the dry run lists the data steps first
+    refusal = error_block(dry, "WorkflowError in rule train in file")
+    assert re.search(r"ConfigError: models\.mpt-1b\.resources\.gpus_per_node is 8, but the nodes of Slurm partition "
+                     r"'debug' have at most 4 GPU", refusal), dry_out[-3000:]
+    assert error_block(real, "WorkflowError in rule train in file") == refusal, real_out[-3000:]
+    assert not re.search(r"^(local)?rule \w+:", real_out, re.M), real_out[-3000:]  # no job started
+    assert slurm_jobs(slurm_cluster) == before
+    assert not [p for p in (clone / "results").rglob("*") if p.is_file()]
+    assert not list((clone / ".snakemake" / "incomplete").iterdir())
+    assert not list((clone / ".snakemake" / "locks").iterdir())
 
 
 # ---------------------------------------------------------------------------------------------- the slurm profile

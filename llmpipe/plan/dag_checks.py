@@ -9,7 +9,9 @@
   (:data:`llmpipe.steps.registry.RULES`), checked against the Slurm cluster (:func:`llmpipe.dispatch.slurm.preflight`, on the
   Slurm profile) and, for a GPU step, its memory plan and time projection printed and checked against the GPU
   (:mod:`llmpipe.plan.memory_time`), each once per request or run: the object remembers what it has checked;
-* :meth:`DagChecks.refuse_local_multi_node` from ``onstart`` (real executions only).
+* :meth:`DagChecks.check_jobs` and :meth:`DagChecks.refuse_local_multi_node` from ``onstart`` (real executions only):
+  a real run evaluates a job's resources only when the job is about to run, so without them a request the cluster
+  cannot run, or a plan that cannot fit, would stop the run after the steps before it had run or been queued.
 
 A request the cluster can never run raises :class:`PreflightRefused` (``rules/common.smk`` shows it as Snakemake's
 resource error, the message alone); a plan that cannot fit raises :class:`~llmpipe.config.settings.ConfigError`.
@@ -172,6 +174,28 @@ class DagChecks:
         except ConfigError as exc:
             raise PreflightRefused(str(exc)) from None
         self.preflighted.add(key)
+
+    def check_jobs(self, jobs: Iterable[Any]) -> None:
+        """Make every check of :meth:`resources` for ``jobs`` before the first of them starts, as the dry run does.
+
+        A dry run evaluates the resources of every job it lists; a real run evaluates a job's resources only when
+        the job is ready (Snakemake's scheduler), so the preflight and the plans of a training would stop the run
+        after its data steps had downloaded and queued. Called from ``onstart`` with the jobs that will run, this
+        evaluates each job's ``resources`` (Snakemake's, which calls the rule's resource functions, i.e.
+        :meth:`resources`, wrapped as in the dry run): the error is the dry run's, and the run stops with nothing
+        started. Each check is still made once (:attr:`preflighted`, :attr:`planned`): the scheduler's later
+        evaluations print nothing again.
+
+        Args:
+            jobs: the jobs that will run, in the order the dry run lists them (Snakemake's, topologically sorted);
+                each with ``resources`` (evaluated on first access).
+
+        Raises:
+            Exception: the first job's resource error, as Snakemake raises it (``WorkflowError`` around a
+                :class:`PreflightRefused`, ``InputFunctionException`` around a plan's ConfigError).
+        """
+        for job in jobs:
+            _ = job.resources  # evaluated for its checks
 
     def refuse_local_multi_node(self, jobs: Iterable[Any]) -> None:
         """Without the Slurm profile, stop before any job runs when a training or finetune that has to run asks for
