@@ -9,9 +9,28 @@ import, naming both.
 from __future__ import annotations
 
 import os
+import warnings
 
 #: The environment variable rules/common.smk sets to the running workflow's ``llmpipe`` folder.
 PACKAGE_DIR_VARIABLE = "LLMPIPE_PACKAGE_DIR"
+
+#: Upstream notices that no user of this workflow can act on, ignored in every process that imports llmpipe (rule
+#: scripts, jobs), each by its category, message and module: (category, message regex, module regex).
+#: - google.api_core's notice that it will drop Python 3.11 in 2027 (the pinned stack runs on 3.11; installation.md);
+#: - llm-foundry's advice to its own developers, once per attention call of MPT's reference (``torch``) attention
+#:   with a padding mask (the exported model's copy of it included: ``transformers_modules.<folder>.attention``).
+QUIET_NOTICES: tuple[tuple[type[Warning], str, str], ...] = (
+    (FutureWarning, r"You are using a Python version", r"google\.api_core\._python_version_support$"),
+    (UserWarning, r"Propagating key_padding_mask to the attention module",
+     r"(llmfoundry\.models\.layers|transformers_modules\..+)\.attention$"),
+)
+
+
+def quiet_upstream_notices() -> None:
+    """Ignore the warnings of :data:`QUIET_NOTICES` (and only those: other warnings of the same categories and
+    modules still show). Idempotent."""
+    for category, message, module in QUIET_NOTICES:
+        warnings.filterwarnings("ignore", message=message, category=category, module=module)
 
 
 def check_one_copy(expected: str | None = None) -> None:
@@ -56,3 +75,4 @@ def use_only_this_copy(workflow_dir: str) -> None:
 
 
 check_one_copy()
+quiet_upstream_notices()

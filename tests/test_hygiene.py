@@ -32,3 +32,28 @@ def test_snakefmt_check():
 def test_ruff_check():
     proc = subprocess.run([sys.executable, "-m", "ruff", "check", "."], cwd=REPO, capture_output=True, text=True)
     assert proc.returncode == 0, f"ruff check (rules in pyproject.toml):\n{proc.stdout[-4000:]}"
+
+
+def test_every_direct_dependency_is_imported_by_the_project():
+    """Each of pyproject.toml's ``dependencies`` provides a module that the project's code imports (llmpipe/,
+    scripts/, tools/, the rules and the Snakefile); one that nothing imports belongs in the lock files only, where a
+    locked package requires it."""
+    import tomllib
+    from importlib.metadata import packages_distributions
+
+    deps = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["dependencies"]
+    modules: dict[str, set[str]] = {}
+    for module, dists in packages_distributions().items():
+        for dist in dists:
+            modules.setdefault(re.sub(r"[-_.]+", "-", dist).lower(), set()).add(module)
+    sources = [p for d in ("llmpipe", "scripts", "tools", "rules") for p in (REPO / d).rglob("*") if p.is_file()
+               and p.suffix in (".py", ".smk")] + [REPO / "Snakefile"]
+    imported = set()
+    for p in sources:
+        imported |= set(re.findall(r"^\s*(?:from|import)\s+([A-Za-z_]\w*)", p.read_text(), re.M))
+    unused = []
+    for dep in deps:
+        name = re.sub(r"[-_.]+", "-", re.match(r"[A-Za-z0-9_.-]+", dep).group(0)).lower()
+        if not modules.get(name, set()) & imported:
+            unused.append(name)
+    assert not unused, f"direct dependencies that no code imports: {unused} (pyproject.toml)"

@@ -10,6 +10,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from tests.conftest import REPO, snakemake
 
 TARGET = "results/data/builtin-docs/raw/manifest.json"  # one rule script and one job, a few seconds
@@ -61,3 +63,28 @@ def test_a_run_whose_rule_script_imports_another_copy_stops_at_once(tmp_path):
     assert proc.returncode != 0, out[-3000:]
     assert f"two copies of llmpipe in one run: this process imported {other / 'llmpipe'}" in out, out[-3000:]
     assert not (wd / TARGET).exists() and not list((wd / "results/logs").rglob("*.submitit"))
+
+
+@pytest.mark.parametrize("category, message, module", [
+    (FutureWarning, "You are using a Python version (3.11.7) which Google will stop supporting in new releases of "
+                    "google.api_core once it reaches its end of life (2027-10-24).",
+     "google.api_core._python_version_support"),
+    (UserWarning, "Propagating key_padding_mask to the attention module and applying it within the attention module "
+                  "can cause unnecessary computation/memory usage.", "llmfoundry.models.layers.attention"),
+    (UserWarning, "Propagating key_padding_mask to the attention module and applying it within the attention module "
+                  "can cause unnecessary computation/memory usage.", "transformers_modules.mpt-tiny-hf.attention"),
+])
+def test_upstream_notices_are_quiet_and_nothing_else(category, message, module):
+    """The two upstream notices are ignored by message and module; the same message from another module, and another
+    warning of the same category from the same module, still show."""
+    import warnings
+
+    import llmpipe
+
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        llmpipe.quiet_upstream_notices()
+        warnings.warn_explicit(message, category, "x.py", 1, module=module)
+        warnings.warn_explicit(message, category, "x.py", 2, module="mypackage.attention")
+        warnings.warn_explicit("something else", category, "x.py", 3, module=module)
+    assert [(w.category, w.lineno) for w in seen] == [(category, 2), (category, 3)], [str(w.message) for w in seen]

@@ -543,6 +543,13 @@ def test_convert_and_generate_times_count_start_checkpoint_io_and_tokens():
     params = mpt_param_count(rc["arch"])["total"]
     t = plan.convert_time(rc, ov)
     assert t["seconds"] == pytest.approx(ov["convert_start_s"] + params * ov["convert_s_per_param"])
+    assert f"+ {params / 1e9:.3g}B parameters {params * ov['convert_s_per_param']:.0f} s (" in t["basis"], t["basis"]
+    # the tiny model (well under a billion parameters, under a second of work): its count and no "0.00B ... 0 s"
+    tiny_rc = run_config(project_config(), "mpt-tiny")
+    tiny = mpt_param_count(tiny_rc["arch"])["total"]
+    basis = plan.convert_time(tiny_rc, ov)["basis"]
+    assert f"+ {plan.human_count(tiny)} parameters under 1 s (" in basis and "0.00B" not in basis, basis
+    assert plan.human_count(tiny)[-1] in "KM" and plan.human_count(6.9e9) == "6.9B" and plan.human_count(999) == "999"
     g = ip.inference_time(rc, "generate", gpus=1, gpu_type="h200", basis=None, new_tokens=512, weights_gb=2.45,
                           overheads=ov)
     assert g["seconds"] == pytest.approx(ov["generate_start_s"] + 512 * 24 * ov["generate_s_per_token_per_layer"])

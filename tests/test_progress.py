@@ -71,3 +71,33 @@ def test_the_training_step_log_line_is_also_the_progress_record(tmp_path, monkey
     rec = json.loads(path.read_text())
     assert (rec["done"], rec["total"], rec["unit"], rec["figures"]["loss"]) == (20, 120, "batch", "2.5000"), rec
     assert rec["eta_s"] == timer.last["llmpipe/eta_s"] and rec["eta_s"] > 0
+
+
+def test_a_step_shorter_than_the_interval_prints_a_line(tmp_path):
+    """A 29 s evaluation with dispatch.progress_s 30: the first look finds no record yet, and the echo looks again
+    every FIRST_LOOK_S seconds until it has printed a line (then every progress_s)."""
+    path = tmp_path / "progress.json"
+    echo = ProgressEcho(str(path), "eval mpt-tiny", every_s=30)
+    assert echo.poll(now=100.0) is None                              # the job is still loading its model
+    path.write_text(json.dumps({"done": 40, "total": 200, "unit": "item", "task": "arc", "time": 10.0, "pid": 3}))
+    assert echo.poll(now=100.0 + progress.FIRST_LOOK_S - 1) is None  # not before FIRST_LOOK_S
+    assert echo.poll(now=100.0 + progress.FIRST_LOOK_S).endswith("arc: item 40/200 (20%), ETA ?")
+    path.write_text(json.dumps({"done": 80, "total": 200, "unit": "item", "task": "arc", "time": 12.0, "pid": 3}))
+    assert echo.poll(now=100.0 + 2 * progress.FIRST_LOOK_S) is None   # a line printed: back to every 30 s
+
+
+def test_an_eta_comes_from_the_parts_own_start_once_an_item_is_done(tmp_path, monkeypatch):
+    """Each evaluator counts from 0: a record of a new part with one item done carries the part's start (``since``),
+    so its line has an ETA even when the echo saw no earlier record of that part."""
+    path = tmp_path / "progress.json"
+    monkeypatch.setenv(progress.ENV, str(path))
+    assert progress.update(0, 100, "item", task="b", force=True, since=1000.0)
+    rec = json.loads(path.read_text())
+    assert progress.line({**rec, "time": 1004.0}) == "b: item 0/100 (0%), ETA ?"          # no item done: no rate
+    rec = {**rec, "done": 20, "time": 1010.0}
+    assert progress.line(rec) == "b: item 20/100 (20%), ETA 40s"                         # 20 items in 10 s
+    echo = ProgressEcho(str(path), "eval r", every_s=0)
+    path.write_text(json.dumps({"done": 90, "total": 100, "unit": "item", "task": "a", "time": 999.0, "pid": 3}))
+    echo.poll(now=1.0)
+    path.write_text(json.dumps({**rec, "pid": 3}))                   # the next evaluator, further along than "a" was not
+    assert echo.poll(now=2.0).endswith("b: item 20/100 (20%), ETA 40s")

@@ -45,7 +45,7 @@ def allocation_ends(delayed, pickle_path):
 def test_a_training_that_progresses_is_requeued_as_often_as_it_needs(tmp_path):
     t = task(tmp_path, cap=3)
     delayed = DelayedSubmission(t)
-    delayed.set_timeout(2, 3)  # what the executor submits (max_num_timeout = slurm.max_requeue_timeouts)
+    delayed.set_timeout(2, requeue.first_countdown(3))  # what the executor submits (slurm.max_requeue_timeouts 3)
     pickle_path = tmp_path / "submitted.pkl"
     for alloc in range(1, 11):  # ten allocations, each checkpointing a later batch
         save_checkpoint(tmp_path, 10 * alloc)
@@ -57,7 +57,7 @@ def test_a_training_that_progresses_is_requeued_as_often_as_it_needs(tmp_path):
 def test_the_cap_counts_allocations_without_progress(tmp_path, capsys):
     t = task(tmp_path, cap=2)
     delayed = DelayedSubmission(t)
-    delayed.set_timeout(2, 2)
+    delayed.set_timeout(2, requeue.first_countdown(2))
     pickle_path = tmp_path / "submitted.pkl"
     save_checkpoint(tmp_path, 10)
     reason, delayed = allocation_ends(delayed, pickle_path)  # progress
@@ -74,6 +74,24 @@ def test_the_cap_counts_allocations_without_progress(tmp_path, capsys):
     assert ("training made no progress in 3 of 5 allocations (no newer checkpoint than batch 20), more than "
             "slurm.max_requeue_timeouts=2 allows") in msg and "Fix: " in msg, msg
     assert "allocation 4 ends at checkpoint batch 20 (progress; 2 of at most 2" in capsys.readouterr().out
+
+
+def test_submitits_remaining_timeouts_never_rise_on_planned_requeues(tmp_path):
+    """submitit's "Requeued job N (K remaining timeouts)" prints the running allocation's countdown - 1: from the
+    first submission on (the executor's max_num_timeout) K is the cap minus the allocations without progress so far,
+    so progress leaves it unchanged and K never rises (it read 2, then 3, when the first countdown was the cap)."""
+    t = task(tmp_path, cap=3)
+    delayed = DelayedSubmission(t)
+    delayed.set_timeout(2, requeue.first_countdown(3))
+    pickle_path = tmp_path / "submitted.pkl"
+    printed = []
+    for batch in (10, 20, 20, 30, 30, 40):   # progress, progress, none, progress, none, progress
+        save_checkpoint(tmp_path, batch)
+        printed.append(delayed._timeout_countdown - 1)   # submitit's K, computed before checkpoint() runs
+        reason, delayed = allocation_ends(delayed, pickle_path)
+        assert not reason
+    assert printed == [3, 3, 3, 2, 2, 1], printed
+    assert delayed.function.requeue_no_progress == 2
 
 
 def test_a_rank_waiting_for_a_requeue_that_never_comes_ends():
@@ -151,7 +169,7 @@ def test_the_wrapper_keeps_the_task_and_wraps_every_requeued_allocation(tmp_path
     assert wrapped.checkpoint_folder() == t.checkpoint_folder() and wrapped.requeue_cap == 3
     assert getattr(wrapped, "__submitit_checkpoint__", None) is None     # submitit then asks for checkpoint
     delayed = DelayedSubmission(wrapped)
-    delayed.set_timeout(2, 3)
+    delayed.set_timeout(2, requeue.first_countdown(3))
     pickle_path = tmp_path / "submitted.pkl"
     for alloc in (1, 2):
         save_checkpoint(tmp_path, 10 * alloc)
@@ -162,3 +180,21 @@ def test_the_wrapper_keeps_the_task_and_wraps_every_requeued_allocation(tmp_path
     assert isinstance(again, requeue.IgnoreSignalAfterReturn) and again.fn.requeue_allocations == 2
     plain = requeue.IgnoreSignalAfterReturn(lambda: 1)
     assert not hasattr(plain, "checkpoint")      # a function without checkpoint stays not checkpointable
+
+
+def test_the_slurm_executor_starts_the_countdown_at_the_cap_plus_one(tmp_path, monkeypatch):
+    """The first submission's countdown is what the never-rising count above starts from."""
+    import stat
+
+    from llmpipe.dispatch import slurm
+
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for tool in ("sbatch", "srun"):   # make_executor only checks that they exist
+        (bin_dir / tool).write_text("#!/bin/sh\nexit 1\n")
+        (bin_dir / tool).chmod(stat.S_IRWXU)
+    monkeypatch.setenv("PATH", f"{bin_dir}:{__import__('os').environ['PATH']}")
+    config = {"dispatch": {"executor": "slurm"}, "slurm": {"max_requeue_timeouts": 2}}
+    ex = slurm.make_executor(config, {"nodes": 1, "gpus_per_node": 0, "tasks_per_node": 1, "cpus_per_task": 1,
+                                      "mem_gb": 0, "time_min": 5}, str(tmp_path / "logs"), "t")
+    assert ex.max_num_timeout == requeue.first_countdown(2) == 3

@@ -138,7 +138,7 @@ def test_a_steps_own_account_and_qos_are_named_in_messages():
 FAKE = """#!/bin/sh
 echo "${{0##*/}} $*" >> {log}
 case "${{0##*/}} $1 $2" in
-  "scontrol show partition") echo "PartitionName=cpu Default=YES State=UP TotalNodes=1 Nodes=a1 MaxTime=UNLIMITED";;
+  "scontrol show partition") echo "PartitionName=cpu Default=YES State=UP TotalNodes=1 Nodes=a1 MaxTime={max_time}";;
   "scontrol show config") printf 'Configuration data as of now\\nAccountingStorageEnforce = {enforce}\\n'
                           echo "ClusterName             = c1";;
   "sinfo "*) echo "a1|(null)|8|1000|idle";;
@@ -147,7 +147,8 @@ esac
 """
 
 
-def fake_slurm(tmp_path: Path, monkeypatch, enforce: str = "associations,qos", sacctmgr: str | None = None) -> Path:
+def fake_slurm(tmp_path: Path, monkeypatch, enforce: str = "associations,qos", sacctmgr: str | None = None,
+               max_time: str = "UNLIMITED") -> Path:
     """sbatch, sinfo, scontrol and (unless ``sacctmgr`` is 'missing') sacctmgr answering like a one-node cluster
     whose user has the associations proj (default) and big; every call is logged to the returned file."""
     bin_dir, log = tmp_path / "bin", tmp_path / "calls.log"
@@ -155,7 +156,8 @@ def fake_slurm(tmp_path: Path, monkeypatch, enforce: str = "associations,qos", s
     if sacctmgr is None:
         sacctmgr = ('if [ "$4" = user ]; then echo "proj"; else echo "proj||normal|"; '
                     'echo "big||normal,high|normal"; fi')
-    text = FAKE.format(log=log, enforce=enforce, sacctmgr=sacctmgr if sacctmgr != "missing" else "exit 127")
+    text = FAKE.format(log=log, enforce=enforce, sacctmgr=sacctmgr if sacctmgr != "missing" else "exit 127",
+                       max_time=max_time)
     for tool in ("sbatch", "sinfo", "scontrol", "sacctmgr"):
         if tool == "sacctmgr" and sacctmgr == "missing":
             continue
@@ -316,3 +318,39 @@ def test_preflight_refuses_what_the_enforcing_cluster_refuses(enforcing):
             assert p.returncode != 0 and re.search(r"Invalid (account|qos)", p.stderr), (site, p.stdout, p.stderr)
             with pytest.raises(ConfigError, match=refused):
                 slurm.preflight(cfg(**site), res())
+
+
+@pytest.mark.parametrize("where, says, never", [
+    ("models.m.resources", "training checkpoints and requeues itself", "not requeued"),
+    ("data_resources", "a data step is not requeued at its time limit", "checkpoint"),
+    ("eval.resources", "this step does not checkpoint: it must finish within one allocation", "requeues itself"),
+])
+def test_the_max_time_fix_speaks_of_the_step_it_refuses(tmp_path, monkeypatch, _clear, where, says, never):
+    """The MaxTime refusal's fix: training checkpoints for a training only; the data steps get their own text."""
+    fake_slurm(tmp_path, monkeypatch, enforce="none", max_time="5")
+    with pytest.raises(ConfigError) as e:
+        slurm.preflight(cfg(), res(time_min=30), where=where)
+    msg = str(e.value)
+    assert msg.startswith(f"{where}.time_min is 30 minutes, but Slurm partition 'cpu' allows at most 5 minutes"), msg
+    fix = msg.split("Fix: ", 1)[1]
+    assert says in fix and never not in fix, fix
+
+
+def test_the_time_limit_fix_counts_setup_lines_of_undeclared_length():
+    """slurm.setup lines with slurm.setup_s 0: the fix asks for their seconds S and subtracts them, instead of
+    offering a delay that only fits a set-up of no time; with setup_s set, the figures include it."""
+    step = res(time_min=3)
+    with pytest.raises(ConfigError) as e:
+        slurm.check_signal_delay(slurm.site_config(cfg(signal_delay_s=90, setup=["module load cuda", "sleep 20"])),
+                                 step, "models.m.resources")
+    msg = str(e.value)
+    assert "slurm.setup_s is 0 but slurm.setup has 2 line(s)" in msg, msg
+    assert ("Fix: set slurm.setup_s to the seconds S that the slurm.setup line(s) take (a module load, a container "
+            "start), then slurm.signal_delay_s to at most 60 - S, or models.m.resources.time_min to at least "
+            "(210 + S) / 60 rounded up (at least 4)") in msg, msg
+    with pytest.raises(ConfigError) as e:   # declared: plain figures that include it
+        slurm.check_signal_delay(slurm.site_config(cfg(signal_delay_s=90, setup_s=20, setup=["sleep 20"])), step,
+                                 "models.m.resources")
+    assert ("Fix: set slurm.signal_delay_s to at most 40, or models.m.resources.time_min to at least 4 "
+            "(docs/slurm.md") in str(e.value), str(e.value)
+    assert "setup has" not in str(e.value)

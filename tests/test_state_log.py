@@ -29,10 +29,8 @@ def test_each_change_once_with_reason_nodes_and_requeue(monkeypatch):
         "train r: job 42 is RUNNING on gpu[01-02]",
         "train r: job 42 was REQUEUED (restart 1; its earlier run ended PREEMPTED); resumes from the checkpoint at "
         "batch 40",
-        "train r: (submitit's lines 'this job is timed-out' and 'N remaining timeouts' in the task log count time "
-        "limits, not failures: the training requeues while its allocations checkpoint progress, as its 'allocation N "
-        "ends at checkpoint batch B' lines say; Slurm holds a requeued job PENDING (BeginTime) for the credential "
-        "lifetime, slurm.conf's AuthInfo cred_expire: 120 s by default)",
+        "train r: (Slurm preempted the job for one of higher priority and requeued it; Slurm holds a requeued job "
+        "PENDING (BeginTime) for the credential lifetime, slurm.conf's AuthInfo cred_expire: 120 s by default)",
         "train r: job 42 is PENDING (BeginTime) until 17:38:30",
         "train r: job 42 is RUNNING on gpu03",
         "train r: job 42 is NODE_FAIL (NodeDown) on gpu03",
@@ -66,6 +64,25 @@ def test_how_the_earlier_run_ended_follows_when_accounting_records_it_late(monke
     log.poll(view("RUNNING", nodes="n1"))
     log.poll(view("PENDING", "BeginTime", restarts="1"))
     log.poll(view("PENDING", "BeginTime", restarts="1"))
-    lines = [line for line in lines if "submitit's lines" not in line]   # the note on submitit's own lines
     assert lines[1:] == ["train r: job 9 was REQUEUED (restart 1)", "train r: job 9 is PENDING (BeginTime) until 17:38:30",
-                         "train r: job 9's run before restart 1 ended NODE_FAIL"], lines
+                         "train r: job 9's run before restart 1 ended NODE_FAIL",
+                         "train r: (a node of the job failed and Slurm requeued the job (JobRequeue); Slurm holds a "
+                         "requeued job PENDING (BeginTime) for the credential lifetime, slurm.conf's AuthInfo "
+                         "cred_expire: 120 s by default)"], lines
+
+
+@pytest.mark.parametrize("ended", ["REQUEUED", "NODE_FAIL", "PREEMPTED"])
+def test_each_requeue_note_names_its_own_cause_once(monkeypatch, ended):
+    """submitit's time-limit lines are explained after a planned requeue (the training's own ``scontrol requeue``,
+    recorded REQUEUED) and never after a node failure or a preemption; each cause's note is said once."""
+    monkeypatch.setattr(slurm_watch, "earlier_run_states", lambda job_id: [ended] * 3)
+    lines: list[str] = []
+    log = StateLog("5", "train r", lines.append)
+    for v in [view("RUNNING", nodes="n1"), view("PENDING", "BeginTime", restarts="1"), view("RUNNING", restarts="1"),
+              view("PENDING", "BeginTime", restarts="2")]:
+        log.poll(v)
+    notes = [line for line in lines if line.startswith("train r: (")]
+    assert notes == [f"train r: ({slurm_watch.REQUEUE_NOTES[ended]}; {slurm_watch.REQUEUE_HOLD_NOTE})"], lines
+    planned = ended == "REQUEUED"
+    assert ("this job is timed-out" in notes[0]) == planned and ("remaining timeouts" in notes[0]) == planned
+    assert ("planned requeue" in notes[0]) == planned and ("node of the job failed" in notes[0]) == (ended == "NODE_FAIL")

@@ -84,7 +84,8 @@ def test_every_rule_with_a_script_runs_a_registered_step_through_the_one_script(
     assert sorted(p.name for p in (REPO / "scripts").iterdir() if p.suffix == ".py") == ["run_rule.py"]
     code = [ln for ln in (REPO / "scripts/run_rule.py").read_text().splitlines()
             if ln.strip() and not ln.startswith("#")]
-    assert code == ["from llmpipe.steps import run_rule", "run_rule(snakemake)  # noqa: F821 - injected by Snakemake"]
+    assert code[0] == "try:" and code[1].strip() == "from llmpipe.steps import run_rule" and code[-1] == \
+        "run_rule(snakemake)  # noqa: F821 - injected by Snakemake"   # an import failure is logged, then re-raised
     assert all(r["output"] == 0 for name, r in rules.items() if name not in scripted)
     for name in scripted:  # one log under results/logs/: beside it, the submitit folder of a dispatching step
         assert len(rules[name]["log"]) == 1 and rules[name]["log"][0].startswith("results/logs/"), name
@@ -304,6 +305,43 @@ def test_a_failed_step_leaves_no_provenance(tmp_path, capsys):
     err = capsys.readouterr().err
     assert err.count("training refuses to start") == 1 and "Traceback" not in err, err
     assert f"rule log (with the traceback): {smk.log[0]}" in err, err
+
+
+@pytest.mark.parametrize("ending, status", [(SystemExit("gate: terminated by signal 15"), 1),
+                                            (KeyboardInterrupt(), 130), (SystemExit(3), 3)])
+def test_every_exit_of_the_rule_script_leaves_its_reason_in_the_rule_log(tmp_path, monkeypatch, ending, status):
+    """An exit that is no error of the step (SIGTERM while waiting becomes SystemExit, Ctrl-C, sys.exit) ends the
+    rule script as it asks, with its reason appended to the rule log (it left the log empty: exit 1, no reason)."""
+    import llmpipe.steps as steps
+
+    smk = gate_smk(tmp_path, busbw=2.0)
+
+    def ends(*args, **kwargs):
+        raise ending
+    monkeypatch.setattr(steps, "run_step", ends)
+    with pytest.raises(type(ending)):
+        run_rule(smk)
+    log = Path(smk.log[0]).read_text()
+    assert f"ERROR: the step was ended by {type(ending).__name__}" in log and f"(exit status {status})" in log, log
+    if str(ending):
+        assert str(ending) in log, log
+
+
+def test_an_import_failure_of_the_rule_script_is_in_the_rule_log(tmp_path):
+    """scripts/run_rule.py itself: when llmpipe.steps does not import, the traceback goes to the rule log."""
+    import subprocess
+    import sys
+
+    (tmp_path / "llmpipe").mkdir()
+    (tmp_path / "llmpipe" / "__init__.py").write_text("raise ImportError('a broken package')\n")
+    log = tmp_path / "rule.log"
+    code = (f"import types; snakemake = types.SimpleNamespace(log=[{str(log)!r}]); "
+            f"exec(open({str(REPO / 'scripts/run_rule.py')!r}).read())")
+    p = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=60,
+                       env={**os.environ, "PYTHONPATH": str(tmp_path)})
+    assert p.returncode == 1
+    text = log.read_text()
+    assert "ERROR: the rule script could not import llmpipe.steps" in text and "a broken package" in text, text
 
 
 def test_a_failed_job_shows_its_error_and_a_short_log_tail_on_the_console():

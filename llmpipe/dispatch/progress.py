@@ -8,7 +8,12 @@ the record every ``dispatch.progress_s`` seconds and prints one console line whe
 ``[llmpipe HH:MM:SS] <step>: <unit> <done>/<total> (<percent>%), <figures>, ETA <time>``.
 
 ETA: the record's own ``eta_s`` when the job gives one (training: remaining batches x the mean clean batch time,
-:mod:`llmpipe.train.throughput`), else the remaining count at the mean rate since the job's first record.
+:mod:`llmpipe.train.throughput`), else the remaining count at the mean rate since the job's first record of the same
+part, else at the rate since the part began (the record's ``since``, e.g. an evaluator's start): so a part shorter
+than ``dispatch.progress_s`` still gets an ETA once one item of it is done.
+
+Short steps: until the echo has printed its first line it looks every :data:`FIRST_LOOK_S` seconds (at most
+``dispatch.progress_s``), so a job shorter than ``dispatch.progress_s`` still prints a line once its record exists.
 """
 
 from __future__ import annotations
@@ -24,6 +29,9 @@ ENV = "LLMPIPE_PROGRESS_FILE"
 #: Least seconds between two writes of the record by one process.
 MIN_WRITE_S = 2.0
 
+#: Seconds between looks at the record until the first line is printed (then ``dispatch.progress_s``).
+FIRST_LOOK_S = 5.0
+
 _last_write = {"t": 0.0}
 
 
@@ -34,10 +42,12 @@ def record_path(log_dir: str) -> str:
 
 
 def update(done: int, total: int | None, unit: str, *, eta_s: float | None = None, task: str | None = None,
-           figures: dict[str, str] | None = None, force: bool = False) -> bool:
+           figures: dict[str, str] | None = None, force: bool = False, since: float | None = None) -> bool:
     """Write this job's progress record (when :data:`ENV` names one): ``done`` of ``total`` ``unit`` (e.g. 40 of 120
     ``batch``), the part being worked on (``task``, e.g. an evaluation task's name), display-ready ``figures``
-    (``{"loss": "2.3104", "tokens/s": "1,234"}``) and ``eta_s`` (seconds; None: the reader estimates it). Writes at
+    (``{"loss": "2.3104", "tokens/s": "1,234"}``), ``eta_s`` (seconds; None: the reader estimates it) and
+    ``since`` (``time.time()`` when this part's count began at 0: the reader's rate when it saw no earlier record of
+    the part). Writes at
     most every :data:`MIN_WRITE_S` seconds unless ``force`` (the last update of a part). Returns whether it wrote.
     Never raises: progress must not fail a job."""
     path = os.environ.get(ENV)
@@ -46,7 +56,7 @@ def update(done: int, total: int | None, unit: str, *, eta_s: float | None = Non
         return False
     rec = {"done": int(done), "total": None if total is None else int(total), "unit": unit, "task": task,
            "eta_s": None if eta_s is None else round(float(eta_s), 1), "figures": dict(figures or {}),
-           "time": round(now, 3), "pid": os.getpid()}
+           "time": round(now, 3), "pid": os.getpid(), "since": None if since is None else round(float(since), 3)}
     try:
         tmp = f"{path}.{os.getpid()}.tmp"
         with open(tmp, "w") as fh:
@@ -81,8 +91,8 @@ def format_duration(seconds: float | None) -> str:
 
 
 def line(rec: dict, first: dict | None = None) -> str:
-    """The console text of record ``rec``; ``first`` (the job's first record seen) gives the rate for an ETA the
-    record does not carry."""
+    """The console text of record ``rec``; ``first`` (the job's first record seen of this part) gives the rate for
+    an ETA the record does not carry, else the record's own ``since`` (the part's start) does."""
     done, total = int(rec["done"]), rec.get("total")
     parts = [f"{rec.get('task')}: " if rec.get("task") else ""]
     if total:
@@ -95,6 +105,10 @@ def line(rec: dict, first: dict | None = None) -> str:
         span, gained = float(rec["time"]) - float(first["time"]), done - int(first["done"])
         if span > 0 and gained > 0:
             eta = (int(total) - done) * span / gained
+    if eta is None and total and done > 0 and rec.get("since") is not None:
+        span = float(rec["time"]) - float(rec["since"])
+        if span > 0:
+            eta = (int(total) - done) * span / done
     tail = ", ".join([*figures, f"ETA {format_duration(eta)}"] if total else figures)
     return "".join(parts) + (f", {tail}" if tail else "")
 
@@ -105,7 +119,8 @@ class ProgressEcho:
     Args:
         path: the record's path (:func:`record_path`); None echoes nothing.
         what: the step's name, the line's prefix.
-        every_s: least seconds between two looks (``dispatch.progress_s``).
+        every_s: least seconds between two looks (``dispatch.progress_s``); :data:`FIRST_LOOK_S` until the first
+            line is printed, when that is shorter.
     """
 
     def __init__(self, path: str | None, what: str, every_s: float = 30.0):
@@ -116,14 +131,16 @@ class ProgressEcho:
         """Print and return the line of the record when it changed since the last one printed and ``every_s`` has
         passed since the last look; None otherwise."""
         now = time.time() if now is None else now
-        if self.path is None or now - self.last_time < self.every_s:
+        every = self.every_s if self.last_seen is not None else min(self.every_s, FIRST_LOOK_S)
+        if self.path is None or now - self.last_time < every:
             return None
         self.last_time = now
         rec = read(self.path)
         if rec is None or rec == self.last_seen:
             return None
-        if self.first is None or rec.get("pid") != self.first.get("pid") or rec["done"] < self.first["done"]:
-            self.first = rec   # a new job or allocation: its own rate
+        if (self.first is None or rec.get("pid") != self.first.get("pid") or rec["done"] < self.first["done"]
+                or rec.get("task") != self.first.get("task")):
+            self.first = rec   # a new job, allocation or part: its own rate
         self.last_seen = rec
         text = f"[llmpipe {time.strftime('%H:%M:%S')}] {self.what}: {line(rec, self.first)}"
         print(text, file=sys.stderr, flush=True)

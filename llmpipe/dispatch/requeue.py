@@ -120,7 +120,7 @@ def resubmission(task: Any, batch: int) -> DelayedSubmission:
     task.requeue_start_batch = batch
     print(f"llmpipe: allocation {task.requeue_allocations} ends at checkpoint batch {batch} "
           f"({'progress' if progressed else 'no progress'}; {task.requeue_no_progress} of at most {cap} allocations "
-          f"without progress; submitit's 'timed-out' and 'remaining timeouts' lines count only those)", flush=True)
+          f"without progress)", flush=True)
     if task.requeue_no_progress > cap:
         raise RuntimeError(
             f"training made no progress in {task.requeue_no_progress} of {task.requeue_allocations} allocations (no "
@@ -128,8 +128,21 @@ def resubmission(task: Any, batch: int) -> DelayedSubmission:
             f"requeued. Fix: give each allocation time to start and checkpoint (raise time_min, lower "
             f"slurm.signal_delay_s, or save checkpoints more often), or raise slurm.max_requeue_timeouts.")
     out = DelayedSubmission(task)
-    out.allowed = cap - task.requeue_no_progress + 1  # submitit subtracts 1 at a time limit: stays >= 0
+    out.allowed = first_countdown(cap) - task.requeue_no_progress  # submitit subtracts 1 at a time limit: >= 0
     return out
+
+
+def first_countdown(cap: int) -> int:
+    """The time-limit countdown (submitit's ``max_num_timeout``) of a step's first submission, for a requeue cap
+    ``cap`` (``slurm.max_requeue_timeouts``).
+
+    At a time-limit signal submitit logs ``Requeued job N (K remaining timeouts)`` with ``K`` = the running
+    allocation's countdown - 1, computed before ``checkpoint()`` runs; :func:`resubmission` gives the next
+    allocation ``cap + 1 - (allocations without progress so far)``. Starting at ``cap + 1`` too, ``K`` is ``cap``
+    minus the allocations without progress before the running one: it never rises, and an allocation that
+    checkpointed a later batch leaves it unchanged.
+    """
+    return int(cap) + 1
 
 
 def resubmit_after_timeout(state: str, job_id: str, start: int, now: int, counts: dict, step: str, cap: int,

@@ -204,8 +204,10 @@ def make_executor(config: dict, resources: dict, folder: str, name: str):
 
     site = site_config(config, resources)
     python, _ = _python_and_srun_args(site)
+    from llmpipe.dispatch.requeue import first_countdown
+
     ex = submitit.SlurmExecutor(folder=folder, python=python,
-                                max_num_timeout=int(site["max_requeue_timeouts"]))
+                                max_num_timeout=first_countdown(int(site["max_requeue_timeouts"])))
     ex.update_parameters(**sbatch_parameters(config, resources, name))
     return ex
 
@@ -476,6 +478,21 @@ MIN_WORK_BEFORE_SIGNAL_S = 60
 SIGNAL_EARLY_S = 60
 
 
+def max_time_fix_note(where: str) -> str:
+    """Why lowering ``time_min`` to the partition's MaxTime works for the step whose resources are at ``where``
+    (a config path, e.g. ``models.mpt-1b.resources`` or ``data_resources``): the note in the MaxTime refusal's fix.
+
+    Trainings (``models.*``, ``finetunes.*``) checkpoint and requeue themselves; the data steps and the others do
+    not, so their note says what a time limit does to them instead.
+    """
+    if where.startswith(("models.", "finetunes.")):
+        return "training checkpoints and requeues itself, as many allocations as it needs"
+    if where.startswith("data_resources"):
+        return ("a data step is not requeued at its time limit: each of its jobs must finish within it; the mds "
+                "conversion runs one job per input file, and a rerun converts only the files not finished")
+    return "this step does not checkpoint: it must finish within one allocation"
+
+
 def check_signal_delay(site: dict, resources: dict, where: str = "resources") -> None:
     """Refuse a ``signal_delay_s`` that can leave a job less than :data:`MIN_WORK_BEFORE_SIGNAL_S` seconds of work.
 
@@ -501,13 +518,21 @@ def check_signal_delay(site: dict, resources: dict, where: str = "resources") ->
             else "slurm.signal_delay_s"
         fixed = SIGNAL_EARLY_S + setup + MIN_WORK_BEFORE_SIGNAL_S
         need_min = -(-(delay + fixed) // 60)
+        lines = len(site.get("setup") or [])
+        if lines and not setup:   # set-up lines of undeclared length: the fix leaves their seconds S to the user
+            unknown = f"slurm.setup_s is 0 but slurm.setup has {lines} line(s), which take time before srun starts"
+            fix = (f"set slurm.setup_s to the seconds S that the slurm.setup line(s) take (a module load, a "
+                   f"container start), then {delay_at} to at most {max(time_min * 60 - fixed, 0)} - S, or "
+                   f"{where}.time_min to at least ({delay + fixed} + S) / 60 rounded up (at least {need_min})")
+        else:
+            unknown = ""
+            fix = f"set {delay_at} to at most {max(time_min * 60 - fixed, 0)}, or {where}.time_min to at least {need_min}"
         raise ConfigError(f"{delay_at} is {delay} s but {where}.time_min is {time_min} minute(s) ({time_min * 60} s): "
                           f"Slurm sends the checkpoint-and-requeue signal (USR2) up to {SIGNAL_EARLY_S} s earlier than "
                           f"asked, and after a set-up of slurm.setup_s={setup} s a job could have only {max(left, 0)} "
                           f"s of work before it, less than the {MIN_WORK_BEFORE_SIGNAL_S} s it needs to start and "
-                          f"train: it would be requeued without progress until it fails. Fix: set {delay_at} to at "
-                          f"most {max(time_min * 60 - fixed, 0)}, or {where}.time_min to at least {need_min} "
-                          f"(docs/slurm.md, Signal delay).")
+                          f"train: it would be requeued without progress until it fails"
+                          f"{f' ({unknown}: fewer still)' if unknown else ''}. Fix: {fix} (docs/slurm.md, Signal delay).")
 
 
 def preflight(config: dict, resources: dict, where: str = "resources") -> dict:
@@ -584,8 +609,8 @@ def preflight(config: dict, resources: dict, where: str = "resources") -> dict:
     if time_min > max_time:
         raise ConfigError(f"{where}.time_min is {time_min:g} minutes, but Slurm partition {pname!r} allows at most "
                           f"{max_time:g} minutes (MaxTime={p.get('MaxTime')}): the job would wait forever "
-                          f"(PartitionTimeLimit). Fix: set {where}.time_min to at most {max_time:g} (training "
-                          f"checkpoints and requeues itself), or pick another partition with slurm.partition.")
+                          f"(PartitionTimeLimit). Fix: set {where}.time_min to at most {max_time:g} "
+                          f"({max_time_fix_note(where)}), or pick another partition with slurm.partition.")
 
     gpus = int(resources.get("gpus_per_node", 0) or 0)
     tasks = tasks_per_node(resources)

@@ -36,6 +36,26 @@ NEVER_RESOLVES: dict[str, str] = {
 }
 
 
+#: The rule log's note on a requeue, by how the earlier run ended (``sacct``), said once per cause: a note names
+#: only its own cause. ``REQUEUED`` is ``scontrol requeue``, which is how a training requeues itself at Slurm's
+#: time-limit signal (submitit's handler, :mod:`llmpipe.dispatch.requeue`); submitit's own task-log lines about it
+#: are explained here and nowhere else.
+REQUEUE_NOTES: dict[str, str] = {
+    "REQUEUED": "a planned requeue: at Slurm's time-limit signal (slurm.signal_delay_s before time_min) the training "
+                "saved a checkpoint and requeued its own job. submitit's task-log lines 'this job is timed-out' and "
+                "'Requeued job N (K remaining timeouts)' belong to it and are not failures: K is how many more "
+                "allocations may end without a newer checkpoint (slurm.max_requeue_timeouts), and an allocation "
+                "that checkpointed a later batch costs nothing (the task log's 'allocation N ends at checkpoint "
+                "batch B' lines)",
+    "PREEMPTED": "Slurm preempted the job for one of higher priority and requeued it",
+    "NODE_FAIL": "a node of the job failed and Slurm requeued the job (JobRequeue)",
+}
+
+#: Said with the first requeue note: why a requeued job is PENDING (BeginTime) for a while.
+REQUEUE_HOLD_NOTE = ("Slurm holds a requeued job PENDING (BeginTime) for the credential lifetime, slurm.conf's "
+                     "AuthInfo cred_expire: 120 s by default")
+
+
 class NeverRuns(RuntimeError):
     """A job is PENDING for a reason Slurm never resolves; the message names the reason and the fix."""
 
@@ -104,7 +124,17 @@ class StateLog:
         self.stuck_since: float | None = None
         self.unsaid: tuple[str, float] | None = None  # (restart count, until when) of a requeue whose cause is unknown
         self.confirm_s = confirm_s
-        self.explained = False   # the note on submitit's own requeue lines, said once
+        self.explained: set[str] = set()   # the causes whose note (:data:`REQUEUE_NOTES`) was said
+
+    def _explain(self, ended: str) -> None:
+        """Say the note of a requeue whose earlier run ended ``ended`` (an ``sacct`` state), once per cause; the
+        first note also says why the requeued job waits (:data:`REQUEUE_HOLD_NOTE`)."""
+        note = REQUEUE_NOTES.get(ended)
+        if note is None or ended in self.explained:
+            return
+        hold = "" if self.explained else f"; {REQUEUE_HOLD_NOTE}"
+        self.explained.add(ended)
+        self.say(f"{self.what}: ({note}{hold})")
 
     def poll(self, view: dict[str, str] | None = None) -> dict[str, str] | None:
         """Ask the controller (or use ``view``) and report what changed since the last call; return the view.
@@ -131,13 +161,8 @@ class StateLog:
             done = self.progress() if self.progress else None
             self.say(f"{self.what}: job {self.job_id} was REQUEUED (restart {restarts}{how})"
                      f"{f'; {done}' if done else ''}")
-            if not self.explained:
-                self.explained = True
-                self.say(f"{self.what}: (submitit's lines 'this job is timed-out' and 'N remaining timeouts' in the "
-                         f"task log count time limits, not failures: the training requeues while its allocations "
-                         f"checkpoint progress, as its 'allocation N ends at checkpoint batch B' lines say; Slurm "
-                         f"holds a requeued job PENDING (BeginTime) for the credential lifetime, slurm.conf's AuthInfo "
-                         f"cred_expire: 120 s by default)")
+            if ended:
+                self._explain(ended[-1])
             # accounting may record the earlier run later still: say how it ended once it does (up to 2 minutes)
             self.unsaid = None if ended else (restarts, time.monotonic() + 120)
         elif self.unsaid is not None:
@@ -145,6 +170,7 @@ class StateLog:
             runs = earlier_run_states(self.job_id)
             if str(n).isdigit() and len(runs) > int(n) and runs[int(n) - 1]:
                 self.say(f"{self.what}: job {self.job_id}'s run before restart {n} ended {runs[int(n) - 1]}")
+                self._explain(runs[int(n) - 1])
                 self.unsaid = None
             elif time.monotonic() > until:
                 self.unsaid = None

@@ -299,7 +299,7 @@ def register_eval_progress() -> str:
             else:
                 done, total, unit = int(state.eval_timestamp.batch), state.dataloader_len, "batch"
             progress.update(done, None if total is None else int(total), unit, task=state.dataloader_label,
-                            figures=figures, force=force)
+                            figures=figures, force=force, since=self._started)
 
     if EVAL_PROGRESS not in callbacks.get_all():
         callbacks.register(EVAL_PROGRESS, func=EvalProgress)

@@ -393,9 +393,19 @@ def convert_time(rc: Mapping, overheads: Mapping) -> dict:
     'basis': text}``."""
     params = mpt_param_count(rc['arch'])['total']
     work = overheads['convert_s_per_param'] * params
+    work_text = f"{work:.0f} s" if work >= 1 else "under 1 s"
     return {'seconds': overheads['convert_start_s'] + work,
-            'basis': f"start {overheads['convert_start_s']:.0f} s + {params / 1e9:.2f}B parameters {work:.0f} s "
+            'basis': f"start {overheads['convert_start_s']:.0f} s + {human_count(params)} parameters {work_text} "
                      f"({overheads['source']})"}
+
+
+def human_count(n: float) -> str:
+    """A count (e.g. of parameters) with the unit that keeps 3 significant digits: ``530K``, ``1.32M``, ``6.9B``;
+    below 1,000 the number itself."""
+    for size, unit in ((1e12, "T"), (1e9, "B"), (1e6, "M"), (1e3, "K")):
+        if abs(n) >= size:
+            return f"{n / size:.3g}{unit}"
+    return f"{n:.0f}"
 
 
 def convert_memory(rc: Mapping, overheads: Mapping) -> dict:

@@ -42,6 +42,7 @@ Nothing here imports torch: the rule files import these modules to plan the DAG.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import sys
@@ -214,18 +215,34 @@ def run_rule(smk: Any) -> None:
     Raises:
         KeyError: no step is registered under the rule's name.
         SystemExit: (code 1) the step raised; its error is in the rule's log and, shortened, on stderr.
+        BaseException: an interrupt or exit (SIGTERM while waiting, Ctrl-C, ``sys.exit``) that ended the step,
+            after its reason was appended to the rule's log: every exit of the rule script leaves its reason there.
     """
-    rule = RULES[smk.rule]
-    dispatch.normalize_thread_env()  # threads: 0 of Slurm-waiting rules -> OMP_NUM_THREADS=0 from Snakemake
-    exit_when_snakemake_dies()       # no watcher outlives its Snakemake (llmpipe.dispatch.orphans)
     start_log(smk.log[0])
     try:
+        rule = RULES[smk.rule]
+        dispatch.normalize_thread_env()  # threads: 0 of Slurm-waiting rules -> OMP_NUM_THREADS=0 from Snakemake
+        exit_when_snakemake_dies()       # no watcher outlives its Snakemake (llmpipe.dispatch.orphans)
         run_step(context(smk, rule), rule)
     except Exception as exc:
         log_error(smk.log[0], exc)
         # once, on the console: no traceback and no whole log tail here (the rule log has them; Snakemake names it)
         print(f"[llmpipe] {smk.rule} failed: {console_failure(exc, smk.log[0])}", file=sys.stderr, flush=True)
         raise SystemExit(1) from None
+    except BaseException as exc:   # not an error of the step: say what ended it, then end as it asks
+        with contextlib.suppress(OSError), open(smk.log[0], "a") as fh:
+            fh.write(f"\nERROR: the step was ended by {type(exc).__name__}"
+                     f"{f': {exc}' if str(exc) else ''} (exit status {exit_status(exc)})\n")
+        raise
+
+
+def exit_status(exc: BaseException) -> int:
+    """The exit status the interpreter gives for ``exc`` left unhandled: a ``SystemExit``'s code (0 for None, 1 for
+    a message), 130 for ``KeyboardInterrupt`` (Python's convention for SIGINT: 128 + 2), else 1."""
+    if isinstance(exc, SystemExit):
+        code = exc.code
+        return 0 if code is None else code if isinstance(code, int) else 1
+    return 130 if isinstance(exc, KeyboardInterrupt) else 1
 
 
 __all__ = ["RULES", "Rule", "Kept", "StepContext", "register", "run_rule", "run_step", "context"]

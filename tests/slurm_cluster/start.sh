@@ -11,6 +11,8 @@
 #   LLMPIPE_SLURM_DIR  state folder (config, logs, spool, database, PID files); default /tmp/llmpipe-slurm
 #   NODES=2 CPUS=16 MEM=32000 GPUS=4         nodes, CPUs / memory (MB) / count-only GPUs declared per node
 #   FRESH=1            restart even when a healthy cluster with this state folder is running
+#   SITE_CONF=FILE     slurm.conf lines appended last, at every start (a restart rewrites slurm.conf), e.g.
+#                      AccountingStorageEnforce=associations,qos; a running cluster whose site lines differ restarts
 # Refuses to run while a test session holds $DIR.lock (the pytest fixture sets LLMPIPE_SLURM_LOCK_HELD=1 for itself).
 # Idempotent: a healthy running cluster is left alone (prints "already running"); anything else is stopped with
 # stop.sh (which kills only what this script started) and started afresh. Needs root, ip netns, nsenter, unshare.
@@ -18,7 +20,8 @@
 # unreachable route for its subnet (metric ROUTE_METRIC, under the bridge's own route) keeps its Slurm traffic off
 # the default route for the cluster's whole life, also when the bridge is gone; stop.sh removes it last.
 # Prints the SLURM_CONF line last; $LLMPIPE_SLURM_DIR/env.sh holds it too.
-set -euo pipefail
+# Any failure prints what failed (command, line, exit status) and stops what this start had started (stop.sh).
+set -eEuo pipefail
 HERE="$(cd "$(dirname "$0")" && pwd)"
 DIR="${LLMPIPE_SLURM_DIR:-/tmp/llmpipe-slurm}"
 NODES="${NODES:-2}"; CPUS="${CPUS:-16}"; MEM="${MEM:-32000}"; GPUS="${GPUS:-4}"
@@ -43,6 +46,7 @@ done
 
 healthy() {
   [[ -f $C && -f $DIR/run/started ]] || return 1
+  cmp -s "${SITE_CONF:-/dev/null}" "$DIR/etc/site.conf" || return 1   # other site settings: start afresh
   local f; for f in munged slurmdbd slurmctld mysqld; do
     [[ -f $DIR/run/$f.pid ]] && kill -0 "$(cat "$DIR/run/$f.pid")" 2>/dev/null || return 1; done
   [[ "$(SLURM_CONF=$C timeout 5 sinfo -h -N -p debug -o '%N %t' 2>/dev/null | grep -cE ' (idle|mix|alloc)')" == "$NODES" ]]
@@ -52,6 +56,25 @@ if [[ "${FRESH:-0}" != 1 ]] && healthy; then
 fi
 
 "$HERE/stop.sh" >/dev/null 2>&1 || true
+# from here on a failure stops what this start had started, and says what failed (set -e alone exits silently)
+failed() {
+  local rc=$? line=$1 cmd=$2
+  trap - ERR EXIT
+  echo "[slurm-cluster start] ERROR: line $line of start.sh: \`$cmd\` failed (exit $rc); stopping what this start" \
+       "started (logs: $DIR/log)" >&2
+  LLMPIPE_SLURM_LOCK_HELD=1 "$HERE/stop.sh" >&2 || true
+  exit "$rc"
+}
+stop_on_exit() {
+  local rc=$?
+  trap - ERR EXIT
+  ((rc == 0)) && return 0
+  echo "[slurm-cluster start] stopping what this start started (logs: $DIR/log)" >&2
+  LLMPIPE_SLURM_LOCK_HELD=1 "$HERE/stop.sh" >&2 || true
+  exit "$rc"
+}
+trap 'failed $LINENO "$BASH_COMMAND"' ERR
+trap stop_on_exit EXIT
 rm -rf "$DIR"
 mkdir -p "$DIR"/{etc,log,run,spool/ctld,spool/d,munge,db}
 chmod 755 "$DIR" "$DIR/munge"   # the munge socket's folder must be world-readable
@@ -68,6 +91,7 @@ log "munged up"
 # ------------------------------------------------------------------------------------------------ MariaDB (in the background)
 D="$DIR/db"
 (
+  trap - ERR   # a failure here is reported by `wait "$DB_BOOT"` below, in the main shell
   mariadb-install-db --no-defaults --datadir="$D/data" --user=root --auth-root-authentication-method=normal \
       --skip-test-db > "$DIR/log/mariadb-install.log" 2>&1
   setsid mariadbd --no-defaults --datadir="$D/data" --user=root --bind-address=127.0.0.1 --port=$DB_PORT \
@@ -96,18 +120,7 @@ log "namespaces $NS""1..$NS$NODES on bridge $BR ($CTL_IP)"
   for i in $(seq 1 "$NODES"); do echo "$(node_ip "$i") n$i"; done; } > "$DIR/etc/hosts"
 
 # ------------------------------------------------------------------------------------------------ configuration
-node_lines=""
-for i in $(seq 1 "$NODES"); do
-  node_lines+="NodeName=n$i NodeAddr=$(node_ip "$i") CPUs=$CPUS RealMemory=$MEM Gres=gpu:$GPUS State=UNKNOWN"$'\n'
-done
-esc() { printf '%s' "$1" | sed -e 's/[\/&|]/\\&/g'; }
-sed -e "s|@DIR@|$(esc "$DIR")|g" -e "s|@MUNGE_SOCKET@|$(esc "$MSOCK")|g" -e "s|@CTL_HOST@|$(hostname -s)|g" \
-    -e "s|@CTL_IP@|$CTL_IP|g" -e "s|@CTLD_PORT@|$CTLD_PORT|g" -e "s|@SLURMD_PORT@|$SLURMD_PORT|g" \
-    -e "s|@DBD_PORT@|$DBD_PORT|g" "$HERE/slurm.conf.in" | awk -v nodes="$node_lines" '{ if ($0 == "@NODE_LINES@") printf "%s", nodes; else print }' > "$C"
-# Slurm 22.05 drops GPUs that have no File= ("Removing file-less GPU"): each node gets GPUS empty plain files as
-# stand-in devices (never opened; task/none binds nothing). Jobs still see CUDA_VISIBLE_DEVICES=0,1,...
-mkdir -p "$DIR/dev"; for g in $(seq 0 $((GPUS - 1))); do : > "$DIR/dev/nvidia$g"; done
-echo "Name=gpu File=$DIR/dev/nvidia[0-$((GPUS - 1))]" > "$DIR/etc/gres.conf"
+source "$HERE/write_conf.sh"   # slurm.conf (+ SITE_CONF's lines), gres.conf, stand-in GPU files
 cat > "$DIR/etc/slurmdbd.conf" <<EOF
 AuthType=auth/munge
 AuthInfo=socket=$MSOCK
@@ -158,5 +171,6 @@ for _ in $(seq 1 300); do
 done
 [[ $up == "$NODES" ]] || { sinfo -N >&2 || true; die "only $up of $NODES nodes idle: see $DIR/log/slurmctld.log, slurmd-n*.log"; }
 touch "$DIR/run/started"
+trap - ERR EXIT
 log "ready: $NODES nodes x $GPUS GPUs; partitions debug (default, 24 h), small (n1, 5 min)"
 echo "export SLURM_CONF=$C"
