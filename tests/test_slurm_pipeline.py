@@ -608,6 +608,91 @@ def test_requeued_twice_resumes_and_ends_at_the_step_count(two_node_run, site, s
     assert submitted_ids(rule_log(wd, "train")) == [job_id]
 
 
+# ------------------------------------------------------------------------------------------------ 2a. the last save interval
+
+FINAL_STEPS, FINAL_SAVE_EVERY = 12, 4     # the last save interval: batches 9 to 12
+
+
+def _signal_paused_training(cluster, wd: Path, extra: Path, site: Site, pause_at: str, requeue: bool) -> dict:
+    """Train ``wd``'s tiny run under ``extra``; once it pauses at ``pause_at`` (tests/helpers/sitecustomize.py),
+    ``scancel --signal=USR2`` its job, wait until its rank 0 caught the signal, let it go on, release its requeued
+    job when ``requeue`` is expected. Returns the job id, Snakemake's return code and output."""
+    pause = wd.parent / "pause"
+    pause.mkdir()
+    env = {"PYTHONPATH": os.pathsep.join([str(REPO / "tests" / "helpers"), str(REPO)]),
+           "LLMPIPE_TEST_PAUSE_AT": pause_at, "LLMPIPE_TEST_PAUSE_DIR": str(pause)}
+    with background_snakemake(wd, TRAIN_JSON, *site.with_configfile(extra), env=env) as (proc, out):
+        wait_until(lambda: (pause / "paused").exists(), 300, f"the training paused at {pause_at}", out)
+        job_id = submitted_ids(rule_log(wd, "train"))[0]
+        cluster.run("scancel", "--signal=USR2", job_id)            # what Slurm sends before the time limit
+        wait_until(lambda: "caught signal" in task_log(wd, job_id), 60, "rank 0 to catch USR2", out)
+        (pause / "go").touch()
+        if requeue:
+            cluster.release_requeued(job_id, timeout=120)
+        proc.wait(300)
+        return {"job_id": job_id, "rc": proc.returncode, "out": out.read_text()}
+
+
+@pytest.mark.timeout(900)
+def test_a_time_limit_signal_in_the_last_save_interval_never_leaves_the_training_stuck(tiny_run, site, slurm_cluster,
+                                                                                       tmp_path):
+    """Three trainings side by side (one node each, :data:`FINAL_STEPS` batches, a checkpoint every
+    :data:`FINAL_SAVE_EVERY`), each signalled with USR2 while paused: at the first batch of its last save interval, at
+    its final batch, during its final save. The first checkpoints at that batch, is requeued once and resumes; the
+    other two save the final checkpoint and end with their result in their one allocation (no requeue: a requeued
+    finished training was what left runs stuck). Every one writes train.json at the step count."""
+    cases = {"first batch": (str(FINAL_STEPS - FINAL_SAVE_EVERY + 1), True), "final batch": (str(FINAL_STEPS), False),
+             "final save": (f"save:{FINAL_STEPS}", False)}
+    t0 = time.time()
+    runs: dict[str, dict] = {}
+    wds: dict[str, Path] = {}
+
+    def one(name: str, pause_at: str, requeue: bool) -> None:
+        try:
+            wd = wds[name]
+            extra = wd.parent / "final-interval.yaml"
+            extra.write_text(yaml.safe_dump({"models": {"mpt-tiny": {
+                "train": {"max_duration_batches": FINAL_STEPS, "save_interval_batches": FINAL_SAVE_EVERY},
+                "resources": {"nodes": 1}}}}))
+            runs[name] = _signal_paused_training(slurm_cluster, wd, extra, site, pause_at, requeue)
+        except BaseException as exc:     # noqa: BLE001 - reported by the test thread below
+            runs[name] = {"error": exc}
+
+    for i, name in enumerate(cases):
+        wds[name] = copy_run(tiny_run, tmp_path / f"case{i}" / "wd")
+        fresh_training(wds[name])
+    threads = [threading.Thread(target=one, args=(name, *case), daemon=True) for name, case in cases.items()]
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(800)
+    finally:
+        for wd in wds.values():
+            cancel_jobs_of(slurm_cluster, wd)
+    for name, (pause_at, requeue) in cases.items():
+        run, wd = runs.get(name, {"error": "did not finish"}), wds[name]
+        if "error" in run:
+            raise AssertionError(f"{name}: {run['error']}")
+        job_id = run["job_id"]
+        assert run["rc"] == 0, (name, run["out"][-6000:])
+        train = read_json(wd, TRAIN_JSON)
+        assert train["steps"] == FINAL_STEPS and not train.get("recovered"), (name, train)
+        log0 = task_log(wd, job_id)
+        rows = settled_jobs_since(slurm_cluster, t0, "train_mpt-tiny", wd, expect=2 if requeue else 1)
+        if requeue:
+            batch = int(pause_at)
+            assert usr2_checkpoints(wd, job_id) == [batch], (name, log0[-3000:])
+            assert train["resumed_from"].endswith(f"-ba{batch}-rank0.pt"), (name, train)
+            assert [(r["JobID"], r["State"]) for r in rows] == [(job_id, "REQUEUED"), (job_id, "COMPLETED")], rows
+        else:
+            assert usr2_checkpoints(wd, job_id) == [], (name, log0[-3000:])
+            assert f"came after the final batch {FINAL_STEPS} had trained" in log0, (name, log0[-3000:])
+            assert train["resumed_from"] is None and train["batches_this_job"] == FINAL_STEPS, (name, train)
+            assert [(r["JobID"], r["State"]) for r in rows] == [(job_id, "COMPLETED")], (name, rows)
+        assert submitted_ids(rule_log(wd, "train")) == [job_id]
+
+
 # ------------------------------------------------------------------------------------------------ 2b. time limits
 
 @pytest.mark.timeout(1800)

@@ -54,3 +54,41 @@ if _MIN_STEP_S and _IN_JOB:
         _last_step[:] = [time.monotonic()]
 
     register_optimizer_step_post_hook(_pace)
+
+# LLMPIPE_TEST_PAUSE_AT=<N> (or save:<N>) with LLMPIPE_TEST_PAUSE_DIR=<dir>: in the first allocation of a job
+# (SLURM_RESTART_COUNT 0 or unset), the training process pauses as its N-th optimizer step ends (save:<N>: as the
+# first torch.save after the N-th step starts, the final full checkpoint of an N-batch training), writes <dir>/paused
+# and waits up to 300 s for <dir>/go: a test sends Slurm's signal while the training is at that point.
+_PAUSE_AT = os.environ.get("LLMPIPE_TEST_PAUSE_AT")
+if _PAUSE_AT and _IN_JOB and os.environ.get("SLURM_RESTART_COUNT", "0") == "0":
+    import time
+
+    import torch
+    from torch.optim.optimizer import register_optimizer_step_post_hook
+
+    _pause_dir = os.environ["LLMPIPE_TEST_PAUSE_DIR"]
+    _in_save, _, _pause_step = _PAUSE_AT.rpartition(":")
+    _pause_step = int(_pause_step)
+    _steps = [0]
+
+    def _pause() -> None:
+        open(os.path.join(_pause_dir, "paused"), "w").close()
+        deadline = time.monotonic() + 300
+        while not os.path.exists(os.path.join(_pause_dir, "go")) and time.monotonic() < deadline:
+            time.sleep(0.05)   # Python signal handlers run between these sleeps
+
+    def _count(optimizer, args, kwargs):
+        _steps[0] += 1
+        if not _in_save and _steps[0] == _pause_step:
+            _pause()
+
+    register_optimizer_step_post_hook(_count)
+    if _in_save:
+        _save = torch.save
+
+        def _save_paused(*args, **kwargs):
+            if _steps[0] == _pause_step and not os.path.exists(os.path.join(_pause_dir, "paused")):
+                _pause()
+            return _save(*args, **kwargs)
+
+        torch.save = _save_paused
