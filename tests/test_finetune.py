@@ -135,8 +135,8 @@ def test_dry_run_plans_hub_finetune_with_resources(workdir, run, nodes, extra):
     blocked.mkdir()
     for name in ("torch", "transformers", "llmfoundry", "composer", "peft"):
         (blocked / f"{name}.py").write_text(f"raise ImportError('{name} must not be imported by a dry run')\n")
-    proc = snakemake(workdir, "-n", f"results/{run}/eval.json", f"results/{run}/generate.json",
-                     *(["--config", f"finetunes={{'{run}': {{'lora': {extra!r}}}}}"] if extra else []),
+    proc = snakemake(workdir, "-n", f"results/{run}/eval.json", f"results/{run}/generate.json", "--config",
+                     "gpu_type=h200", *([f"finetunes={{'{run}': {{'lora': {extra!r}}}}}"] if extra else []),
                      env={"PYTHONPATH": os.pathsep.join([str(blocked), str(REPO)])})
     jobs = planned_jobs(proc)
     # hub weights: no pretraining, but the hub tokenizer, the instruction set and the ICL tasks (from C4) are there

@@ -638,8 +638,9 @@ def test_bench_builds_every_variant(tmp_path):
     cfg, knobs = bench.build_train_config(config, 'mpt-350m', bench.VARIANTS['default'], steps=3,
                                           mb_override=None, tok_dir=str(tmp_path))
     assert knobs['compile'] == 'fix'   # compiled by default: the catalogue fix, as in the training step
-    # activation_checkpointing: auto is decided at the benchmark's own microbatch (this host has no GPU: gpu_type's
-    # 141 GiB): MPT-3B at 8 fits without recompute (82 GiB planned), at 16 (mb_x2_default, 122 GiB) it does not
+    # activation_checkpointing: auto is decided at the benchmark's own microbatch (this host has no GPU: planned for
+    # an h200's 141 GiB): MPT-3B at 8 fits without recompute (82 GiB planned), at 16 (mb_x2_default, 122 GiB) it does not
+    config = {**config, 'gpu_type': 'h200'}
     for name, want in (('default', False), ('mb_x2_default', True), ('ac_on', True), ('ac_off', False)):
         cfg, knobs = bench.build_train_config(config, 'mpt-3b', bench.VARIANTS[name], steps=3, mb_override=None,
                                               tok_dir=str(tmp_path))

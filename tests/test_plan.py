@@ -187,11 +187,25 @@ def test_basis_is_the_median_of_the_named_runs_repeats(tmp_path):
 
 
 def test_the_committed_basis_names_rows_that_exist():
-    """benchmarks/plan-basis.json names a model, variant and run id with ok rows in the committed CSV."""
+    """benchmarks/plan-basis.json names, for each card, rows that exist: a model, variant and run id with ok rows in
+    the committed CSV (h200, and every card without rows of its own), or ok acceptance records (h100)."""
     chosen = json.loads((REPO / "benchmarks/plan-basis.json").read_text())
-    basis = plan.benchmark_basis()
-    assert basis is not None and basis["run_id"] == chosen["run_id"] and basis["model"] == chosen["model"]
-    assert basis["repeats"] >= 1 and 0.3 < basis["mfu"] < 0.8
+    assert chosen["other_cards"] == "h200" and set(chosen["cards"]) >= {"h200", "h100"}
+    for card, rows in chosen["cards"].items():
+        basis = plan.benchmark_basis(card=card)
+        assert basis is not None and basis["card"] == card and basis["model"] == rows["model"], card
+        assert basis["repeats"] >= 1 and 0.3 < basis["mfu"] < 0.8, card
+    h200, h100 = plan.benchmark_basis(card="h200"), plan.benchmark_basis(card="h100")
+    assert h200["run_id"] == chosen["cards"]["h200"]["run_id"] and h200["gpu"] == "NVIDIA H200"
+    # the H100 row: the median steady window of the three MPT-1B acceptance records on an H100
+    mfus = sorted(json.loads((REPO / "benchmarks" / f).read_text())["train"]["steady_mfu"]
+                  for f in chosen["cards"]["h100"]["acceptance"])
+    assert h100["gpu"] == "NVIDIA H100 80GB HBM3" and h100["repeats"] == 3 and h100["mfu"] == mfus[1]
+    assert plan.benchmark_basis(card="a100-80gb")["card"] == "h200" == plan.benchmark_basis()["card"]
+    t = plan.train_time(run_config(project_config(), "mpt-1b"), nodes=1, gpus_per_node=1, gpu_type="h100",
+                        basis=h100)
+    assert "acceptance-h100-mpt-1b-nokill.json" in t["basis"] and "named by benchmarks/plan-basis.json for h100" \
+        in t["basis"]
 
 
 # ------------------------------------------------------------------------------------------- dry runs
@@ -218,7 +232,10 @@ def test_dry_run_refuses_training_that_cannot_fit(workdir):
     assert re.search(r"models\.mpt-70b: the train step of mpt-70b needs about \d+ GiB per GPU .* 40 GiB of one "
                      r"a100-40gb GPU \(gpu_type\)\. Fix: turn on models\.mpt-70b\.train\.fsdp\."
                      r"activation_checkpointing .*models\.mpt-70b\.train\.microbatch_size .*"
-                     r"models\.mpt-70b\.resources\.nodes", out), out[-3000:]
+                     r"a GPU with more memory \(gpu_type\)\.", out), out[-3000:]
+    # without recompute the activations alone (160 GiB per GPU at microbatch 4, 40 at 1) exceed the card at any GPU
+    # count: more GPUs is no fix on its own (llmpipe.plan.memory_time.smallest_world_size)
+    assert "more GPUs" not in out
     assert "rule train:" not in proc.stdout  # nothing planned to run
 
 
@@ -268,7 +285,8 @@ def test_dry_run_plans_70b_inference_on_one_node_of_8_gpus(workdir):
     assert "projection: " in out and re.search(r"start \d+ s \+ 512 new tokens x [\d.]+ ms \(job-overheads-h200", out)
     # the evaluation's plan: the held-out batches counted, the standard suite's tasks named as not on disk yet
     assert re.search(r"plan eval mpt-70b: .*; time [\d.]+ minutes \(start \d+ s \+ 1 evaluator\(s\), 20 batches, "
-                     r".* \(eval-plan-basis\.json\); without \d+ task\(s\) not counted yet", out), out[-3000:]
+                     r".* \(eval-plan-basis\.json: its h200 row at the h100 bf16 peak\); without \d+ task\(s\) not "
+                     r"counted yet", out), out[-3000:]
 
 
 def test_shared_prefix_eval_plans_its_cache_on_one_gpu_only():
@@ -388,6 +406,7 @@ def test_report_projection_uses_the_benchmark_without_a_gpu_run(tmp_path):
     from llmpipe.report import tables as report
 
     config = project_config()
+    config["gpu_type"] = "h200"   # this host has no GPU: the plans of an h200
     config["report"] = {"projection": {"nodes": [8, 64], "models": ["mpt-70b"]}}
     (tmp_path / "mpt-tiny").mkdir()
     (tmp_path / "mpt-tiny/train.json").write_text(json.dumps({
@@ -453,7 +472,7 @@ def test_a_scaling_study_recomputes_at_every_node_count_or_at_none():
     not on 2, so a study over 1..8 nodes recomputes at each (speedups compare the same FLOPs per token)."""
     from llmpipe.bench import scaling_study as scaling
     from llmpipe.config.runs import deep_merge
-    config = deep_merge(project_config(), {"scaling": {"nodes": [1, 2, 4, 8]}})
+    config = deep_merge(project_config(), {"gpu_type": "h200", "scaling": {"nodes": [1, 2, 4, 8]}})
     rc13 = run_config(config, "mpt-13b")
     alone = {n: plan.train_memory(rc13, nodes=n, gpus_per_node=8, capacity_gb=141)["activation_checkpointing"]
              for n in (1, 2)}

@@ -320,15 +320,15 @@ def _load_project_config(path: str) -> dict:
     return load_config(path)
 
 
-def device_memory_gb(config: dict) -> float:
-    """One GPU's memory in GiB: CUDA device 0's ``total_memory`` where there is one, else the config's ``gpu_type``
-    (:func:`llmpipe.plan.memory_time.gpu_memory_gb`)."""
+def device_memory_gb(config: dict) -> float | None:
+    """One GPU's memory in GiB: CUDA device 0's ``total_memory`` where there is one, else the card the config's
+    ``gpu_type`` plans for (:func:`llmpipe.config.runs.gpu_memory`; None for ``auto`` without a GPU)."""
     import torch
 
-    from llmpipe.plan.memory_time import gpu_memory_gb
+    from llmpipe.config.runs import gpu_memory
     if torch.cuda.is_available():
         return torch.cuda.get_device_properties(0).total_memory / 2**30
-    return gpu_memory_gb(config['gpu_type'], config.get('gpu_memory_gb'))
+    return gpu_memory(config)
 
 
 def build_train_config(config: dict, run: str, variant: dict, *, steps: int, mb_override: int | None,

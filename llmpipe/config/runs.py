@@ -418,13 +418,13 @@ def inference_plan(config: dict, step: str, run: str) -> dict | None:
     the step section's GPUs for a model that fits one GPU of ``gpu_type``, else the GPUs of one node of the run
     (``resources.gpus_per_node``).
 
-    Returns None for a step on CPU (``gpus_per_node: 0``), without ``gpu_type``, or for a model without ``arch``
-    (a hub base): those keep their configured resources.
+    Returns None for a step on CPU (``gpus_per_node: 0``), without ``gpu_type`` or a card to plan for
+    (:func:`gpu_card`), or for a model without ``arch`` (a hub base): those keep their configured resources.
     """
     section = dict(config[step].get("resources", {}))
     override = (_run_section(config, run).get("step_resources") or {}).get(step) or {}
     gpus = int((override["gpus_per_node"] if "gpus_per_node" in override else section["gpus_per_node"]) or 0)
-    if gpus <= 0 or not config.get("gpu_type"):
+    if gpus <= 0 or not config.get("gpu_type") or gpu_type(config) is None:
         return None
     rc = run_config(config, run)
     if "d_model" not in (rc.get("arch") or {}):
@@ -443,15 +443,32 @@ def inference_plan(config: dict, step: str, run: str) -> dict | None:
         shared_prefix=step == "eval" and config["eval"]["icl_batches"] == "shared_prefix")
 
 
-def gpu_memory(config: dict) -> float:
-    """One GPU's memory in GiB for the config's ``gpu_type``, its ``gpu_memory_gb`` first
-    (:func:`llmpipe.plan.memory_time.gpu_memory_gb`).
+def gpu_card(config: dict):
+    """The card the plans are for (:class:`llmpipe.plan.card.Card`): the config's ``gpu_type``, or with ``auto`` the
+    GPU this machine's nvidia-smi reports (:func:`llmpipe.plan.card.config_card`); its ``gpu_type`` is None where
+    there is none.
 
     Raises:
-        ConfigError: an unknown ``gpu_type``, naming the known ones.
+        ConfigError: an unknown configured ``gpu_type`` (naming the known ones), or ``auto`` on the Slurm executor.
     """
-    from llmpipe.plan import memory_time as plan
-    return plan.gpu_memory_gb(config["gpu_type"], config.get("gpu_memory_gb"))
+    from llmpipe.plan import card
+    return card.config_card(config)
+
+
+def gpu_type(config: dict) -> str | None:
+    """The GPU type the plans are for: :func:`gpu_card`'s key (``auto`` resolved), None without a GPU."""
+    return gpu_card(config).gpu_type
+
+
+def gpu_memory(config: dict) -> float | None:
+    """One GPU's memory in GiB for :func:`gpu_card` (the config's ``gpu_memory_gb`` first, then
+    :data:`llmpipe.plan.memory_time.GPU_MEMORY_GB`; nvidia-smi's figure for a detected card neither knows), None
+    without a GPU.
+
+    Raises:
+        ConfigError: as :func:`gpu_card`.
+    """
+    return gpu_card(config).memory_gb
 
 
 def tokens_per_run(config: dict, run: str) -> int:

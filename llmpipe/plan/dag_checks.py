@@ -67,7 +67,7 @@ class DagChecks:
 
     def check_settings(self) -> None:
         """The checks of settings no rule owns: the results folder (:func:`llmpipe.config.results_dir.check_results_dir`), an
-        unknown ``gpu_type`` (naming the known ones), a tracking logger whose package is missing
+        unknown ``gpu_type`` (naming the known ones) or ``auto`` on Slurm (:func:`llmpipe.config.runs.gpu_card`), a tracking logger whose package is missing
         (:func:`llmpipe.train.tracking.settings` names the fix) and an eval suite that no run's choice finds
         (:func:`llmpipe.evaluation.suites.run_suite`, for every run: the rest of a suite's checks need its files and
         come with the eval rule's inputs, :func:`llmpipe.evaluation.suites.check_suite`).
@@ -253,30 +253,45 @@ class DagChecks:
                 self.planned.add((step, run))
             return
         where = cfg.section_path(config, run)
-        gpu_type = config["gpu_type"]
-        capacity = cfg.gpu_memory(config)
-        if step == "train":
+        card = cfg.gpu_card(config)  # gpu_type, or auto: this machine's card (llmpipe.plan.card)
+        gpu_type, capacity = card.gpu_type, card.memory_gb
+        if gpu_type is None:  # auto and no GPU here: nothing to plan the GPUs against
+            self.say(self.no_card_line(step, run, rc, r))
+        elif step == "train":
             mem = plan_mod.train_memory(rc, nodes=int(r["nodes"]), gpus_per_node=int(r["gpus_per_node"]),
                                         capacity_gb=capacity)
             proj = self.train_projection(rc, r, mem, overheads)
-            self.say(plan_mod.plan_line(step, run, mem, capacity, gpu_type, proj))
-            plan_mod.check_fits(step, run, mem, capacity, gpu_type, where)
+            self.say(plan_mod.plan_line(step, run, mem, capacity, card.label, proj, card.unknown_note()))
+            plan_mod.check_fits(step, run, mem, capacity, gpu_type, where, rc)
         else:
             placed = cfg.inference_plan(config, step, run)
             mem = placed["memory"]
             proj = self.inference_projection(step, rc, placed, overheads)
-            self.say(plan_mod.plan_line(step, run, mem, capacity, gpu_type, proj))
+            self.say(plan_mod.plan_line(step, run, mem, capacity, card.label, proj, card.unknown_note()))
             plan_mod.check_inference_fits(step, run, placed, capacity, gpu_type, where)
         self.planned.add((step, run))
+
+    def no_card_line(self, step: str, run: str, rc: dict, r: dict) -> str:
+        """The plan line of a GPU step where ``gpu_type: auto`` finds no GPU (nvidia-smi): a training's memory per
+        GPU without a card to compare it with, an evaluation's time on the CPU, which the jobs here run on."""
+        why = "no GPU: gpu_type is auto and nvidia-smi finds none on this machine"
+        if step == "train":
+            mem = plan_mod.train_memory(rc, nodes=int(r["nodes"]), gpus_per_node=int(r["gpus_per_node"]),
+                                        capacity_gb=None)
+            return plan_mod.plan_line(step, run, mem, None, why)
+        proj = self.eval_projection(rc, "cpu", 1) if step == "eval" else None
+        time = f"; time {plan_mod.human_time(proj['seconds'])} ({proj['basis']})" if proj else ""
+        return f"plan {step} {run}: planned for the CPU ({why}){time}"
 
     def train_projection(self, rc: dict, r: dict, mem: dict, overheads: dict | None) -> dict | None:
         """The projected time of a training with resources ``r`` and memory plan ``mem`` on ``gpu_type``
         (:func:`llmpipe.plan.memory_time.train_time`), or None without a benchmark basis."""
-        basis = plan_mod.benchmark_basis(plan_mod.BENCHMARK_CSV)
+        gpu_type = cfg.gpu_type(self.config)
+        basis = plan_mod.benchmark_basis(card=gpu_type)   # the rows benchmarks/plan-basis.json names for the card
         if not basis:
             return None
         return plan_mod.train_time(
-            rc, nodes=int(r["nodes"]), gpus_per_node=int(r["gpus_per_node"]), gpu_type=self.config["gpu_type"],
+            rc, nodes=int(r["nodes"]), gpus_per_node=int(r["gpus_per_node"]), gpu_type=gpu_type,
             basis=basis, activation_checkpointing=mem["activation_checkpointing"],
             peak_overrides=self.config.get("gpu_peak_flops"), overheads=overheads,
             time_limit_s=(float(r["time_min"]) * 60 if executor_kind(self.config) == "slurm" else None))
@@ -306,8 +321,8 @@ class DagChecks:
         config = self.config
         mem, n = placed["memory"], placed["gpus"]
         if step == "eval":
-            return self.eval_projection(rc, str(config["gpu_type"]), n)
+            return self.eval_projection(rc, str(cfg.gpu_type(config)), n)
         g = run_generate_settings(config, rc["name"])  # the run's own prompts, when it has them
         new = len(g.prompts) * g.max_new_tokens
-        return ip.inference_time(rc, step, gpus=n, gpu_type=config["gpu_type"], basis=None, new_tokens=new,
+        return ip.inference_time(rc, step, gpus=n, gpu_type=cfg.gpu_type(config), basis=None, new_tokens=new,
                                  weights_gb=mem["weights_gb"] * n, overheads=overheads)

@@ -21,7 +21,8 @@ With several processes the batches are dealt to the ranks, which run at once: th
 The start is ``start_s + load_s_per_param x parameters`` (the model's load grows with it). The constants are per
 device class (``h200``, ``cpu``) in ``benchmarks/eval-plan-basis.json``, fitted by ``tools/calibrate_eval_plan.py``
 to committed benchmark rows (each constant's rows are named there). Another GPU type gets the ``h200`` constants
-with its own bf16 peak.
+with its own bf16 peak, and the plan's text names the row that served it (``eval-plan-basis.json: its h200 row at the
+h100 bf16 peak``).
 
 This module imports without torch and takes explicit arguments, never the workflow config.
 """
@@ -160,14 +161,15 @@ class DeviceBasis:
 
     def for_gpu(self, gpu_type: str, peak_overrides: Mapping[str, float] | None = None) -> DeviceBasis | None:
         """The constants on ``gpu_type``: the forward rate scaled by its bf16 peak over the basis device's (the same
-        forward MFU); None without a known peak."""
+        forward MFU), ``source`` naming the row that serves it; None without a known peak."""
         if self.peak_flops is None:
             return self
         peak = peak_flops_for_name(str(gpu_type).replace("-", " "), "bf16", peak_overrides)
         if not peak:
             return None
         return DeviceBasis(str(gpu_type), self.start_s, self.batch_s, self.forward_s_per_flop * self.peak_flops / peak,
-                           self.decode_s_per_layer, peak, self.source, self.load_s_per_param)
+                           self.decode_s_per_layer, peak, f"{self.source}: its {self.device} row at the {gpu_type} "
+                           f"bf16 peak", self.load_s_per_param)
 
     @property
     def forward_mfu(self) -> float | None:

@@ -76,6 +76,7 @@ __all__ = [
     'GPU_MEMORY_GB',
     'benchmark_basis',
     'check_fits',
+    'smallest_world_size',
     'check_inference_fits',
     'gpu_memory_gb',
     'human_time',
@@ -136,8 +137,9 @@ def gpu_memory_gb(gpu_type: str, overrides: Mapping[str, float] | None = None) -
     if key not in table:
         raise ConfigError(f"gpu_type is {gpu_type!r}, which is not a known GPU type "
                           f"(known: {', '.join(sorted(table))}). "
-                          f"Fix: set gpu_type to one of them, or give its memory with gpu_memory_gb: "
-                          f"{{{gpu_type}: <GB>}}.")
+                          f"Fix: set gpu_type to one of them (or auto: this machine's GPU, by nvidia-smi), or give "
+                          f"its memory with gpu_memory_gb: {{{gpu_type}: <GB>}} (and its dense bf16 peak with "
+                          f"gpu_peak_flops: {{{gpu_type}: <FLOP/s>}}, for the time plans).")
     return float(table[key])
 
 
@@ -298,24 +300,69 @@ def inference_memory(rc: Mapping, *, step: str, batch_size: int = 1, context: in
             'kv_cache_gb': kv / GB, 'activations_gb': acts / GB, 'logits_gb': logits / GB, 'total_gb': total / GB}
 
 
-def benchmark_basis(csv_path: str | None = None, model: str | None = None, variant: str | None = None,
-                    run_id: str | None = None, basis_path: str = PLAN_BASIS_JSON) -> dict | None:
-    """The time plan's basis: the median by MFU of the ``ok`` rows of one model, variant and run id of the training
-    throughput CSV (written by ``tools/bench_train_throughput.py``; one row, or the middle of the repeats of
-    ``--repeats``).
+def _acceptance_rows(folder: str, records: list[str], model: str) -> list[dict]:
+    """The training phases of the acceptance records ``records`` (files in ``folder``, ``tools/gpu_acceptance.py``)
+    of ``model`` that are ok and have a steady window: ``{'gpu', 'timestamp', 'tokens_per_s', 'mfu',
+    'flops_per_token', 'peak_flops', 'source'}`` each, from the window's tokens/s and MFU (start-up, compile and
+    checkpoint saves left out, as the benchmark's timed steps leave them out)."""
+    rows = []
+    for name in records:
+        try:
+            with open(os.path.join(folder, name)) as f:
+                rec = json.load(f)
+        except FileNotFoundError:
+            continue
+        t = rec.get('train') or {}
+        if not rec.get('ok') or rec.get('run') != model or not t.get('steady_mfu'):
+            continue
+        rows.append({'gpu': t.get('device') or (rec.get('stack') or {}).get('device', ''),
+                     'timestamp': rec.get('date', ''), 'tokens_per_s': float(t['steady_tokens_per_s_per_device']),
+                     'mfu': float(t['steady_mfu']), 'flops_per_token': float(t['flops_per_token']),
+                     'peak_flops': float(t['peak_flops_per_device']), 'source': name})
+    return rows
 
-    Which rows is a committed choice, not the newest row: ``basis_path`` (``benchmarks/plan-basis.json``) names the CSV
-    (relative to its folder), ``model``, ``variant`` and ``run_id``; the arguments, when given, override it (tests).
+
+def benchmark_basis(csv_path: str | None = None, model: str | None = None, variant: str | None = None,
+                    run_id: str | None = None, basis_path: str = PLAN_BASIS_JSON,
+                    card: str | None = None) -> dict | None:
+    """The time plan's basis for GPU type ``card``: the median by MFU of the measured rows ``basis_path`` names for it.
+
+    Which rows is a committed choice, not the newest row: ``basis_path`` (``benchmarks/plan-basis.json``) holds, per
+    card under ``cards``, either the training throughput CSV (``csv``, relative to its folder, written by
+    ``tools/bench_train_throughput.py``) with a ``model``, ``variant`` and ``run_id`` (its ``ok`` rows: one, or the
+    repeats of ``--repeats``), or ``acceptance``: acceptance records of ``model`` (``tools/gpu_acceptance.py``; each
+    record's steady training window, :func:`_acceptance_rows`). A card without its own rows (or ``card`` None) gets
+    the rows of ``other_cards``, which :func:`train_time` scales by the card's own bf16 peak. A file without
+    ``cards`` is one CSV choice for every card. ``csv_path``, ``model``, ``variant`` and ``run_id``, when given,
+    override the CSV choice (tests).
+
     Returns ``{'model', 'variant', 'gpu', 'run_id', 'timestamp', 'tokens_per_s', 'mfu', 'flops_per_token',
-    'peak_flops', 'repeats'}``; None when a file or such a row is missing.
+    'peak_flops', 'repeats', 'card': the key of the rows used, 'source': where they are, for the plan's text}``;
+    None when a file or such a row is missing.
     """
     try:
         with open(basis_path) as f:
             chosen = json.load(f)
     except FileNotFoundError:
         return None
-    csv_path = csv_path or os.path.join(os.path.dirname(basis_path), chosen['csv'])
-    model, variant = model or chosen['model'], variant or chosen['variant']
+    folder = os.path.dirname(basis_path)
+    cards = chosen.get('cards')
+    key = None
+    if cards:
+        key = str(card).lower() if card is not None and str(card).lower() in cards else chosen['other_cards']
+        chosen = cards[key]
+    model, variant = model or chosen['model'], variant or chosen.get('variant', 'default')
+    if chosen.get('acceptance') and not (csv_path or run_id):
+        rows = sorted(_acceptance_rows(folder, list(chosen['acceptance']), model), key=lambda r: r['mfu'])
+        if not rows:
+            return None
+        r = rows[(len(rows) - 1) // 2]
+        return {'model': model, 'variant': variant, 'gpu': r['gpu'], 'run_id': r['source'], 'repeats': len(rows),
+                'timestamp': r['timestamp'], 'tokens_per_s': r['tokens_per_s'], 'mfu': r['mfu'],
+                'flops_per_token': r['flops_per_token'], 'peak_flops': r['peak_flops'], 'card': key,
+                'source': (f"steady training windows of {', '.join('benchmarks/' + n for n in chosen['acceptance'])}"
+                           if len(rows) > 1 else f"the steady training window of benchmarks/{r['source']}")}
+    csv_path = csv_path or os.path.join(folder, chosen['csv'])
     run_id = run_id or chosen['run_id']
     try:
         with open(csv_path, newline='') as f:
@@ -329,7 +376,8 @@ def benchmark_basis(csv_path: str | None = None, model: str | None = None, varia
     r = rows[(len(rows) - 1) // 2]
     return {'model': model, 'variant': variant, 'gpu': r['gpu'], 'run_id': run_id, 'repeats': len(rows),
             'timestamp': r['timestamp'], 'tokens_per_s': float(r['tokens_per_s']), 'mfu': float(r['mfu']),
-            'flops_per_token': float(r['flops_per_token']), 'peak_flops': float(r['peak_flops'])}
+            'flops_per_token': float(r['flops_per_token']), 'peak_flops': float(r['peak_flops']), 'card': key,
+            'source': f"run {run_id} of benchmarks/{os.path.basename(csv_path)}"}
 
 
 #: The per-job costs of the time plans, each with its derivation (module docstring).
@@ -458,9 +506,10 @@ def train_time(rc: Mapping, *, nodes: int, gpus_per_node: int, gpu_type: str, ba
     tokens = int(rc['train']['max_duration_batches']) * int(rc['train']['global_batch_size']) * seq
     seconds = tokens / (tps_gpu * gpus)
     med = f"median of {basis['repeats']} runs, " if int(basis.get('repeats') or 1) > 1 else ""
+    source = basis.get('source') or f"run {basis['run_id']} of benchmarks/train-throughput.csv"
+    rows_for = f" for {basis['card']}" if basis.get('card') else ""
     text = (f"projection: MFU {float(basis['mfu']):.3f} of {basis['model']} ({basis['variant']}, {med}"
-            f"{basis['gpu']}, run {basis['run_id']} of benchmarks/train-throughput.csv, named by "
-            f"benchmarks/plan-basis.json) x {gpu_type} bf16 peak"
+            f"{basis['gpu']}, {source}, named by benchmarks/plan-basis.json{rows_for}) x {gpu_type} bf16 peak"
             + (", x 3/4 for activation recompute" if activation_checkpointing else "")
             + (f", LoRA: x {lora:.2f} the FLOPs (no weight gradients of the frozen base)" if rc.get('lora') else "")
             + "; no communication or restart costs")
@@ -504,9 +553,11 @@ def human_time(seconds: float) -> str:
     return f"{days:.1f} days" if days < 60 else f"{days:.0f} days = {days / 30:.1f} months"
 
 
-def plan_line(step: str, run: str, plan: Mapping, capacity_gb: float, gpu_type: str,
-              time: Mapping | None = None) -> str:
-    """One line for the dry run: the step's per-GPU memory plan (and projected time) against the GPU's memory."""
+def plan_line(step: str, run: str, plan: Mapping, capacity_gb: float | None, gpu_type: str,
+              time: Mapping | None = None, note: str = "") -> str:
+    """One line for the dry run: the step's per-GPU memory plan (and projected time) against the memory of the card
+    ``gpu_type`` names (:attr:`llmpipe.plan.card.Card.label`); ``capacity_gb`` None: no card to plan for (the line
+    says so, ``gpu_type`` saying why). ``note`` (e.g. :meth:`llmpipe.plan.card.Card.unknown_note`) ends the line."""
     if 'states_gb' in plan:
         parts = (f"states {plan['states_gb']:.1f} + fsdp buffers {plan['fsdp_buffers_gb']:.1f} + activations "
                  f"{plan['activations_gb']:.1f} + logits {plan['logits_gb']:.1f}; "
@@ -514,8 +565,9 @@ def plan_line(step: str, run: str, plan: Mapping, capacity_gb: float, gpu_type: 
                  f"{plan['gpus_per_node']}), microbatch "
                  f"{plan['microbatch_size']} x {plan['seq_len']}, activation checkpointing "
                  f"{'on' if plan['activation_checkpointing'] else 'off'}"
-                 + (f" (auto: {plan['without_checkpointing_gb']:.1f} GiB without it, off up to {AUTO_AC_SHARE:.0%} "
-                    f"of the GPU)" if plan.get('without_checkpointing_gb') is not None else "")
+                 + ((f" (auto: {plan['without_checkpointing_gb']:.1f} GiB without it, off up to {AUTO_AC_SHARE:.0%} "
+                     f"of the GPU)" if capacity_gb is not None else " (auto: no card's memory to decide by)")
+                    if plan.get('without_checkpointing_gb') is not None else "")
                  + (f", LoRA: {plan['trained_params']:,} trained of {plan['params']:,} parameters"
                     if plan.get('lora') else ""))
     else:
@@ -525,18 +577,48 @@ def plan_line(step: str, run: str, plan: Mapping, capacity_gb: float, gpu_type: 
         buffers = f" + fsdp buffers {plan['fsdp_buffers_gb']:.1f}" if plan.get('fsdp_buffers_gb') else ''
         parts = (f"weights {plan['weights_gb']:.1f}{buffers} + KV cache {plan['kv_cache_gb']:.1f} + activations "
                  f"{plan['activations_gb']:.1f} + logits {plan['logits_gb']:.1f}; {where}")
-    share = plan['total_gb'] / capacity_gb
-    mark = '' if share <= TIGHT else (' (tight)' if share <= 1 else (' (may not fit)' if share <= 1 + MARGIN
-                                                                      else ' (DOES NOT FIT)'))
-    line = (f"plan {step} {run}: {plan['total_gb']:.1f} GiB per GPU of {capacity_gb:.0f} GiB ({gpu_type}){mark} = "
-            f"{parts}")
+    if capacity_gb is None:
+        line = f"plan {step} {run}: {plan['total_gb']:.1f} GiB per GPU, planned for no card ({gpu_type}) = {parts}"
+    else:
+        share = plan['total_gb'] / capacity_gb
+        mark = '' if share <= TIGHT else (' (tight)' if share <= 1 else (' (may not fit)' if share <= 1 + MARGIN
+                                                                          else ' (DOES NOT FIT)'))
+        line = (f"plan {step} {run}: {plan['total_gb']:.1f} GiB per GPU of {capacity_gb:.0f} GiB ({gpu_type}){mark} "
+                f"= {parts}")
     if time:
         line += f"; time {human_time(time['seconds'])} ({time['basis']})"
+    if note:
+        line += f"; {note}"
     return line
 
 
-def check_fits(step: str, run: str, plan: Mapping, capacity_gb: float, gpu_type: str, where: str) -> None:
+def smallest_world_size(rc: Mapping, capacity_gb: float, *, gpus_per_node: int, max_nodes: int = 1024) -> dict | None:
+    """The fewest GPUs on which :func:`train_memory` of run ``rc`` (its own settings; ``activation_checkpointing:
+    auto`` decided for ``capacity_gb``) is at most ``capacity_gb``: 1 to ``gpus_per_node`` GPUs on one node, then
+    whole nodes of ``gpus_per_node``, up to ``max_nodes``; only GPU counts the batch trains at (``global_batch_size``
+    divides over them and ``microbatch_size`` divides the per-GPU batch, as
+    :meth:`llmpipe.config.settings.RunSettings.batch_problem` requires). Returns ``{'nodes', 'gpus_per_node',
+    'world_size', 'total_gb'}``, or None when none fits."""
+    per_node = max(1, int(gpus_per_node))
+    shapes = [(1, n) for n in range(1, per_node + 1)] + [(k, per_node) for k in range(2, int(max_nodes) + 1)]
+    batch, micro = int(rc['train']['global_batch_size']), int(rc['train']['microbatch_size'])
+    for nodes, gpn in shapes:
+        per_gpu = batch // (nodes * gpn)
+        if batch % (nodes * gpn) or (micro < per_gpu and per_gpu % micro):
+            continue
+        mem = train_memory(rc, nodes=nodes, gpus_per_node=gpn, capacity_gb=capacity_gb)
+        if mem['total_gb'] <= capacity_gb:
+            return {'nodes': nodes, 'gpus_per_node': gpn, 'world_size': nodes * gpn, 'total_gb': mem['total_gb']}
+    return None
+
+
+def check_fits(step: str, run: str, plan: Mapping, capacity_gb: float, gpu_type: str, where: str,
+               rc: Mapping | None = None) -> None:
     """Refuse a step whose planned memory per GPU exceeds the GPU's by more than :data:`MARGIN`.
+
+    Only fixes that can work are offered: activation checkpointing and a smaller microbatch only when the model
+    states and FSDP buffers (what neither changes) fit the GPU; with ``rc`` (the run's merged settings) a training's
+    "more GPUs" names the fewest that fit (:func:`smallest_world_size`, at the job's GPUs per node, at least 8).
 
     Raises:
         ConfigError: naming the step, the estimate, the GPU and the settings that would make it fit (``where``:
@@ -549,16 +631,29 @@ def check_fits(step: str, run: str, plan: Mapping, capacity_gb: float, gpu_type:
             f"{capacity_gb:.0f} GiB of one {gpu_type} GPU (gpu_type).")
     if 'states_gb' in plan:
         fixes = []
-        if not plan['activation_checkpointing'] and plan['fsdp']:
-            fixes.append(f"turn on {where}.train.fsdp.activation_checkpointing (activations "
-                         f"{plan['activations_gb']:.0f} GiB)")
-        elif not plan['activation_checkpointing']:  # activation checkpointing comes with FSDP (llm-foundry)
-            fixes.append(f"train under FSDP, which allows activation checkpointing: {where}.train.fsdp_min_params at "
-                         f"most {plan['params']:,} (activations {plan['activations_gb']:.0f} GiB)")
-        if plan['microbatch_size'] > 1:
-            fixes.append(f"a smaller {where}.train.microbatch_size (now {plan['microbatch_size']})")
-        fixes.append(f"more GPUs: {where}.resources.nodes or gpus_per_node (model states {plan['states_gb']:.0f} "
-                     f"GiB per GPU over {plan['world_size']})")
+        floor = plan['states_gb'] + plan['fsdp_buffers_gb']   # what recompute and microbatch leave as they are
+        if floor > capacity_gb:
+            head += (f" Its model states and FSDP buffers alone take {floor:.0f} GiB per GPU over "
+                     f"{plan['world_size']} GPU(s), so neither activation checkpointing nor a smaller microbatch "
+                     f"can make it fit.")
+        else:
+            if not plan['activation_checkpointing'] and plan['fsdp']:
+                fixes.append(f"turn on {where}.train.fsdp.activation_checkpointing (activations "
+                             f"{plan['activations_gb']:.0f} GiB)")
+            elif not plan['activation_checkpointing']:  # activation checkpointing comes with FSDP (llm-foundry)
+                fixes.append(f"train under FSDP, which allows activation checkpointing: {where}.train.fsdp_min_params "
+                             f"at most {plan['params']:,} (activations {plan['activations_gb']:.0f} GiB)")
+            if plan['microbatch_size'] > 1:
+                fixes.append(f"a smaller {where}.train.microbatch_size (now {plan['microbatch_size']})")
+        fewest = (smallest_world_size(rc, capacity_gb, gpus_per_node=max(8, int(plan['gpus_per_node'])))
+                  if rc is not None else None)
+        if fewest is not None:
+            fixes.append(f"more GPUs: at least {fewest['world_size']} ({where}.resources.nodes x gpus_per_node = "
+                         f"{fewest['nodes']} x {fewest['gpus_per_node']}: {fewest['total_gb']:.0f} GiB per GPU; "
+                         f"now {plan['world_size']}, model states {plan['states_gb']:.0f} GiB per GPU)")
+        elif rc is None:
+            fixes.append(f"more GPUs: {where}.resources.nodes or gpus_per_node (model states "
+                         f"{plan['states_gb']:.0f} GiB per GPU over {plan['world_size']})")
         fixes.append("a GPU with more memory (gpu_type)")
         raise ConfigError(f"{head} Fix: {'; or '.join(fixes)}.")
     check_inference_fits(step, run, {'gpus': plan.get('gpus', 1), 'source': 'node', 'memory': plan}, capacity_gb,

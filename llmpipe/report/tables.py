@@ -369,11 +369,11 @@ def projection(config: dict, results_dir: str, reference: str | None, basis: dic
 
 
 def _benchmark_projection(config: dict, s: dict, basis: dict) -> list[dict]:
-    from llmpipe.config.runs import gpu_memory, step_resources
+    from llmpipe.config.runs import gpu_memory, gpu_type, step_resources
     from llmpipe.plan import memory_time as plan
 
     rows = []
-    capacity = gpu_memory(config)
+    capacity, card = gpu_memory(config), gpu_type(config)   # gpu_type auto: this machine's card, or none
     models = s.get("models") or sorted(config.get("models") or {}, key=lambda m: _params(config, m) or 0)
     for m in models:
         rc = run_config(config, m)
@@ -381,7 +381,7 @@ def _benchmark_projection(config: dict, s: dict, basis: dict) -> list[dict]:
         for n in s["nodes"]:
             ac = plan.train_memory(rc, nodes=int(n), gpus_per_node=per_node,
                                    capacity_gb=capacity)["activation_checkpointing"]
-            t = plan.train_time(rc, nodes=int(n), gpus_per_node=per_node, gpu_type=config["gpu_type"], basis=basis,
+            t = plan.train_time(rc, nodes=int(n), gpus_per_node=per_node, gpu_type=card, basis=basis,
                                 activation_checkpointing=ac, peak_overrides=config.get("gpu_peak_flops"))
             if t is None:
                 continue
@@ -400,8 +400,8 @@ PROJECTION_NOTE = (
     "the devices of N nodes (devices per node as in the reference run). Assumes the reference's device type, the "
     "same MFU at every model size, linear scaling with nodes, and no time for evaluation, checkpoints or "
     "restarts; real multi-node runs are slower. Without a measured GPU run, the committed GPU benchmark's MFU "
-    "(the rows of benchmarks/train-throughput.csv that benchmarks/plan-basis.json names) times the bf16 peak of "
-    "gpu_type is the basis, as in the dry run's plans.")
+    "(the rows benchmarks/plan-basis.json names for the card gpu_type plans for) times that card's bf16 peak is "
+    "the basis, as in the dry run's plans.")
 
 
 # ------------------------------------------------------------------------------------------- plots
@@ -528,9 +528,10 @@ def build(config: dict, results_dir: str, out: dict[str, str], runs: list[str], 
     _write_table(t2, out["table2_csv"], out["table2_md"],
                  "Table 2: finetuning runs (speedup = wall clock at the fewest nodes / wall clock at N).")
     ref = pick_reference(config, results_dir, runs)
+    from llmpipe.config.runs import gpu_type
     from llmpipe.plan import memory_time as plan
 
-    proj = projection(config, results_dir, ref, plan.benchmark_basis())
+    proj = projection(config, results_dir, ref, plan.benchmark_basis(card=gpu_type(config)))
     _write_table(proj, out["projection_csv"], out["projection_md"], PROJECTION_NOTE)
     plot_loss(results_dir, runs, out["loss"])
     plot_mfu(results_dir, runs, out["mfu"])

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 
-from llmpipe.config.runs import gpu_memory, run_config, section_path, step_resources
+from llmpipe.config.runs import gpu_memory, gpu_type, run_config, section_path, step_resources
 from llmpipe.config.settings import ConfigError
 from llmpipe.evaluation import harness
 from llmpipe.steps.context import StepContext
@@ -54,11 +54,13 @@ def check_fits_one_gpu(config: dict, run: str) -> None:
     if int(res["gpus_per_node"]) <= 0 or not config.get("gpu_type") or "d_model" not in (rc.get("arch") or {}):
         return
     capacity = gpu_memory(config)
+    if capacity is None:  # gpu_type auto and no GPU here: no card to check against
+        return
     need = plan.inference_memory(rc, step="eval", batch_size=int(config["lm_eval"]["batch_size"]))["total_gb"]
     if need > capacity * (1 + plan.MARGIN):
         where = section_path(config, run)
         raise ConfigError(f"{where}: lm_eval scores {run} in one process on one GPU, and its evaluation needs about "
-                          f"{need:.0f} GiB (llmpipe.plan.memory_time), more than the {capacity:.0f} GiB of one {config['gpu_type']} "
+                          f"{need:.0f} GiB (llmpipe.plan.memory_time), more than the {capacity:.0f} GiB of one {gpu_type(config)} "
                           f"GPU (gpu_type). Fix: leave results/{run}/eval-lm_eval.json out of the targets (eval.json "
                           f"evaluates it across the node's GPUs), or a GPU with more memory.")
 
