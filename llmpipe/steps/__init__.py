@@ -49,6 +49,7 @@ import traceback
 from typing import Any
 
 from llmpipe.dispatch import jobs as dispatch
+from llmpipe.dispatch.interrupts import StepInterrupted, ignore_interrupts
 from llmpipe.dispatch.orphans import exit_when_snakemake_dies
 from llmpipe.steps import allreduce, convert, evaluate, generate, kept_results, lm_eval_harness, provenance, scaling
 from llmpipe.steps import prepare as data
@@ -213,7 +214,10 @@ def run_rule(smk: Any) -> None:
 
     Raises:
         KeyError: no step is registered under the rule's name.
-        SystemExit: (code 1) the step raised; its error is in the rule's log and, shortened, on stderr.
+        SystemExit: (code 1) the step raised; its error is in the rule's log and, shortened, on stderr. (Code 130)
+            the step was interrupted (SIGINT: Ctrl-C, or Snakemake passing its own interrupt on,
+            :func:`llmpipe.dispatch.orphans.interrupt_rule_scripts_on_signal`): one line on stderr and in the rule
+            log says what became of its jobs (:class:`llmpipe.dispatch.interrupts.StepInterrupted`), no traceback.
     """
     rule = RULES[smk.rule]
     dispatch.normalize_thread_env()  # threads: 0 of Slurm-waiting rules -> OMP_NUM_THREADS=0 from Snakemake
@@ -221,6 +225,11 @@ def run_rule(smk: Any) -> None:
     start_log(smk.log[0])
     try:
         run_step(context(smk, rule), rule)
+    except KeyboardInterrupt as exc:
+        ignore_interrupts()  # a second Ctrl-C (from the terminal, then from Snakemake) is not a traceback
+        if not isinstance(exc, StepInterrupted):   # interrupted while not waiting for a job
+            dispatch.say(f"{smk.rule}: interrupted", smk.log[0])
+        raise SystemExit(130) from None
     except Exception as exc:
         log_error(smk.log[0], exc)
         # once, on the console: no traceback and no whole log tail here (the rule log has them; Snakemake names it)
