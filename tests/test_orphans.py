@@ -301,7 +301,7 @@ def test_interrupted_snakemake_cancels_the_local_training_and_a_plain_rerun_fini
     assert not left, f"processes outlived the interrupted Snakemake:\n{out[-3000:]}"
     assert time.time() - t0 < 20 and proc.returncode != 0, out[-3000:]
     job = re.search(r"submitted job (\d+) \(local", out).group(1)
-    assert re.findall(r".*interrupted.*", out) == [
+    assert re.findall(r".*: interrupted.*", out) == [
         re.search(rf".*train mpt-tiny: interrupted; cancelled 1 local job\(s\) still running \({job}\)", out).group(0)]
     assert "Traceback" not in out and "KeyboardInterrupt" not in out, out[-3000:]
     assert not (wd / TRAIN).exists()

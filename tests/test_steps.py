@@ -318,6 +318,14 @@ def test_a_failed_job_shows_its_error_and_a_short_log_tail_on_the_console():
                          "rule log: results/logs/eval/r.log"), text
 
 
+def test_a_failed_write_of_the_step_itself_is_named_by_its_errno_and_path():
+    import errno
+
+    exc = OSError(errno.ENOSPC, "No space left on device", "/r/mpt-tiny/train.json.tmp")
+    assert console_failure(exc, "results/logs/train/r.log").splitlines()[0] == \
+        "ENOSPC (No space left on device) on /r/mpt-tiny/train.json.tmp (OSError)"
+
+
 def test_provenance_records_identity_and_version(tmp_path):
     out = str(tmp_path / "x.json")
     ident = {"step": "demo", "version": 3, "inner": {"step": "mds", "version": 1}}

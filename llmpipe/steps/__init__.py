@@ -50,6 +50,7 @@ from typing import Any
 
 from llmpipe.dispatch import jobs as dispatch
 from llmpipe.dispatch.interrupts import StepInterrupted, ignore_interrupts
+from llmpipe.dispatch.job_failures import named_oserror
 from llmpipe.dispatch.orphans import exit_when_snakemake_dies
 from llmpipe.steps import allreduce, convert, evaluate, generate, kept_results, lm_eval_harness, provenance, scaling
 from llmpipe.steps import prepare as data
@@ -96,11 +97,15 @@ CONSOLE_TAIL_LINES = 12
 
 def console_failure(exc: BaseException, log_file: str) -> str:
     """What a failing step prints on the console, once: the error (for a failed job its state, first error and job
-    log, with each log tail cut to its last :data:`CONSOLE_TAIL_LINES` lines) and the rule log that has all of it
+    log, with each log tail cut to its last :data:`CONSOLE_TAIL_LINES` lines; an ``OSError`` of the step itself named
+    by its errno and path, :func:`llmpipe.dispatch.job_failures.named_oserror`) and the rule log that has all of it
     (the traceback too, for an error of the step itself)."""
     out: list[str] = []
     tail: list[str] | None = None
-    for line in f"{type(exc).__name__}: {exc}".splitlines():
+    text = f"{type(exc).__name__}: {exc}"
+    if isinstance(exc, OSError):   # a write of the step itself: ENOSPC (No space left on device) on <path> (OSError)
+        text = named_oserror(text)
+    for line in text.splitlines():
         head = re.fullmatch(r"--- (\w+) \(last \d+ lines\) ---", line)
         if head:
             out += (tail or [])[-CONSOLE_TAIL_LINES:]
