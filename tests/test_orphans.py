@@ -21,7 +21,7 @@ from llmpipe.dispatch import lease
 from llmpipe.atomic import atomic_write_json
 from llmpipe.dispatch.orphans import DieWithParent, process_start_time
 from llmpipe.steps import THIS_RUN
-from tests.conftest import REPO, SHORT_TINY, SNAKEMAKE, copy_run
+from tests.conftest import REPO, SHORT_TINY, SNAKEMAKE, copy_run, planned_jobs
 
 TRAIN = "results/mpt-tiny/train.json"
 
@@ -271,7 +271,8 @@ def test_interrupted_snakemake_cancels_the_local_training_and_a_plain_rerun_fini
     ``train.json`` flagged incomplete), or to its whole process group (Ctrl-C; it used to print screens of
     ``KeyboardInterrupt`` tracebacks from submitit's controller and the rule script), mid-training: every process
     below Snakemake is gone within seconds, the console has one line for the cancelled job and no traceback, no
-    ``train.json`` is written; the same command without ``--rerun-incomplete`` then resumes and finishes."""
+    ``train.json`` is written; the same command without ``--rerun-incomplete`` then resumes and finishes (after
+    Ctrl-C, whose run would be the same, its dry run plans the training without asking for ``--rerun-incomplete``)."""
     wd = copy_run(tiny_run, tmp_path / "wd")
     shutil.rmtree(wd / "results/mpt-tiny/checkpoints")
     (wd / TRAIN).unlink()
@@ -306,6 +307,10 @@ def test_interrupted_snakemake_cancels_the_local_training_and_a_plain_rerun_fini
     assert "Traceback" not in out and "KeyboardInterrupt" not in out, out[-3000:]
     assert not (wd / TRAIN).exists()
     assert not glob.glob(f"{wd}/results/mpt-tiny/checkpoints/*/ep0-ba20*"), "the training ran to its end"
+    if to_group:   # Snakemake's incomplete marker blocks nothing (a dry run checks it as a run does): the run itself
+        plan = subprocess.run([*cmd, "-n"], cwd=wd, env=env, capture_output=True, text=True, timeout=300)
+        assert plan.returncode == 0 and planned_jobs(plan) == {"train": 1}, (plan.stdout + plan.stderr)[-3000:]
+        return     # is the other case's
     rerun = subprocess.run(cmd, cwd=wd, env=env, capture_output=True, text=True, timeout=900)   # no --rerun-incomplete
     assert rerun.returncode == 0, (rerun.stdout + rerun.stderr)[-3000:]
     train = json.loads((wd / TRAIN).read_text())
