@@ -26,6 +26,7 @@ from llmpipe.bench import scaling_study as scaling_mod
 from llmpipe.config import schema
 from llmpipe.plan.dag_checks import DagChecks, PreflightRefused
 from llmpipe.dispatch.jobs import check_executor
+from llmpipe.dispatch.orphans import interrupt_rule_scripts_on_signal
 from llmpipe.config.identity import identity_text
 from llmpipe.steps import allreduce as allreduce_steps
 from llmpipe.steps import convert as convert_steps
@@ -67,6 +68,7 @@ onstart:
         print_exception(exc.with_traceback(None), workflow.linemaps)
         sys.exit(1)
     CHECKS.refuse_local_multi_node(workflow.dag.needrun_jobs())
+    interrupt_rule_scripts_on_signal()  # SIGINT/SIGTERM to Snakemake alone stop its steps as Ctrl-C does
 
 
 # A run is never one of the folders results/ keeps for itself (the look-ahead sees the "/" after the name).

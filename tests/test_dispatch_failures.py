@@ -179,3 +179,102 @@ def test_every_host_computes_the_same_port_of_a_job_below_the_default_ephemeral_
     ports = {job_port(str(job_id)) for job_id in range(1000, 1400)}
     assert all(20000 <= p < 32768 for p in ports) and len(ports) > 300, sorted(ports)[:5]
     assert job_port("1234") == job_port("1234") and job_port("1234_5") != job_port("1235_5")
+
+
+# ------------------------------------------------------------------------------------------- errors named at their cause
+
+def _save_runs_out_of_space(path: str) -> None:
+    import errno
+
+    raise OSError(errno.ENOSPC, "No space left on device", path)
+
+
+def test_a_save_that_raised_enospc_is_named_by_its_errno_and_path(tmp_path):
+    """A save that raised ``OSError(ENOSPC)``: the headline names the errno's symbol and the file, not only the
+    exception's text deep in the log tail."""
+    target = str(tmp_path / "ckpt" / "ep0-ba40-rank0.pt")
+    cfg = {"dispatch": {"executor": "local", "state_dir": str(tmp_path / "state"), "poll_s": 0.1}}
+    res = {"nodes": 1, "tasks_per_node": 1, "gpus_per_node": 0, "cpus_per_task": 1, "time_min": 5}
+    with pytest.raises(StepFailed) as e:
+        run_step(_save_runs_out_of_space, target, step="probe", resources=res, config=cfg,
+                 log_dir=str(tmp_path / "logs"), key="enospc")
+    first = str(e.value).splitlines()[0]
+    assert re.fullmatch(rf"probe: job \d+ ended in state FAILED: ENOSPC \(No space left on device\) on "
+                        rf"{re.escape(target)} \(OSError\)", first), first
+    assert e.value.headline == first.split("FAILED: ", 1)[1]
+
+
+def test_oserror_lines_are_named_and_other_lines_kept():
+    assert job_failures.named_oserror("PermissionError: [Errno 13] Permission denied: '/r/train.json'") == \
+        "EACCES (Permission denied) on /r/train.json (PermissionError)"
+    assert job_failures.named_oserror("OSError: [Errno 18] Invalid cross-device link: '/a.tmp' -> '/b'") == \
+        "EXDEV (Invalid cross-device link) on /a.tmp -> /b (OSError)"
+    assert job_failures.named_oserror("ValueError: lr must be positive") == "ValueError: lr must be positive"
+
+
+class _Statvfs:
+    """A stand-in for os.statvfs: ``free`` bytes (4 kB blocks) under each path prefix, 1 TB elsewhere."""
+
+    def __init__(self, free: dict[str, int]):
+        self.free = free
+
+    def __call__(self, path: str):
+        import types
+
+        n = next((v for p, v in self.free.items() if path.startswith(p)), 10 ** 12)
+        return types.SimpleNamespace(f_bavail=n // 4096, f_frsize=4096)
+
+
+def _training_failure(tmp_path, headline: str, tail: str = "(no log output)"):
+    from tests.conftest import project_config
+
+    config = {**project_config(), "results_dir": str(tmp_path / "results")}
+    folder = tmp_path / "results" / "mpt-tiny" / "checkpoints" / "abc123"
+    folder.mkdir(parents=True)
+    (folder / "ep0-ba40-rank0.pt").write_bytes(b"x")
+    (folder / "ep0-ba40-rank0.pt.complete").write_text("40")
+    exc = StepFailed(f"train mpt-tiny: job 7 ended in state FAILED: {headline}\nlog: /l/7_0_log.err\n{tail}",
+                     state="FAILED", job_id="7", headline=headline)
+    return config, str(folder), exc
+
+
+def test_a_training_that_wrote_no_result_on_a_full_disk_names_out_of_space(tmp_path):
+    """A save that ran out of space left no result (submitit could not dump the error; the job's log, on the same
+    disk, is cut): the rule's headline names out-of-space, the full folder, its free bytes and the planned size of
+    one checkpoint (the memory plan's checkpoint_bytes), and that the earlier checkpoint is untouched."""
+    from llmpipe.config.runs import run_config
+    from llmpipe.plan.memory_time import checkpoint_bytes
+    from llmpipe.steps.training import storage_cause
+
+    config, folder, exc = _training_failure(tmp_path, job_failures.NO_RESULT, "--- stderr (last 40 lines) ---\nbatch 35")
+    planned = checkpoint_bytes(run_config(config, "mpt-tiny"))
+    cause = storage_cause(exc, config, "mpt-tiny", folder, statvfs=_Statvfs({folder: 8192}))
+    renamed = exc.renamed(cause)
+    first = str(renamed).splitlines()[0]
+    assert first.startswith(f"train mpt-tiny: job 7 ended in state FAILED: out of space: checkpoint folder {folder} "
+                            f"has 8,192 bytes (8.2 kB) free, less than the {planned:,} bytes "), first
+    assert "checkpoint_bytes" in first and "the checkpoint at batch 40 is untouched" in first, first
+    assert str(renamed).splitlines()[1:] == str(exc).splitlines()[1:]   # the log and its tail stay
+    assert (renamed.state, renamed.job_id) == ("FAILED", "7")
+    # results_dir is the full one (the checkpoint folder has room): named instead
+    cause = storage_cause(exc, config, "mpt-tiny", folder, statvfs=_Statvfs({folder: 10 ** 12, config["results_dir"]: 0}))
+    assert cause.startswith(f"out of space: results_dir {config['results_dir']} has 0 bytes free"), cause
+
+
+def test_a_full_disk_is_named_even_after_the_partial_save_was_removed(tmp_path):
+    """The job's error says ENOSPC but the folders have room again: still out of space, with the free bytes now."""
+    from llmpipe.steps.training import storage_cause
+
+    headline = job_failures.named_oserror("OSError: [Errno 28] No space left on device: '/r/ckpt/ep0-ba80-rank0.pt'")
+    config, folder, exc = _training_failure(tmp_path, headline)
+    cause = storage_cause(exc, config, "mpt-tiny", folder, statvfs=_Statvfs({}))
+    assert cause.startswith("out of space (the job's error says the disk is full): "), cause
+    assert "1,000,000,000,000 bytes (1.0 TB) free, one checkpoint of this run needs " in cause, cause
+
+
+def test_a_failure_that_is_not_about_space_is_not_named_out_of_space(tmp_path):
+    """A training that raised its own error on a nearly full disk keeps its own headline."""
+    from llmpipe.steps.training import storage_cause
+
+    config, folder, exc = _training_failure(tmp_path, "ValueError: optimizer.lr must be positive, got -1")
+    assert storage_cause(exc, config, "mpt-tiny", folder, statvfs=_Statvfs({"/": 0})) is None

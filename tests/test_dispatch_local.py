@@ -16,6 +16,7 @@ import time
 
 import pytest
 
+from llmpipe.dispatch.interrupts import CONTROLLER_LOG
 from tests.conftest import REPO
 
 STEP = textwrap.dedent("""
@@ -88,6 +89,9 @@ def _kill_step_and_check_its_workers(tmp_path, mode: str, workers: int, sig: int
         assert proc.returncode != 0
         assert "interrupted; cancelled" in out, out
         assert _wait_for(lambda: not any(_alive(p) for p in pids), 20), f"workers still running: {pids}\n{out}"
+        # the cancelled controllers' KeyboardInterrupt tracebacks went to their own file, not to the console
+        assert "submitit/local" not in out, out
+        assert "KeyboardInterrupt" in (tmp_path / "logs" / CONTROLLER_LOG).read_text()
     finally:
         if proc.poll() is None:
             proc.kill()

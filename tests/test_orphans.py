@@ -21,7 +21,7 @@ from llmpipe.dispatch import lease
 from llmpipe.atomic import atomic_write_json
 from llmpipe.dispatch.orphans import DieWithParent, process_start_time
 from llmpipe.steps import THIS_RUN
-from tests.conftest import REPO, SHORT_TINY, SNAKEMAKE, copy_run
+from tests.conftest import REPO, SHORT_TINY, SNAKEMAKE, copy_run, planned_jobs
 
 TRAIN = "results/mpt-tiny/train.json"
 
@@ -99,6 +99,59 @@ def test_wrapper_keeps_the_function_and_its_attributes():
     w = DieWithParent(_Task())
     assert w(1) == 2 and w.checkpoint() == "requeue"
     assert pickle.loads(pickle.dumps(w))(2) == 3
+
+
+_RULE_SCRIPT = """
+import signal, sys, time
+def on_int(*args):
+    print("rule script got SIGINT", flush=True)
+    sys.exit(3)
+signal.signal(signal.SIGINT, on_int)
+open({ready!r}, "w").write("ready")
+time.sleep(60)
+"""
+
+_SNAKEMAKE_STAND_IN = """
+import os, subprocess, sys, time
+sys.path.insert(0, {repo!r})
+from llmpipe.dispatch.orphans import interrupt_rule_scripts_on_signal
+script = subprocess.Popen([sys.executable, {script!r}])
+other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+interrupt_rule_scripts_on_signal()
+try:
+    time.sleep(60)
+except KeyboardInterrupt:
+    print("scheduler: KeyboardInterrupt", flush=True)
+    print("rule script exit", script.wait(timeout=30), "other process", other.poll(), flush=True)
+    other.kill()
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc is Linux's")
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_a_signal_to_snakemake_alone_reaches_its_rule_scripts_as_ctrl_c(tmp_path, sig):
+    """SIGTERM or SIGINT to the Snakemake process alone: each rule script below it (a copy of run_rule.py) gets
+    SIGINT, as from Ctrl-C, other processes are left alone, and Snakemake's scheduler gets ``KeyboardInterrupt`` (it
+    stops as on Ctrl-C; its own SIGTERM handler would wait for the running jobs to finish)."""
+    ready = tmp_path / "ready"
+    script = tmp_path / "tmpx1y2z3.run_rule.py"   # the name Snakemake gives its copy of a rule's script
+    script.write_text(_RULE_SCRIPT.format(ready=str(ready)))
+    stand_in = tmp_path / "snakemake.py"
+    stand_in.write_text(_SNAKEMAKE_STAND_IN.format(repo=str(REPO), script=str(script)))
+    proc = subprocess.Popen([sys.executable, str(stand_in)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, start_new_session=True)
+    try:
+        t0 = time.time()
+        while not ready.exists() and time.time() - t0 < 60:
+            time.sleep(0.1)
+        time.sleep(0.5)   # the handler is installed right after the children start
+        os.kill(proc.pid, sig)
+        out, _ = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert "rule script got SIGINT" in out and "scheduler: KeyboardInterrupt" in out, out
+    assert "rule script exit 3 other process None" in out, out
 
 
 @pytest.mark.slow
@@ -205,3 +258,60 @@ def test_kill_of_snakemake_alone_ends_its_rule_script_and_the_history_keeps_the_
     assert not list(wd.glob("results/mpt-tiny/checkpoints/*/ep0-ba60*")), "the cancelled training ran to its end"
     history = wd / "results/logs/train/mpt-tiny.log.history"
     assert line in history.read_text()
+
+
+#: A tiny training short enough to run again in the test (20 batches, a checkpoint every 5).
+_INTERRUPTED = "models={'mpt-tiny': {'train': {'max_duration_batches': 20, 'save_interval_batches': 5}}}"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("to_group", [False, True], ids=["sigint-to-snakemake", "ctrl-c-to-the-group"])
+def test_interrupted_snakemake_cancels_the_local_training_and_a_plain_rerun_finishes_it(tiny_run, tmp_path, to_group):
+    """SIGINT to Snakemake's PID alone (``kill -INT``; it used to wait while the training ran to its end, leaving
+    ``train.json`` flagged incomplete), or to its whole process group (Ctrl-C; it used to print screens of
+    ``KeyboardInterrupt`` tracebacks from submitit's controller and the rule script), mid-training: every process
+    below Snakemake is gone within seconds, the console has one line for the cancelled job and no traceback, no
+    ``train.json`` is written; the same command without ``--rerun-incomplete`` then resumes and finishes (after
+    Ctrl-C, whose run would be the same, its dry run plans the training without asking for ``--rerun-incomplete``)."""
+    wd = copy_run(tiny_run, tmp_path / "wd")
+    shutil.rmtree(wd / "results/mpt-tiny/checkpoints")
+    (wd / TRAIN).unlink()
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    cmd = [*SNAKEMAKE, "-s", str(REPO / "Snakefile"), "-d", str(wd), "--cores", "2", TRAIN, "--config", _INTERRUPTED]
+    proc = subprocess.Popen(cmd, cwd=wd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    try:
+        first = f"{wd}/results/mpt-tiny/checkpoints/*/ep0-ba5*.complete"
+        t0 = time.time()
+        while not glob.glob(first) and time.time() - t0 < 600:
+            assert proc.poll() is None, proc.stdout.read()[-3000:]
+            time.sleep(0.1)
+        below = _descendants(proc.pid)
+        if to_group:
+            os.killpg(proc.pid, signal.SIGINT)
+        else:
+            os.kill(proc.pid, signal.SIGINT)
+        t0 = time.time()
+        out, _ = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    left = [p for p in below if process_start_time(p) is not None]
+    for p in left:
+        os.kill(p, signal.SIGKILL)
+    assert not left, f"processes outlived the interrupted Snakemake:\n{out[-3000:]}"
+    assert time.time() - t0 < 20 and proc.returncode != 0, out[-3000:]
+    job = re.search(r"submitted job (\d+) \(local", out).group(1)
+    assert re.findall(r".*: interrupted.*", out) == [
+        re.search(rf".*train mpt-tiny: interrupted; cancelled 1 local job\(s\) still running \({job}\)", out).group(0)]
+    assert "Traceback" not in out and "KeyboardInterrupt" not in out, out[-3000:]
+    assert not (wd / TRAIN).exists()
+    assert not glob.glob(f"{wd}/results/mpt-tiny/checkpoints/*/ep0-ba20*"), "the training ran to its end"
+    if to_group:   # Snakemake's incomplete marker blocks nothing (a dry run checks it as a run does): the run itself
+        plan = subprocess.run([*cmd, "-n"], cwd=wd, env=env, capture_output=True, text=True, timeout=300)
+        assert plan.returncode == 0 and planned_jobs(plan) == {"train": 1}, (plan.stdout + plan.stderr)[-3000:]
+        return     # is the other case's
+    rerun = subprocess.run(cmd, cwd=wd, env=env, capture_output=True, text=True, timeout=900)   # no --rerun-incomplete
+    assert rerun.returncode == 0, (rerun.stdout + rerun.stderr)[-3000:]
+    train = json.loads((wd / TRAIN).read_text())
+    assert train["steps"] == 20 and "ep0-ba" in (train["resumed_from"] or ""), train

@@ -229,8 +229,11 @@ def test_cancelled_job_raises_with_its_state(slurm_cluster, tmp_path):
     assert f"job {job_id} ended in state CANCELLED" in str(caught[0]), caught[0]
 
 
-def test_reattaches_to_the_job_a_killed_snakemake_left_running(slurm_cluster, tmp_path):
-    """The rule's process is SIGKILLed while its job runs; the next call waits for that job, submits nothing."""
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGINT], ids=["sigkill", "sigint"])
+def test_reattaches_to_the_job_a_killed_snakemake_left_running(slurm_cluster, tmp_path, sig):
+    """The rule's process is SIGKILLed, or interrupted (SIGINT: Ctrl-C, or Snakemake passing on its own SIGINT or
+    SIGTERM), while its job runs; an interrupted one says in one line that the job runs on and how to cancel it. The
+    next call waits for that job, submits nothing."""
     name = step_name(tmp_path, "reattach")
     cfg = config(tmp_path)
     key = job_key("train", name)
@@ -247,8 +250,12 @@ def test_reattaches_to_the_job_a_killed_snakemake_left_running(slurm_cluster, tm
     try:
         job_id = wait_for_state(slurm_cluster, name.replace(" ", "_"))
     finally:
-        first.send_signal(signal.SIGKILL)
-        first.wait()
+        first.send_signal(sig)
+        out, _ = first.communicate(timeout=60)
+    if sig == signal.SIGINT:
+        assert f"{name}: interrupted; Slurm job(s) {job_id} run on: a rerun re-attaches to them; scancel {job_id} " \
+               f"cancels them" in out, out
+        assert slurm_cluster.job_fields(job_id)["JobState"] == "RUNNING"
     assert list((tmp_path / "state").glob("*.json")), "no record of the submitted job"
     # what a dry run prints meanwhile (llmpipe.plan.dag_checks)
     notes = "\n".join(live_jobs.notes(str(tmp_path / "state"), lock_dir=str(tmp_path / "locks")))

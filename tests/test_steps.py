@@ -319,9 +319,12 @@ def test_every_exit_of_the_rule_script_leaves_its_reason_in_the_rule_log(tmp_pat
     def ends(*args, **kwargs):
         raise ending
     monkeypatch.setattr(steps, "run_step", ends)
-    with pytest.raises(type(ending)):
+    with pytest.raises(SystemExit if isinstance(ending, KeyboardInterrupt) else type(ending)) as raised:
         run_rule(smk)
     log = Path(smk.log[0]).read_text()
+    if isinstance(ending, KeyboardInterrupt):   # an interrupt: one line, exit 130 (llmpipe.dispatch.interrupts)
+        assert raised.value.code == status and f"{smk.rule}: interrupted" in log and "Traceback" not in log, log
+        return
     assert f"ERROR: the step was ended by {type(ending).__name__}" in log and f"(exit status {status})" in log, log
     if str(ending):
         assert str(ending) in log, log
@@ -354,6 +357,14 @@ def test_a_failed_job_shows_its_error_and_a_short_log_tail_on_the_console():
     assert "--- stderr (last 12 lines; the rule log has more) ---\nline 28\n" in text and "line 27" not in text
     assert text.endswith("--- stdout (last 12 lines; the rule log has more) ---\nonly one\n"
                          "rule log: results/logs/eval/r.log"), text
+
+
+def test_a_failed_write_of_the_step_itself_is_named_by_its_errno_and_path():
+    import errno
+
+    exc = OSError(errno.ENOSPC, "No space left on device", "/r/mpt-tiny/train.json.tmp")
+    assert console_failure(exc, "results/logs/train/r.log").splitlines()[0] == \
+        "ENOSPC (No space left on device) on /r/mpt-tiny/train.json.tmp (OSError)"
 
 
 def test_provenance_records_identity_and_version(tmp_path):

@@ -21,18 +21,17 @@ import hashlib
 import json
 import logging
 import os
-import signal
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from llmpipe.config import schema
-from llmpipe.dispatch import job_failures
+from llmpipe.dispatch import interrupts, job_failures
 from llmpipe.dispatch import progress as progress_record
 from llmpipe.dispatch import rendezvous
+from llmpipe.dispatch.interrupts import CONTROLLER_LOG, is_slurm_job
 from llmpipe.dispatch.orphans import DieWithParent, sigint_cancels_children
 
 log = logging.getLogger("llmpipe.dispatch.jobs")
@@ -42,11 +41,23 @@ _FINISHED_OK = {"COMPLETED", "DONE", "FINISHED"}
 
 class StepFailed(RuntimeError):
     """A dispatched job ended without a result: the message has its job id, state and the tail of its log;
-    ``state`` is the job's final state (Slurm's, e.g. ``TIMEOUT``; "" when not known), ``job_id`` its id."""
+    ``state`` is the job's final state (Slurm's, e.g. ``TIMEOUT``; "" when not known), ``job_id`` its id,
+    ``headline`` the cause as the message's first line names it ("" when not known)."""
 
-    def __init__(self, message: str, state: str = "", job_id: str = ""):
+    def __init__(self, message: str, state: str = "", job_id: str = "", headline: str = ""):
         super().__init__(message)
-        self.state, self.job_id = state, job_id
+        self.state, self.job_id, self.headline = state, job_id, headline
+
+    def renamed(self, cause: str) -> StepFailed:
+        """The same failure with ``cause`` in place of its headline on the first line (after the job id and state;
+        the log and its tail unchanged), e.g. a full disk found by the step
+        (:func:`llmpipe.dispatch.job_failures.out_of_space`) in place of "wrote no result"."""
+        first, _, rest = str(self).partition("\n")
+        if self.headline and first.endswith(self.headline):
+            first = first[:-len(self.headline)] + cause
+        else:
+            first = f"{first}: {cause}"
+        return type(self)(f"{first}\n{rest}" if rest else first, self.state, self.job_id, cause)
 
 
 class StepNeverRuns(StepFailed):
@@ -224,10 +235,6 @@ _SLURM_TERMINAL = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "
                    "DEADLINE", "REVOKED", "SPECIAL_EXIT"}
 
 
-def _is_slurm(job) -> bool:
-    return type(job).__name__ == "SlurmJob"
-
-
 def _slurm_state(job, force: bool = False) -> str:
     """The Slurm state of ``job`` (sacct), first word only; ``force`` asks sacct now."""
     return (job.watcher.get_state(job.job_id, mode="force" if force else "standard") or "UNKNOWN").split()[0]
@@ -284,42 +291,6 @@ def _slurm_where(job) -> tuple[str, str]:
     return (info.get("State") or "").split(" ")[0], "" if nodes in ("None assigned", "(null)") else nodes
 
 
-@contextlib.contextmanager
-def _local_jobs_die_with_us(jobs: Sequence[Any], what: str, log_file: str | None = None):
-    """While waiting for ``jobs``: if this process is interrupted (Ctrl-C, or SIGTERM, e.g. ``kill`` of the step or
-    Snakemake stopping its jobs), cancel the local ones that are still running before re-raising.
-
-    submitit's ``LocalJob.cancel`` sends SIGINT to the job's controller, which interrupts its task processes and
-    kills them a second later; a unit being converted then removes its temporary folder. Without this, ``kill`` of
-    the step process left its local workers running (they were started in the same session but not killed with it),
-    and a rerun's workers could race them for the same units. Slurm jobs are left alone: they survive the Snakemake
-    process by design and a rerun re-attaches to them (:func:`run_step`). SIGTERM becomes ``SystemExit`` only while
-    waiting, and only in the main thread (the only place Python runs signal handlers).
-    """
-    local = [j for j in jobs if not _is_slurm(j)]
-    previous = None
-    if local and threading.current_thread() is threading.main_thread():
-        def on_sigterm(signum, frame):
-            raise SystemExit(f"{what}: terminated by signal {signum}")
-        previous = signal.signal(signal.SIGTERM, on_sigterm)
-    try:
-        yield
-    except BaseException:
-        running = [j for j in local if not j.done()]
-        for job in running:
-            try:
-                job.cancel()
-            except Exception:  # noqa: BLE001 - best effort while unwinding
-                pass
-        if running:
-            say(f"{what}: interrupted; cancelled {len(running)} local job(s) still running "
-                 f"({', '.join(str(j.job_id) for j in running[:8])}{' ...' if len(running) > 8 else ''})", log_file)
-        raise
-    finally:
-        if previous is not None:
-            signal.signal(signal.SIGTERM, previous)
-
-
 def _wait(job, log_file: str | None, poll_s: float, what: str, slurm_poll_s: float,
           progress: Callable[[], str | None] | None, progress_path: str | None, progress_s: float) -> list:
     """Block until ``job`` ends; return the results of all its tasks. Raise StepFailed with state and log.
@@ -333,7 +304,7 @@ def _wait(job, log_file: str | None, poll_s: float, what: str, slurm_poll_s: flo
     """
     last_state = last_shown = None
     last_force = time.time()
-    slurm = _is_slurm(job)
+    slurm = is_slurm_job(job)
     watch = None
     if slurm:
         from llmpipe.dispatch.slurm_watch import NeverRuns, StateLog
@@ -405,10 +376,11 @@ def _wait(job, log_file: str | None, poll_s: float, what: str, slurm_poll_s: flo
         else:
             state = job_failures.local_state(job)
         who = f"rank {rank} " if len(getattr(job, "_sub_jobs", []) or []) > 1 else ""
+        headline = job_failures.named_oserror(headline)   # ENOSPC (No space left on device) on <path> (OSError)
         raise StepFailed(f"{what}: job {job.job_id} ended in state {state}{f' on {nodes}' if nodes else ''}: "
                          f"{who}{headline}\n"
                          f"log: {task.paths.stderr}\n{job_failures.log_tail(task)}", state=state,
-                         job_id=str(job.job_id)) from exc
+                         job_id=str(job.job_id), headline=headline) from exc
 
 
 def run_step(fn: Callable, *args: Any, step: str, resources: dict, config: dict, log_dir: str,
@@ -514,7 +486,8 @@ def _submit(fn: Callable, args: tuple, kwargs: dict, *, step: str, resources: di
         os.remove(record)                          # an earlier job's progress is not this one's
     os.environ[progress_record.ENV] = record       # the job inherits it (submitit passes the environment on)
     with rendezvous.local_master_port(executor_kind(config), int(resources.get("tasks_per_node", 1))):
-        job = ex.submit(_wrapped(fn, config), *args, **kwargs)
+        with interrupts.controller_stderr(executor_kind(config) == "local", log_dir):
+            job = ex.submit(_wrapped(fn, config), *args, **kwargs)
     _write_record(rec_path, {"executor": executor_kind(config), "job_id": str(job.job_id),
                              "folder": os.path.join(log_dir, "%j"), "step": step, "name": step.replace(" ", "_"),
                              "num_tasks": int(getattr(job, "num_tasks", 1)), "submitted": time.time()})
@@ -531,7 +504,7 @@ def _wait_and_forget(job, config: dict, rec_path: str, log_dir: str, step: str, 
     poll_s = float(setting(config, "dispatch", "poll_s"))
     progress_s = float(setting(config, "dispatch", "progress_s"))
     try:
-        with _local_jobs_die_with_us([job], step, log_file):
+        with interrupts.jobs_stop_with_us([job], step, lambda line: say(line, log_file)):
             return _wait(job, log_file, poll_s, step, _slurm_poll_s(config), progress,
                          progress_record.record_path(log_dir), progress_s)
     except StepNeverRuns:
@@ -548,11 +521,15 @@ def _wait_and_forget(job, config: dict, rec_path: str, log_dir: str, step: str, 
 def _drop_pattern_folder(log_dir: str) -> None:
     """Remove the empty ``{log_dir}/%j`` folder submitit leaves behind once the jobs are over (submitit stages
     submissions in its folder pattern taken literally, and its local controller creates it); the jobs' own folders
-    are ``{log_dir}/<job id>``. Kept when not empty."""
+    are ``{log_dir}/<job id>``. Kept when not empty; so is the local controllers' stderr (:data:`CONTROLLER_LOG`)."""
     try:
         os.rmdir(os.path.join(log_dir, "%j"))
     except OSError:
         pass
+    controllers = os.path.join(log_dir, CONTROLLER_LOG)
+    with contextlib.suppress(OSError):
+        if os.path.getsize(controllers) == 0:
+            os.remove(controllers)
 
 
 def _reattach_array(config: dict, record: dict) -> list | None:
@@ -615,16 +592,16 @@ def _wait_array(jobs: list, step: str, config: dict, log_file: str | None,
     failures: list[str] = []
     slurm_poll_s = _slurm_poll_s(config)
     last_force = time.time()
-    with _local_jobs_die_with_us(jobs, step, log_file):
+    with interrupts.jobs_stop_with_us(jobs, step, lambda line: say(line, log_file)):
         while pending:
-            if _is_slurm(jobs[0]) and time.time() - last_force >= slurm_poll_s:
+            if is_slurm_job(jobs[0]) and time.time() - last_force >= slurm_poll_s:
                 jobs[0].watcher.update()  # one sacct for all of them; submitit's own backs off to 10 minutes
                 last_force = time.time()
             for i in sorted(pending):
                 if jobs[i].done():
                     pending.discard(i)
                     where = ""
-                    if _is_slurm(jobs[i]):
+                    if is_slurm_job(jobs[i]):
                         node = jobs[i].watcher.get_info(jobs[i].job_id, mode="cache").get("NodeList", "")
                         if not node or node == "None assigned":
                             node = _slurm_where(jobs[i])[1]  # sacct's cache had not seen it run
@@ -647,7 +624,7 @@ def _wait_array(jobs: list, step: str, config: dict, log_file: str | None,
             if pending:
                 # local jobs: done() only polls a child process, so look often (a short run's last unit is
                 # noticed within 0.1 s, not up to 1 s later); Slurm: the watcher's cached sacct state, every 1 s
-                time.sleep(min(poll_s, 1.0 if _is_slurm(jobs[0]) else 0.1))
+                time.sleep(min(poll_s, 1.0 if is_slurm_job(jobs[0]) else 0.1))
     return results, failures
 
 
@@ -675,7 +652,8 @@ def map_steps(fn: Callable, items: Sequence[Any], *, step: str, resources: dict,
     ex = make_executor(config, one, os.path.join(log_dir, "%j"), name=name)
     if max_parallel and hasattr(ex, "update_parameters") and slurm_kind:
         ex.update_parameters(array_parallelism=max_parallel)
-    jobs = ex.map_array(_wrapped(fn, config), list(items))
+    with interrupts.controller_stderr(executor_kind(config) == "local", log_dir):
+        jobs = ex.map_array(_wrapped(fn, config), list(items))
     rec_path = _record_path(config, key) if key and slurm_kind else None
     if rec_path:
         _write_record(rec_path, {"executor": "slurm", "job_ids": [str(j.job_id) for j in jobs],

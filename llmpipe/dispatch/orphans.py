@@ -10,6 +10,12 @@ whose controller is already gone when it starts ends at once. On other systems t
 Rule scripts run under Snakemake through a shell, so their parent is not Snakemake and outlives it:
 :func:`exit_when_snakemake_dies` watches the Snakemake ancestor instead and ends the script when it is gone, so no
 watcher of a killed run keeps writing into the next run's rule log.
+
+SIGINT or SIGTERM to the Snakemake process alone (``kill -INT <pid>``) reaches none of its rule scripts: Snakemake's
+local executor then waits for them to end (SIGTERM: "Will exit after finishing currently running jobs"), so a local
+training ran on to its end. :func:`interrupt_rule_scripts_on_signal`, installed in Snakemake's process when it starts
+its jobs, passes the interrupt on to each rule script (:func:`rule_scripts_below`) as Ctrl-C would, and stops Snakemake
+the way Ctrl-C does.
 """
 
 from __future__ import annotations
@@ -162,3 +168,69 @@ def exit_when_snakemake_dies(poll_s: float = 2.0) -> tuple[int, str] | None:
 
     threading.Thread(target=watch, name="llmpipe-snakemake-watch", daemon=True).start()
     return who
+
+
+# ------------------------------------------------------------------------------------------- interrupts of Snakemake
+
+def _children() -> dict[int, list[int]]:
+    """Every process's children, from the parent links in ``/proc/<pid>/stat``."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc") if os.path.isdir("/proc") else []:
+        if entry.isdigit():
+            fields = _stat(int(entry))
+            if fields is not None:
+                children.setdefault(int(fields[1]), []).append(int(entry))
+    return children
+
+
+def _is_rule_script(pid: int) -> bool:
+    """Whether ``pid`` runs a copy of ``scripts/run_rule.py`` (Snakemake runs ``python
+    .snakemake/scripts/tmp<random>.run_rule.py``)."""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as fh:
+            argv = [a.decode(errors="replace") for a in fh.read().split(b"\0") if a]
+    except OSError:
+        return False
+    return len(argv) >= 2 and argv[1].endswith("run_rule.py")
+
+
+def rule_scripts_below(pid: int) -> list[int]:
+    """PIDs of the rule scripts (:func:`_is_rule_script`) among the descendants of ``pid``, not looking below a rule
+    script (its jobs are its own to stop); [] without ``/proc``."""
+    children = _children()
+    found, todo = [], list(children.get(pid, []))
+    while todo:
+        child = todo.pop()
+        if _is_rule_script(child):
+            found.append(child)
+        else:
+            todo.extend(children.get(child, []))
+    return sorted(found)
+
+
+def interrupt_rule_scripts_on_signal() -> bool:
+    """In Snakemake's process (its ``onstart`` hook, once its scheduler has set its own SIGTERM handler): make SIGINT
+    and SIGTERM to this process alone act as Ctrl-C to its whole process group.
+
+    Contract: on either signal, SIGINT goes to each rule script below this process (:func:`rule_scripts_below`), which
+    cancels the local jobs it waits for, or leaves its Slurm job running for a rerun to re-attach to, prints one line
+    saying which, and exits (:mod:`llmpipe.dispatch.jobs`, :func:`llmpipe.steps.run_rule`); then ``KeyboardInterrupt``
+    is raised here, so that Snakemake's scheduler stops as on Ctrl-C ("Terminating processes on user request") and
+    waits for those scripts. Snakemake's own SIGTERM handling would instead wait for the running jobs to finish.
+    Only the main thread may set handlers; elsewhere nothing changes. Returns True once installed."""
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        return False
+
+    def interrupt(signum, frame):
+        for pid in rule_scripts_below(os.getpid()):
+            try:
+                os.kill(pid, signal.SIGINT)
+            except ProcessLookupError:
+                pass
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGINT, interrupt)
+    signal.signal(signal.SIGTERM, interrupt)
+    return True

@@ -50,6 +50,8 @@ import traceback
 from typing import Any
 
 from llmpipe.dispatch import jobs as dispatch
+from llmpipe.dispatch.interrupts import StepInterrupted, ignore_interrupts
+from llmpipe.dispatch.job_failures import named_oserror
 from llmpipe.dispatch.orphans import exit_when_snakemake_dies
 from llmpipe.steps import allreduce, convert, evaluate, generate, kept_results, lm_eval_harness, provenance, scaling
 from llmpipe.steps import prepare as data
@@ -96,11 +98,15 @@ CONSOLE_TAIL_LINES = 12
 
 def console_failure(exc: BaseException, log_file: str) -> str:
     """What a failing step prints on the console, once: the error (for a failed job its state, first error and job
-    log, with each log tail cut to its last :data:`CONSOLE_TAIL_LINES` lines) and the rule log that has all of it
+    log, with each log tail cut to its last :data:`CONSOLE_TAIL_LINES` lines; an ``OSError`` of the step itself named
+    by its errno and path, :func:`llmpipe.dispatch.job_failures.named_oserror`) and the rule log that has all of it
     (the traceback too, for an error of the step itself)."""
     out: list[str] = []
     tail: list[str] | None = None
-    for line in f"{type(exc).__name__}: {exc}".splitlines():
+    text = f"{type(exc).__name__}: {exc}"
+    if isinstance(exc, OSError):   # a write of the step itself: ENOSPC (No space left on device) on <path> (OSError)
+        text = named_oserror(text)
+    for line in text.splitlines():
         head = re.fullmatch(r"--- (\w+) \(last \d+ lines\) ---", line)
         if head:
             out += (tail or [])[-CONSOLE_TAIL_LINES:]
@@ -214,9 +220,12 @@ def run_rule(smk: Any) -> None:
 
     Raises:
         KeyError: no step is registered under the rule's name.
-        SystemExit: (code 1) the step raised; its error is in the rule's log and, shortened, on stderr.
-        BaseException: an interrupt or exit (SIGTERM while waiting, Ctrl-C, ``sys.exit``) that ended the step,
-            after its reason was appended to the rule's log: every exit of the rule script leaves its reason there.
+        SystemExit: (code 1) the step raised; its error is in the rule's log and, shortened, on stderr. (Code 130)
+            the step was interrupted (SIGINT: Ctrl-C, or Snakemake passing its own interrupt on,
+            :func:`llmpipe.dispatch.orphans.interrupt_rule_scripts_on_signal`): one line on stderr and in the rule
+            log says what became of its jobs (:class:`llmpipe.dispatch.interrupts.StepInterrupted`), no traceback.
+        BaseException: another exit (SIGTERM while waiting, ``sys.exit``) that ended the step, after its reason was
+            appended to the rule's log: every exit of the rule script leaves its reason there.
     """
     start_log(smk.log[0])
     try:
@@ -224,6 +233,11 @@ def run_rule(smk: Any) -> None:
         dispatch.normalize_thread_env()  # threads: 0 of Slurm-waiting rules -> OMP_NUM_THREADS=0 from Snakemake
         exit_when_snakemake_dies()       # no watcher outlives its Snakemake (llmpipe.dispatch.orphans)
         run_step(context(smk, rule), rule)
+    except KeyboardInterrupt as exc:
+        ignore_interrupts()  # a second Ctrl-C (from the terminal, then from Snakemake) is not a traceback
+        if not isinstance(exc, StepInterrupted):   # interrupted while not waiting for a job
+            dispatch.say(f"{smk.rule}: interrupted", smk.log[0])
+        raise SystemExit(130) from None
     except Exception as exc:
         log_error(smk.log[0], exc)
         # once, on the console: no traceback and no whole log tail here (the rule log has them; Snakemake names it)

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import functools
 import os
+from collections.abc import Callable
+from typing import Any
 
 from llmpipe.config.runs import (
     SPEED_ONLY_FINETUNE_DATA_KEYS,
@@ -22,6 +24,7 @@ from llmpipe.config.runs import (
     world_size,
 )
 from llmpipe.config.settings import RunSettings
+from llmpipe.dispatch import job_failures
 from llmpipe.dispatch import jobs as dispatch
 from llmpipe.dispatch import lease
 from llmpipe.dispatch.slurm import site_config
@@ -205,6 +208,19 @@ def newest_batch(folder: str) -> int:
     return ckpts[-1][0] if ckpts else 0
 
 
+def storage_cause(exc: dispatch.StepFailed, config: dict, run: str, folder: str,
+                  statvfs: Callable[[str], Any] = os.statvfs) -> str | None:
+    """The headline of a training job that failed for want of space (:func:`llmpipe.dispatch.job_failures.out_of_space`):
+    the free bytes of the identity's checkpoint folder ``folder`` and of ``results_dir`` against the save's planned
+    size (:func:`llmpipe.plan.memory_time.checkpoint_bytes` of the run), and the newest complete checkpoint, which a
+    failed save leaves untouched (checkpoints are complete only once their marker is written). None when the failure
+    is not that."""
+    batch = newest_batch(folder) if os.path.isdir(folder) else 0
+    kept = (f"the checkpoint at batch {batch} is untouched" if batch else "there is no earlier complete checkpoint")
+    places = [("checkpoint folder", folder), ("results_dir", config["results_dir"])]
+    return job_failures.out_of_space(str(exc), places, plan.checkpoint_bytes(run_config(config, run)), kept, statvfs)
+
+
 def _train_run(ctx: StepContext, label: str) -> dict:
     run = ctx.wildcards.run
     settings = run_settings(ctx.config, run)
@@ -216,9 +232,15 @@ def _train_run(ctx: StepContext, label: str) -> dict:
         result = finished_training(ctx, settings, f"{label} {run}", task)
         if result is None:
             check_resumable(task, f"{label} {run}")
-            result = ctx.dispatch(task, step=f"{label} {run}", on_job=held.hand_over,
-                                  progress=functools.partial(checkpoint_progress, folder),
-                                  resume_batch=functools.partial(newest_batch, folder))
+            try:
+                result = ctx.dispatch(task, step=f"{label} {run}", on_job=held.hand_over,
+                                      progress=functools.partial(checkpoint_progress, folder),
+                                      resume_batch=functools.partial(newest_batch, folder))
+            except dispatch.StepFailed as exc:
+                cause = storage_cause(exc, ctx.config, run, folder)
+                if cause is None:
+                    raise
+                raise exc.renamed(cause) from exc
     check_all_steps(result, settings, f"{label} {run}")
     ctx.write_json(result)
     return {"run": run_config(ctx.config, run), "resources": ctx.resources}  # the provenance record
