@@ -12,6 +12,7 @@ import re
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -117,12 +118,15 @@ def closed_port() -> int:
         return s.getsockname()[1]
 
 
-def slurm_jobs(cluster) -> set[str]:
-    """Every job the cluster has queued or run today (squeue and sacct, all users)."""
-    queued = cluster.run("squeue", "--noheader", "--all", "--format", "%i").split()
-    accounted = cluster.run("sacct", "--noheader", "--allusers", "--allocations", "--starttime", "now-1days",
-                            "--format", "JobID").split()
-    return set(queued) | set(accounted)
+def slurm_jobs_submitted_since(cluster, since: float) -> set[str]:
+    """Every job submitted at or after ``since`` (time.time(), whole seconds) that the cluster has queued or run
+    (squeue and sacct, all users). A job an earlier test submitted does not count, though accounting may list it
+    only a moment later."""
+    stamp = time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(int(since)))
+    rows = cluster.run("squeue", "--noheader", "--all", "--format", "%i|%V").split()
+    rows += cluster.run("sacct", "--noheader", "--parsable2", "--allusers", "--allocations", "--starttime",
+                        "now-1days", "--format", "JobID,Submit").split()
+    return {job for job, submit in (r.split("|", 1) for r in rows if "|" in r) if submit >= stamp}
 
 
 def test_a_refused_real_run_starts_nothing(slurm_cluster, clone, tmp_path):
@@ -138,7 +142,8 @@ def test_a_refused_real_run_starts_nothing(slurm_cluster, clone, tmp_path):
         (mirror / f).write_text('{"stand_in": true}\n' * 40)
     extra = ("--config", f"eval={{task_data: {{source: local, local_dir: '{mirror}'}}}}")
     env = {"HF_ENDPOINT": f"http://127.0.0.1:{closed_port()}", "HF_HOME": str(tmp_path / "hf-home")}
-    before = slurm_jobs(slurm_cluster)
+    time.sleep(1.01 - time.time() % 1)   # a new second: an earlier test's job is submitted before it
+    t0 = time.time()
     dry = run_literal(clone, tmp_path, *extra, env=env)
     real = run_literal(clone, tmp_path, *extra, dry_run=False, env=env)
     dry_out, real_out = dry.stdout + dry.stderr, real.stdout + real.stderr
@@ -149,7 +154,7 @@ def test_a_refused_real_run_starts_nothing(slurm_cluster, clone, tmp_path):
                      r"'debug' have at most 4 GPU", refusal), dry_out[-3000:]
     assert error_block(real, "WorkflowError in rule train in file") == refusal, real_out[-3000:]
     assert not re.search(r"^(local)?rule \w+:", real_out, re.M), real_out[-3000:]  # no job started
-    assert slurm_jobs(slurm_cluster) == before
+    assert slurm_jobs_submitted_since(slurm_cluster, t0) == set()
     assert not [p for p in (clone / "results").rglob("*") if p.is_file()]
     assert not list((clone / ".snakemake" / "incomplete").iterdir())
     assert not list((clone / ".snakemake" / "locks").iterdir())

@@ -304,32 +304,6 @@ def gres_types(gres: str, gpu_type: str | None = None) -> set[str]:
     return out
 
 
-def check_planned_card(config: dict, node_list: list[dict[str, Any]], partition: str, gres_type: str | None) -> None:
-    """Refuse a top-level ``gpu_type`` (the card every plan is for) that the partition's GPUs are not: where their
-    gres types name a known card (:func:`llmpipe.plan.card.matches`) and none of them is ``gpu_type``. Untyped gres,
-    types of no known family and a ``gpu_type`` only ``gpu_memory_gb`` defines are not checked.
-
-    Raises:
-        ConfigError: naming both, the card each gres type stands for, and the fix.
-    """
-    from llmpipe.plan import card
-
-    planned = config.get("gpu_type")
-    if not planned or str(planned).lower() == card.AUTO:
-        return
-    types = sorted(set().union(*(gres_types(n["gres"], gres_type) for n in node_list)))
-    verdicts = {t: card.matches(str(planned), t, config.get("gpu_memory_gb")) for t in types}
-    if not verdicts or True in verdicts.values() or False not in verdicts.values():
-        return
-    named = ", ".join(f"gpu:{t} ({' or '.join(card.card_candidates(t)) or 'unknown'})" for t in types)
-    first = next(card.card_candidates(t)[0] for t, v in verdicts.items() if v is False)
-    raise ConfigError(f"gpu_type is {planned!r}: every plan (memory per GPU, activation checkpointing, time) is for "
-                      f"that card, but the GPUs of Slurm partition {partition!r}"
-                      f"{f' of slurm.gpu_type {gres_type!r}' if gres_type else ''} are {named}. Fix: set the "
-                      f"top-level gpu_type in config/slurm-site.yaml (or --config gpu_type=...) to {first!r}, or pick "
-                      f"a partition of {planned} GPUs with slurm.partition (and slurm.gpu_type).")
-
-
 def _conf_key() -> str:
     return os.environ.get("SLURM_CONF", "")
 
@@ -580,7 +554,7 @@ def preflight(config: dict, resources: dict, where: str = "resources") -> dict:
     sbatch/sinfo/scontrol are on PATH, the partition (``slurm.partition``, or the cluster's default) exists and is
     up, ``nodes`` is at most the partition's node count (and its MaxNodes), enough of its nodes have
     ``gpus_per_node`` GPUs (of ``slurm.gpu_type`` when set) whose gres type is the card the plans are for (the
-    top-level ``gpu_type``, :func:`check_planned_card`), ``cpus_per_task x tasks`` CPUs and ``mem_gb`` memory,
+    top-level ``gpu_type``, :func:`llmpipe.plan.card.check_partition_card`), ``cpus_per_task x tasks`` CPUs and ``mem_gb`` memory,
     and ``time_min`` is within the partition's MaxTime. Where the cluster enforces associations
     (``AccountingStorageEnforce`` in ``scontrol show config``), it also asks ``sacctmgr`` (cached) and checks that
     ``slurm.account`` (or the user's default account) is one of the user's associations for the partition and,
@@ -666,7 +640,9 @@ def preflight(config: dict, resources: dict, where: str = "resources") -> dict:
                               f"(and raise nodes instead), or pick a GPU partition with slurm.partition"
                               f"{'' if not gtype else ' or change slurm.gpu_type'}.")
     if gpus > 0:
-        check_planned_card(config, node_list, pname, gtype)
+        from llmpipe.plan import card
+        card.check_partition_card(config, sorted(set().union(*(gres_types(n["gres"], gtype) for n in node_list))),
+                                  pname, gtype)
     fitting = [n for n in node_list if (gpus == 0 or parse_gpus(n["gres"], gtype) >= gpus)
                and (not n["cpus"] or n["cpus"] >= cpus) and (not mem_mb or not n["mem_mb"] or n["mem_mb"] >= mem_mb)]
     if len(fitting) < nodes:

@@ -28,8 +28,8 @@ from dataclasses import dataclass
 from llmpipe.config.settings import ConfigError
 from llmpipe.model.mfu import peak_flops_for_name
 
-__all__ = ["AUTO", "NVIDIA_SMI_QUERY", "Card", "card_candidates", "card_for_device", "clear_cache", "config_card",
-           "detect", "matches", "parse_nvidia_smi", "resolve"]
+__all__ = ["AUTO", "NVIDIA_SMI_QUERY", "Card", "card_candidates", "check_partition_card", "card_for_device",
+           "clear_cache", "config_card", "detect", "matches", "parse_nvidia_smi", "resolve"]
 
 #: The ``gpu_type`` value that asks this machine's nvidia-smi.
 AUTO = "auto"
@@ -259,3 +259,27 @@ def matches(gpu_type: str, gres_type: str, memory_overrides: Mapping[str, float]
     if key in cands:
         return True
     return False if key in GPU_MEMORY_GB else None
+
+
+def check_partition_card(config: dict, types: Sequence[str], partition: str, gres_type: str | None) -> None:
+    """Refuse a top-level ``gpu_type`` (the card every plan is for) that the partition's GPUs are not: where their
+    gres ``types`` (:func:`llmpipe.dispatch.slurm.gres_types` of the partition's nodes) name a known card
+    (:func:`matches`) and none of them is ``gpu_type``. Untyped gres,
+    types of no known family and a ``gpu_type`` only ``gpu_memory_gb`` defines are not checked.
+
+    Raises:
+        ConfigError: naming both, the card each gres type stands for, and the fix.
+    """
+    planned = config.get("gpu_type")
+    if not planned or str(planned).lower() == AUTO:
+        return
+    verdicts = {t: matches(str(planned), t, config.get("gpu_memory_gb")) for t in types}
+    if not verdicts or True in verdicts.values() or False not in verdicts.values():
+        return
+    named = ", ".join(f"gpu:{t} ({' or '.join(card_candidates(t)) or 'unknown'})" for t in types)
+    first = next(card_candidates(t)[0] for t, v in verdicts.items() if v is False)
+    raise ConfigError(f"gpu_type is {planned!r}: every plan (memory per GPU, activation checkpointing, time) is for "
+                      f"that card, but the GPUs of Slurm partition {partition!r}"
+                      f"{f' of slurm.gpu_type {gres_type!r}' if gres_type else ''} are {named}. Fix: set the "
+                      f"top-level gpu_type in config/slurm-site.yaml (or --config gpu_type=...) to {first!r}, or pick "
+                      f"a partition of {planned} GPUs with slurm.partition (and slurm.gpu_type).")

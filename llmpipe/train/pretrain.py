@@ -23,7 +23,6 @@ import shutil
 import signal
 import tempfile
 import time
-from collections.abc import Mapping
 from typing import Any
 
 from llmpipe.atomic import read_json
@@ -34,6 +33,7 @@ from llmpipe.train import checkpoints as ckpt
 from llmpipe.train import throughput, tracking
 from llmpipe.train.fp8 import apply_fp8
 from llmpipe.train.fsdp import CALLBACK_NAME, FREE_GRADS_CALLBACK
+from llmpipe.train.speedups import apply_compile
 
 log = logging.getLogger("llmpipe.train.pretrain")
 
@@ -173,7 +173,7 @@ def foundry_train_config(settings: RunSettings, *, data_dir: str | None, save_fo
             cfg["fsdp_config"] = fsdp_cfg
         else:  # llm-foundry drops fsdp_config at world size 1; llmpipe.train.fsdp's callback hands it to composer
             cfg["callbacks"][CALLBACK_NAME] = {"fsdp_config": fsdp_cfg}
-    apply_compile(cfg, train.compile)
+    apply_compile(cfg, train.compile)  # llmpipe.train.speedups
     apply_fp8(cfg, train.fp8, train.where)  # llmpipe.train.fp8: the llmpipe_fp8 callback, first of all
     if save_folder is not None:
         cfg["save_folder"] = save_folder
@@ -192,21 +192,6 @@ def batch_layout(global_batch: int, world_size: int, microbatch_asked: int, micr
     if microbatch_asked > microbatch:
         line += f"; train.microbatch_size {microbatch_asked} is above the per-device batch: capped at {microbatch}"
     return line
-
-
-def apply_compile(cfg: dict, compile_settings: Mapping[str, Any] | None) -> None:
-    """Put a run's compile settings (:attr:`llmpipe.config.settings.TrainSettings.compile`, parsed by
-    :func:`llmpipe.config.runs.compile_settings`; None: eager) into llm-foundry config ``cfg``: composer's
-    ``compile_config`` for the whole model, or the ``llmpipe_compile_blocks`` callback for scope ``blocks``; removes
-    both first, so a config built for another run does not leak into this one."""
-    cfg.pop("compile_config", None)
-    cfg["callbacks"].pop("llmpipe_compile_blocks", None)
-    if compile_settings is None:
-        return
-    if compile_settings["scope"] == "blocks":
-        cfg["callbacks"]["llmpipe_compile_blocks"] = dict(compile_settings["options"])
-    else:
-        cfg["compile_config"] = dict(compile_settings["options"])
 
 
 def _attn_config(attn_config: dict, attn_impl: str) -> dict:
@@ -297,7 +282,7 @@ def _build_monitor_class():
             self.t_fit_start = time.time()
             self.start_batch = int(state.timestamp.batch)
             self.start_tokens = int(state.timestamp.token)
-            self.final_batch = final_batch(state)
+            self.final_batch = throughput.total_batches(state)
             self.timer = throughput.start(state, **self.timer_args)
             if torch.cuda.is_available():
                 torch.cuda.reset_peak_memory_stats()
@@ -429,15 +414,6 @@ def _build_monitor_class():
             self.batch_checkpoint(state, logger)
 
     return RunMonitor
-
-
-def final_batch(state) -> int | None:
-    """The batch at which composer's ``state`` ends training: ``max_duration`` when given in batches (``"400ba"``,
-    as :func:`foundry_train_config` writes it), else None."""
-    duration = getattr(state, "max_duration", None)
-    if duration is None or getattr(duration.unit, "name", str(duration.unit)).upper() != "BATCH":
-        return None
-    return int(duration.value)
 
 
 def register() -> None:

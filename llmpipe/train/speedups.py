@@ -19,6 +19,7 @@ same speed at the same microbatch and halved peak memory, which allowed 2x micro
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 
@@ -122,3 +123,18 @@ def register_compile_blocks() -> None:
             compile_blocks(state.model, **self.options)
 
     callbacks.register('llmpipe_compile_blocks', func=CompileBlocks)
+
+
+def apply_compile(cfg: dict, compile_settings: Mapping[str, Any] | None) -> None:
+    """Put a run's compile settings (:attr:`llmpipe.config.settings.TrainSettings.compile`, parsed by
+    :func:`llmpipe.config.runs.compile_settings`; None: eager) into llm-foundry config ``cfg``: composer's
+    ``compile_config`` for the whole model, or the ``llmpipe_compile_blocks`` callback for scope ``blocks``; removes
+    both first, so a config built for another run does not leak into this one."""
+    cfg.pop("compile_config", None)
+    cfg["callbacks"].pop("llmpipe_compile_blocks", None)
+    if compile_settings is None:
+        return
+    if compile_settings["scope"] == "blocks":
+        cfg["callbacks"]["llmpipe_compile_blocks"] = dict(compile_settings["options"])
+    else:
+        cfg["compile_config"] = dict(compile_settings["options"])
