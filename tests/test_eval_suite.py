@@ -152,6 +152,10 @@ def test_standin_suite_is_scored_as_hand_computed(tmp_path, monkeypatch, icl_bat
     assert set(planned["evaluators_s"]) == set(run) | {"eval"} and all(v > 0 for v in planned["evaluators_s"].values())
     assert planned["batches_s"] == pytest.approx(sum(planned["evaluators_s"].values()), abs=0.01)
     assert "eval-plan-basis.json" in planned["basis"] and "GFLOP/s (CPU)" in planned["basis"]
+    # where the time went: called in a running process, the clock starts at the call and nothing is handed back yet
+    phases = ev["timing"]["phases"]
+    assert phases["hand_back_s"] is None and ev["timing"]["wall_s"] is None and phases["batches_s"] > 0
+    assert sum(v for v in phases.values() if v is not None) == pytest.approx(ev["timing"]["job_s"], abs=0.01)
     json.dumps(ev, allow_nan=False)  # nothing NaN or infinite
 
 
@@ -579,6 +583,33 @@ def test_standard_files_are_counted_from_the_mirror_and_planned_as_the_job_batch
     one_shot = icl_tokens.item_tokens(eval_tasks.foundry_task(task), rows, enc, num_fewshot=1)
     assert abs(works[2].tokens - icl_tokens.batch_tokens("multiple_choice", one_shot, 128, 4, "trimmed", 2)) <= \
         0.15 * works[2].tokens   # the few-shot preambles estimated by the mean example
+
+
+def test_the_dry_run_names_what_it_cannot_count_yet_with_the_items_it_knows(tmp_path):
+    """A task the time plan cannot count yet is listed with the items it will be scored on as far as the dry run
+    knows them: a built task's ``num_items``, a standard file's count once in the mirror (at most ``subset_items``),
+    ``subset_items`` alone for a file not fetched yet, None when nothing tells."""
+    rel = "eval/local_data/commonsense_reasoning/copa.jsonl"
+    (tmp_path / "mirror" / rel).parent.mkdir(parents=True)
+    write_jsonl(tmp_path / "mirror" / rel, [{"query": words(2), "choices": [words(1), words(3)], "gold": 0}] * 9)
+    copa = {"label": "copa", "dataset_uri": rel, "icl_task_type": "multiple_choice", "num_fewshot": [0, 1]}
+    piqa = {"label": "piqa", "dataset_uri": "eval/local_data/commonsense_reasoning/piqa.jsonl",
+            "icl_task_type": "multiple_choice", "num_fewshot": [0]}
+    built = {"label": "cloze", "kind": "cloze", "num_items": 40, "num_fewshot": [0]}
+    cfg = config_with()
+    cfg["results_dir"] = str(tmp_path / "results")
+    cfg["eval"]["suites"] = {"mine": {"icl_tasks": [dict(copa, subset_items=5), piqa, dict(piqa, label="p2",
+                                                                                         subset_items=7), built]}}
+    cfg["models"]["mpt-tiny"]["eval_suite"] = "mine"
+    works, missing = eval_tasks.planned_works(cfg, "mpt-tiny")
+    assert missing == ["copa", "piqa", "p2", "cloze"]
+    got = eval_tasks.uncounted_tasks(cfg, "mpt-tiny", missing)
+    assert [(t["label"], t["items"], t["shots"], t["icl_task_type"], t["max_seq_len"]) for t in got] == [
+        ("copa", 5, [0, 1], "multiple_choice", 128), ("piqa", None, [0], "multiple_choice", 128),
+        ("p2", 7, [0], "multiple_choice", 128), ("cloze", 40, [0], "language_modeling", 128)]
+    cfg["eval"]["task_data"] = {"source": "local", "local_dir": str(tmp_path / "mirror")}
+    cfg["eval"]["suites"]["mine"]["icl_tasks"][0] = dict(copa, subset_items=12)   # the file has 9: the file wins
+    assert eval_tasks.uncounted_tasks(cfg, "mpt-tiny", ["copa"])[0]["items"] == 9
 
 
 def write_tokenizer_folder(folder):

@@ -53,6 +53,28 @@ def dataclass_world(work, world):
     return dataclasses.replace(work, world_size=world)
 
 
+def test_the_plan_line_bounds_what_it_cannot_count_yet():
+    """The tasks not counted yet get their item scorings (items x shot counts) and a bound: one full-context row
+    each, batched as the job batches, timed as the counted batches are; a task of unknown size is named without a
+    figure, and the text never reads as the whole."""
+    b = basis(device="cpu", peak_flops=None)
+    tasks = [{"label": "lm", "icl_task_type": "language_modeling", "shots": [0, 5], "items": 10, "max_seq_len": 128},
+             {"label": "mc", "icl_task_type": "multiple_choice", "shots": [0], "items": 7, "max_seq_len": 128},
+             {"label": "piqa", "icl_task_type": "multiple_choice", "shots": [0], "items": None, "max_seq_len": 128}]
+    text = eval_time.uncounted_note(ARCH, tasks, 4, b)
+    # 27 scorings of one 128-token row: 6 batches of 4 and one of 3
+    rows = eval_time.EvaluatorWork("x", ((4, 128),) * 6 + ((3, 128),))
+    bound = 7 * b.batch_s + eval_time.forward_flops(ARCH, rows, False) * b.forward_s_per_flop
+    assert bound > 0.05
+    assert text == ("this time leaves out 3 task(s) not counted yet (task file or tokenizer not on disk yet): "
+                    "lm 0/5-shot 10 items, mc 0-shot 7 items, piqa 0-shot items unknown until its file exists: "
+                    f"27 item scorings, at most +{bound:.1f} s at one full 128-token row each (x its choices for "
+                    "multiple_choice); +? s for 1 task(s) of unknown size; the dry run counts them once their "
+                    "files exist")
+    assert "+? s for 1 task(s)" in eval_time.uncounted_note(ARCH, tasks[2:], 4, b)
+    assert "at most" not in eval_time.uncounted_note(ARCH, tasks[2:], 4, b)
+
+
 def test_other_gpus_scale_the_forward_by_their_peak_and_unknown_ones_get_no_plan(tmp_path):
     path = tmp_path / "basis.json"
     entry = {"start_s": {"value": 30.0}, "batch_s": {"value": 0.02}, "forward_s_per_flop": {"value": 4e-15},

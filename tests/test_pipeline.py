@@ -89,6 +89,25 @@ def test_console_shows_each_steps_progress_and_a_summary_at_the_end(tiny_run):
             f"files: results/mpt-tiny/") in summary, summary
 
 
+def test_eval_json_says_where_the_eval_steps_wall_time_went(tiny_run):
+    """eval.json's ``timing.phases`` tile the eval job's wall time, from its process's start (the rule log's
+    submission, to the second) to eval.json's write (its mtime): every phase happened in a job, none is NaN."""
+    from llmpipe.evaluation.step_clock import PHASES
+
+    ev = load(tiny_run, "mpt-tiny/eval.json")
+    t = ev["timing"]
+    assert list(t["phases"]) == list(PHASES)
+    assert all(isinstance(v, float) and v >= 0 for v in t["phases"].values()), t["phases"]
+    assert sum(t["phases"].values()) == pytest.approx(t["wall_s"], abs=0.01)
+    assert t["wall_s"] == pytest.approx(t["job_s"] + t["phases"]["hand_back_s"], abs=0.002)
+    assert t["phases"]["batches_s"] == t["batches_s"] and t["phases"]["imports_s"] > 0.5  # a fresh interpreter
+    log = (tiny_run / "results/logs/eval/mpt-tiny.log").read_text()
+    h, m, sec = map(int, re.findall(r"\[llmpipe (\d\d):(\d\d):(\d\d)\] eval mpt-tiny: submitted job", log)[-1])
+    started = time.localtime((tiny_run / "results/mpt-tiny/eval.json").stat().st_mtime - t["wall_s"])
+    off = ((started.tm_hour * 3600 + started.tm_min * 60 + started.tm_sec) - (h * 3600 + m * 60 + sec)) % 86400
+    assert off in (0, 1, 86399), (off, t)   # the job started within the second the step logged its submission
+
+
 @pytest.mark.parametrize("change,expected", [
     ([], {}),
     (["eval={'val_batches': 3}"], {"eval": 1, "all": 1}),

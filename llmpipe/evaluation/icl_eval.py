@@ -17,7 +17,7 @@ import time
 
 from llmpipe.config.settings import RunSettings
 from llmpipe.config.stage_settings import EvalSettings
-from llmpipe.evaluation import icl_batches, icl_tokens, shared_prefix
+from llmpipe.evaluation import icl_batches, icl_tokens, shared_prefix, step_clock
 from llmpipe.evaluation import suites as eval_tasks
 
 
@@ -50,9 +50,11 @@ def evaluate(settings: RunSettings, model_dir: str, data_dir: str | None, icl_fi
         {"reason", ...}} (tasks left out because an answer leaves no context token,
         :func:`llmpipe.evaluation.icl_tokens.task_fits`), "gauntlet": :func:`llmpipe.evaluation.suites.gauntlet_average` (``partial``
         when a benchmark has no score), "icl_batches" (``trimmed`` or ``padded``), "metrics": every metric llm-foundry computed,
-        "processes", "fsdp" (whether it ran under FSDP), "seconds" (model load to the end), "timing" (rank 0's
+        "processes", "fsdp" (whether it ran under FSDP), "seconds" (llm-foundry's start to the record), "timing" (rank 0's
         ``to_first_batch_s``, ``batches_s``, ``evaluators_s``, ``tokens_run``: the callback's ``timing``; ``planned``:
-        :func:`planned_batches`), ...}``. Loss in nats per token. Every process
+        :func:`planned_batches`; ``phases``, ``job_s``, ``wall_s``, ``returned_at``: where the job's time went,
+        :meth:`llmpipe.evaluation.step_clock.StepClock.phases`, completed by
+        :func:`llmpipe.evaluation.step_clock.finish` where eval.json is written), ...}``. Loss in nats per token. Every process
         of the job returns it, each with the metrics and counts summed over all of them (torchmetrics syncs when a
         metric is computed); the step writes rank 0's (:func:`llmpipe.dispatch.jobs.run_step`).
 
@@ -60,13 +62,16 @@ def evaluate(settings: RunSettings, model_dir: str, data_dir: str | None, icl_fi
         ValueError: a metric saw no data (it would be NaN), or an ICL task scored another number of items than it
             has (:func:`llmpipe.evaluation.suites.task_scores`).
     """
+    clock = step_clock.StepClock()
     import llmfoundry
     import torch
     from llmfoundry.command_utils import evaluate as foundry_evaluate
     from omegaconf import OmegaConf
+    from transformers import AutoTokenizer
 
     from llmpipe.plan.inference_placement import foundry_parallel_settings, node_scratch, per_rank_batches
     from llmpipe.dispatch.rendezvous import export_dist_env
+    clock.mark("imports_s")
     dist_env = export_dist_env()
     world = int(dist_env["world_size"])
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -78,8 +83,6 @@ def evaluate(settings: RunSettings, model_dir: str, data_dir: str | None, icl_fi
     tasks, task_info = eval_tasks.foundry_tasks(suite["icl_tasks"], icl_files, os.path.join(scratch, "subsets"))
     # before the model loads: a task with an answer that leaves no context token would stop llm-foundry's whole
     # evaluation; it is left out and recorded, the others are scored
-    from transformers import AutoTokenizer
-
     tokenizer = AutoTokenizer.from_pretrained(os.path.abspath(model_dir), model_max_length=int(1e30))
     encoder = icl_tokens.Encoder.from_transformers(tokenizer)
     fits, not_scored = icl_tokens.task_fits(tasks, encoder, seq, f"data.concat_tokens of {run}",
@@ -135,7 +138,8 @@ def evaluate(settings: RunSettings, model_dir: str, data_dir: str | None, icl_fi
         cfg.update(parallel)
         cap = cfg["callbacks"][eval_tasks.register_heldout_cap()]
         cap["batches"] = per_rank_batches(cap["batches"], world)  # val_batches counts batches over all ranks
-    t0 = time.time()
+    t0 = time.monotonic()
+    clock.mark("task_check_s", t0)
     # llm-foundry copies (symlinks) each ICL task file into the working folder; use a node-local scratch folder
     # so nothing lands in the user's folder and shared drives that refuse symlinks are never touched.
     cwd = os.getcwd()
@@ -149,7 +153,8 @@ def evaluate(settings: RunSettings, model_dir: str, data_dir: str | None, icl_fi
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     state_metrics = trainers[0].state.eval_metrics
-    timing = next((cb.timing(t0) for cb in trainers[0].state.callbacks if hasattr(cb, "timing")), None)
+    progress_cb = next((cb for cb in trainers[0].state.callbacks if hasattr(cb, "timing")), None)
+    timing = progress_cb.timing(t0) if progress_cb is not None else None
     if timing is not None:
         timing["planned"] = planned_batches(settings, fits, tasks, eval_settings, world,
                                             torch.cuda.get_device_name() if on_gpu else "cpu")
@@ -175,6 +180,15 @@ def evaluate(settings: RunSettings, model_dir: str, data_dir: str | None, icl_fi
             rec["items_cut"] = fits[task][shots]["items_cut"]
             rec["tokens_planned"] = fits[task][shots]["tokens_planned"]
     loss = heldout.get("LanguageCrossEntropy")
+    if timing is not None:
+        for phase, at in zip(("datasets_s", "model_load_s", "trainer_s", "batches_s"), progress_cb.marks()):
+            if at is not None:
+                clock.mark(phase, at)
+    seconds = round(time.monotonic() - t0, 2)
+    clock.mark("results_s")
+    if timing is not None:
+        timing.update(clock.phases())
+    step_clock.leave_objects_to_exit()
     return {
         "run": run,
         "kind": "pretrain",  # llmpipe.train.finetune.evaluate_finetune writes "finetune"
@@ -194,7 +208,7 @@ def evaluate(settings: RunSettings, model_dir: str, data_dir: str | None, icl_fi
         "device": torch.cuda.get_device_name() if on_gpu else "cpu",
         "processes": world,
         "fsdp": bool(trainers[0].state.fsdp_enabled),
-        "seconds": round(time.time() - t0, 2),
+        "seconds": seconds,
         "timing": timing,
     }
 
@@ -251,11 +265,15 @@ def register_eval_progress() -> str:
 
         def __init__(self, evaluators: int | None = None) -> None:
             self.index, self.items, self.evaluators = 0, None, evaluators
-            self.first_batch_at = self.last_batch_at = self._started = None
+            self.built_at = time.monotonic()   # llm-foundry builds callbacks after its datasets, before the model
+            self.init_at = self.first_batch_at = self.last_batch_at = self._started = None
             self.seconds: dict[str, float] = {}
             self.tokens: dict[str, int] = {}
 
-        def eval_start(self, state, logger) -> None:  # noqa: ARG002 - composer's callback signature
+        def init(self, state, logger) -> None:  # noqa: ARG002 - composer's callback signature
+            self.init_at = time.monotonic()      # composer's Trainer holds the model, on its device
+
+        def eval_start(self, state, logger) -> None:  # noqa: ARG002
             self.index += 1
             self._started = time.time()
             sampler = getattr(state.dataloader, "sampler", None)
@@ -267,22 +285,27 @@ def register_eval_progress() -> str:
 
         def eval_batch_start(self, state, logger) -> None:  # noqa: ARG002
             if self.first_batch_at is None:
-                self.first_batch_at = time.time()
+                self.first_batch_at = time.monotonic()
             ids = state.batch.get("input_ids") if isinstance(state.batch, dict) else None
             if ids is not None:
                 self.tokens[state.dataloader_label] = self.tokens.get(state.dataloader_label, 0) + int(ids.numel())
 
         def eval_batch_end(self, state, logger) -> None:  # noqa: ARG002
-            self.last_batch_at = time.time()
+            self.last_batch_at = time.monotonic()
             self._write(state, force=False)
 
         def eval_end(self, state, logger) -> None:  # noqa: ARG002
             self.seconds[state.dataloader_label] = round(time.time() - self._started, 3)
             self._write(state, force=True)
 
+        def marks(self) -> tuple[float | None, ...]:
+            """``time.monotonic()`` when the callback was built (llm-foundry's datasets built), at composer's
+            ``INIT`` (the model loaded), at the first eval batch's start and at the last one's end (None: not yet)."""
+            return self.built_at, self.init_at, self.first_batch_at, self.last_batch_at
+
         def timing(self, started_at: float) -> dict:
-            """This rank's ``{"to_first_batch_s": seconds from ``started_at`` (before the model load and the
-            datasets' build) to the first eval batch, "batches_s": first eval batch start to last eval batch end,
+            """This rank's ``{"to_first_batch_s": seconds from ``started_at`` (a ``time.monotonic()`` reading
+            before llm-foundry's model load and datasets' build) to the first eval batch, "batches_s": first eval batch start to last eval batch end,
             "evaluators_s": {label: seconds}, "tokens_run": {label: input tokens of its batches, padding
             included}}``."""
             first, last = self.first_batch_at, self.last_batch_at

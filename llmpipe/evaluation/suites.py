@@ -180,6 +180,30 @@ def planned_works(config: Mapping, run: str, world_size: int = 1) -> tuple[list,
     return works, missing
 
 
+def uncounted_tasks(config: Mapping, run: str, labels: list[str]) -> list[dict]:
+    """What the dry run knows of the tasks of ``run``'s suite that :func:`planned_works` could not count
+    (``labels``): per task ``{"label", "icl_task_type", "shots": [k, ...], "max_seq_len" (tokens), "items": the items
+    it will be scored on (:func:`known_items`, at most ``subset_items``; ``subset_items`` alone when the file's count
+    is unknown; None when neither is known)}``, in the suite's order."""
+    from llmpipe.config.runs import run_config
+
+    seq = int(run_config(config, run)["data"]["concat_tokens"])  # type: ignore[arg-type]
+    name, s = run_suite(config, run)
+    out = []
+    for t in s["icl_tasks"]:
+        if t["label"] not in labels:
+            continue
+        known = known_items(config, t, name)
+        cap = t.get("subset_items")
+        items = min(known, int(cap)) if known is not None and cap is not None else (
+            known if known is not None else (int(cap) if cap is not None else None))
+        ft = foundry_task(t)
+        out.append({"label": t["label"], "icl_task_type": ft["icl_task_type"],
+                    "shots": [int(k) for k in t.get("num_fewshot", [0])],
+                    "max_seq_len": int(ft.get("max_seq_len") or seq), "items": items})
+    return out
+
+
 @functools.lru_cache(maxsize=256)
 def _task_works(path: str, mtime_ns: int, size: int, tok_dir: str, tok_mtime_ns: int, task_json: str, label: str,
                 shots: tuple[int, ...], seq: int, subset: int | None, batch_size: int, icl_batches: str,

@@ -307,9 +307,10 @@ class DagChecks:
             return None
         works, missing = eval_tasks.planned_works(self.config, rc["name"], world_size=processes)
         proj = eval_time.plan_seconds(rc["arch"], works, basis)
-        if missing:
-            proj["basis"] += (f"; without {len(missing)} task(s) not counted yet ({', '.join(missing[:3])}"
-                              f"{', ...' if len(missing) > 3 else ''}: task file or tokenizer not on disk yet)")
+        if missing:  # the figure is the counted part's: the note says what it leaves out and bounds it
+            proj["basis"] += "; " + eval_time.uncounted_note(
+                rc["arch"], eval_tasks.uncounted_tasks(self.config, rc["name"], missing),
+                int(self.config["eval"]["batch_size"]), basis, processes)
         return proj
 
     def inference_projection(self, step: str, rc: dict, placed: dict, overheads: dict | None) -> dict | None:

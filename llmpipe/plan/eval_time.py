@@ -235,3 +235,48 @@ def plan_seconds(arch: Mapping, works: Sequence[EvaluatorWork], basis: DeviceBas
                 w.new_tokens for w in works) else "") + f" ({basis.source})")
     return {"seconds": start + batches_s, "start_s": start, "batches_s": batches_s,
             "evaluators_s": per, "tokens": tokens, "batches": n_batches, "basis": text}
+
+
+def uncounted_note(arch: Mapping, tasks: Sequence[Mapping], batch_size: int, basis: DeviceBasis,
+                   world_size: int = 1) -> str:
+    """What a time plan leaves out: the tasks the dry run could not count yet
+    (:func:`llmpipe.evaluation.suites.uncounted_tasks`), their item scorings (items x shot counts) and a bound on
+    their batches' time: each scoring as one row of the full context (the most a language-modelling or
+    question-answering item runs), batched ``batch_size`` rows a batch, timed by :func:`plan_seconds` with
+    ``basis``. A multiple-choice or schema item runs one such row per choice, a generation item adds its decoding:
+    the text says so. Tasks with unknown items (a standard file not fetched yet) are named, without a figure.
+
+    Returns:
+        one clause for the plan line, e.g. ``"this time leaves out 2 task(s) not counted yet (task file or
+        tokenizer not on disk yet): cloze_heldout 0-shot 200 items, ...: at most +12 s at one full 128-token row per
+        item scoring (x its choices for multiple_choice); counted once the files exist"``.
+    """
+    known = [t for t in tasks if t.get("items") is not None]
+    unknown = [t for t in tasks if t.get("items") is None]
+
+    def shots(t: Mapping) -> str:
+        return "/".join(str(k) for k in t["shots"]) + "-shot"
+
+    parts = [f"{t['label']} {shots(t)} {t['items']} items" for t in known]
+    parts += [f"{t['label']} {shots(t)} items unknown until its file exists" for t in unknown]
+    text = (f"this time leaves out {len(tasks)} task(s) not counted yet (task file or tokenizer not on disk yet): "
+            + ", ".join(parts))
+    if known:
+        bound = 0.0
+        for seq in sorted({int(t["max_seq_len"]) for t in known}):
+            rows = sum(int(t["items"]) * len(t["shots"]) for t in known if int(t["max_seq_len"]) == seq)
+            full, last = divmod(rows, max(1, int(batch_size)))
+            batches = ((int(batch_size), seq),) * full + (((last, seq),) if last else ())
+            bound += plan_seconds(arch, [EvaluatorWork("uncounted", batches, 0, max(1, int(world_size)))],
+                                  basis)["batches_s"]
+        seqs = sorted({int(t["max_seq_len"]) for t in known})
+        times = {"multiple_choice": "x its choices", "schema": "x its contexts",
+                 "generation_task_with_answers": "+ its decoding"}
+        extra = sorted({f"{times[t['icl_task_type']]} for {t['icl_task_type']}" for t in known
+                        if t["icl_task_type"] in times})
+        text += (f": {sum(int(t['items']) * len(t['shots']) for t in known)} item scorings, at most "
+                 f"+{bound:.1f} s at one full {'/'.join(map(str, seqs))}-token row each"
+                 + (f" ({'; '.join(extra)})" if extra else ""))
+    if unknown:
+        text += f"; +? s for {len(unknown)} task(s) of unknown size"
+    return text + "; the dry run counts them once their files exist"

@@ -62,6 +62,15 @@ def icl_suite(ctx: StepContext) -> tuple[dict, dict[str, str]]:
     return {"name": name, "icl_tasks": s["icl_tasks"], "eval_gauntlet": s["eval_gauntlet"]}, files
 
 
+def finish_timing(result: dict) -> None:
+    """Complete eval.json's ``timing`` just before the step writes it: the job's hand-back and its wall time, job
+    start to eval.json (:func:`llmpipe.evaluation.step_clock.finish`)."""
+    from llmpipe.evaluation.step_clock import finish
+
+    if result.get("timing") is not None:
+        finish(result["timing"])
+
+
 @register("eval_task_data")
 def eval_task_data(ctx: StepContext) -> dict:
     """Rule ``eval_task_data``: fetch (or copy from ``eval.task_data.local_dir``) the llm-foundry task files of
@@ -87,6 +96,7 @@ def evaluate(ctx: StepContext) -> dict:
                           os.path.join(os.path.dirname(ctx.input.data), "mds"), files,
                           eval_settings=EvalSettings.from_section(ctx.config["eval"]), suite=suite,
                           step=f"eval {run}")
+    finish_timing(result)
     ctx.write_json(result)
     return {"eval": ctx.config["eval"], "run": run_config(ctx.config, run), "resources": ctx.resources}
 
@@ -102,5 +112,6 @@ def finetune_eval(ctx: StepContext) -> dict:
                           os.path.dirname(ctx.input.instructions), files,
                           eval_settings=EvalSettings.from_section(ctx.config["eval"]), suite=suite,
                           step=f"eval {run}")
+    finish_timing(result)
     ctx.write_json(result)
     return {"eval": ctx.config["eval"], "run": run_config(ctx.config, run), "resources": ctx.resources}
