@@ -248,12 +248,17 @@ def test_foundry_peft_config():
     pytest.importorskip("llmfoundry")
     from llmpipe.train.finetune import foundry_finetune_config
     rc = cfg.run_settings(project_config(), LORA)
-    model = foundry_finetune_config(rc, instructions_dir=None, base_path="results/mpt-tiny/hf", save_folder=None,
-                                    world_size=1)["model"]
+    fcfg = foundry_finetune_config(rc, instructions_dir=None, base_path="results/mpt-tiny/hf", save_folder=None,
+                                   world_size=1)
+    model = fcfg["model"]
     assert model["peft_config"] == {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": 8, "lora_alpha": 16.0,
                                     "lora_dropout": 0.05,
                                     "target_modules": ["Wqkv", "down_proj", "out_proj", "up_proj"]}
-    assert model["should_save_peft_only"] is False  # full weights in the checkpoint: conversion merges them
+    # the checkpoint holds the adapters only: a resume loads them over the base (not strictly), conversion merges them
+    assert model["should_save_peft_only"] is True and fcfg["load_strict_model_weights"] is False
+    full = foundry_finetune_config(cfg.run_settings(project_config(), "mpt-tiny-sft"), instructions_dir=None,
+                                   base_path="results/mpt-tiny/hf", save_folder=None, world_size=1)
+    assert "should_save_peft_only" not in full["model"] and "load_strict_model_weights" not in full
 
 
 @pytest.mark.parametrize("target,why", [("q_proj", "matches no module"), ("norm_1", "is not a linear layer"),
@@ -356,7 +361,8 @@ def test_lora_finetune_killed_after_its_first_checkpoint_resumes_and_converts(fi
     assert names and all(".lora_A.default." in k or ".lora_B.default." in k for k in names), list(names)[:5]
     assert sum(math.prod(shape) for shape, _ in names.values()) == n_adapter
 
-    snakemake(wd, "--cores", "2", f"results/{LORA}/hf/manifest.json", env=no_symlink_env(wd))
+    snakemake(wd, "--cores", "2", f"results/{LORA}/train.json", f"results/{LORA}/hf/manifest.json",
+              env=no_symlink_env(wd))
     train = json.loads((run_dir / "train.json").read_text())
     assert train["steps"] == 60 and train["resumed_from"].endswith("ep0-ba30-rank0.pt")
     assert train["batches_this_job"] == 30
