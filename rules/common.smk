@@ -146,6 +146,19 @@ def tokenizer_manifest_of_run(wildcards):
     return f"{RESULTS}/tokenizers/{run_cfg(wildcards)['data']['tokenizer']}/manifest.json"
 
 
+def convert_inputs(wildcards):
+    """The convert rule's inputs: the run's train.json and tokenizer, and a LoRA finetune's base export when the
+    base is our own run (its checkpoints hold the adapters only: conversion reads the base weights there)."""
+    rc = run_cfg(wildcards)
+    inputs = {
+        "train": f"{RESULTS}/{wildcards.run}/train.json",
+        "tokenizer": tokenizer_manifest_of_run(wildcards),
+    }
+    if rc.get("lora") and (rc.get("base") or {}).get("run"):
+        inputs["base"] = f"{RESULTS}/{rc['base']['run']}/hf/manifest.json"
+    return inputs
+
+
 def icl_task_files(wildcards):
     """The ICL task files of the run's suite that are inputs: those the project builds and local ones (the suite
     is checked here, in the dry run too: llmpipe.evaluation.suites.check_suite); llm-foundry's standard files come

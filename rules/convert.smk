@@ -3,8 +3,7 @@
 
 rule convert:
     input:
-        train=f"{RESULTS}/{{run}}/train.json",
-        tokenizer=tokenizer_manifest_of_run,
+        unpack(convert_inputs),
     output:
         f"{RESULTS}/{{run}}/hf/manifest.json",
     log:

@@ -545,7 +545,7 @@ def test_train_time_adds_start_compile_saves_and_evaluations():
     per_gpu = bare["tokens_per_s"]
     assert ex["per_eval"] == pytest.approx(4 * rc["train"]["eval_microbatch_size"] * 2048 / (3 * per_gpu))
     assert full["seconds"] == pytest.approx(bare["seconds"] + ov["start_s"] + ex["compile"] + ex["saves"] + ex["evals"])
-    assert "2 save(s) x" in full["basis"] and "job-overheads-h200.json" in full["basis"]
+    assert f"2 save(s) of {12 * params / 2**30:.3g} GiB x" in full["basis"] and "job-overheads-h200.json" in full["basis"]
     # compile off costs no compile; 2 nodes write their halves at once; 25 batches at a save every 10: 3 saves
     assert plan.train_time(_short_1b(compile=False), **kw, overheads=ov)["overheads"]["compile"] == 0
     two = plan.train_time(rc, **{**kw, "nodes": 2}, overheads=ov)["overheads"]

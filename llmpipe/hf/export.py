@@ -60,17 +60,20 @@ def load_composer_weights(ckpt_path: str, dtype=None) -> dict:
     return load_model_weights(ckpt_path, dtype or torch.float32)
 
 
-def build_hf_model(settings: RunSettings, ckpt_path: str, dtype=None, merge_report: dict | None = None):
+def build_hf_model(settings: RunSettings, ckpt_path: str, dtype=None, merge_report: dict | None = None,
+                   base_path: str | None = None):
     """Instantiate llm-foundry's ``MPTForCausalLM`` for a run and load the checkpoint's weights in ``dtype``
     (None: float32). The model is built on the meta device and takes the loaded tensors as its parameters, so the
     host holds one copy of the weights.
 
     A finetune's checkpoint holds an HF-wrapped model (``hf_causal_lm``): its config comes from the checkpoint
     and LoRA adapters are merged (:func:`llmpipe.train.finetune.build_finetuned_mpt`; ``merge_report``: a dict that
-    receives the merge check of :func:`llmpipe.train.lora.merge_adapters`).
+    receives the merge check of :func:`llmpipe.train.lora.merge_adapters`) into the base read from ``base_path``.
 
     Args:
         settings: the run's typed settings (:func:`llmpipe.config.runs.run_settings`).
+        base_path: a finetune's base (:func:`llmpipe.train.finetune.base_model_path`); a LoRA checkpoint holds the
+            adapters only, the base weights are read there.
 
     Raises:
         KeyError: the checkpoint's weights do not match ``models.<run>.arch``.
@@ -78,7 +81,7 @@ def build_hf_model(settings: RunSettings, ckpt_path: str, dtype=None, merge_repo
     run = settings.name
     if settings.kind == "finetune":
         from llmpipe.train.finetune import build_finetuned_mpt
-        return build_finetuned_mpt(ckpt_path, merge_report)  # a finetune's checkpoint is full or sharded; fp32
+        return build_finetuned_mpt(ckpt_path, merge_report, base_path)  # full or sharded checkpoint; fp32
     from llmfoundry.models.mpt import MPTConfig, MPTForCausalLM
 
     from llmpipe.train.pretrain import register_extensions
@@ -104,7 +107,7 @@ def build_hf_model(settings: RunSettings, ckpt_path: str, dtype=None, merge_repo
 
 
 def convert_checkpoint(settings: RunSettings, ckpt_path: str, tokenizer_dir: str, out_dir: str,
-                       export_settings: ConvertSettings, verify: bool = True) -> dict:
+                       export_settings: ConvertSettings, verify: bool = True, base_path: str | None = None) -> dict:
     """Write the Hugging Face folder ``out_dir`` for a run's composer checkpoint; return its manifest.
 
     The folder is written aside and renamed into place, and ``manifest.json`` (the rule's output) is written
@@ -121,13 +124,16 @@ def convert_checkpoint(settings: RunSettings, ckpt_path: str, tokenizer_dir: str
             ``model.safetensors.index.json``.
         verify: reload the written folder through transformers alone and compare its logits with the source
             model on a fixed random input; the max abs difference is recorded in the manifest.
+        base_path: a finetune's base (:func:`llmpipe.train.finetune.base_model_path`): a LoRA finetune's
+            checkpoint holds the adapters only, merged into the base weights read there.
 
     The checkpoint may be full or sharded (FSDP): only the model weights are read, without a process group or
     a GPU, straight into ``dtype`` (:func:`llmpipe.train.checkpoints.load_model_weights`), so the peak host memory
     before verification is about one ``dtype`` copy of the weights; the manifest records it
     (``peak_rss_gib_export``, the process's peak resident set, interpreter and libraries included) beside the
     weights' size (``weights_gib``) and the time. A LoRA finetune's adapters are merged into the exported weights;
-    ``lora`` in the manifest holds the merge check (:func:`llmpipe.train.lora.merge_adapters`). The tokenizer is the run's
+    ``lora`` in the manifest holds the merge check (:func:`llmpipe.train.lora.merge_adapters`) and where the base
+    weights came from (``base_weights``). The tokenizer is the run's
     with a pad token and left padding (:func:`save_export_tokenizer`; ``tokenizer`` in the manifest).
 
     Raises:
@@ -144,7 +150,7 @@ def convert_checkpoint(settings: RunSettings, ckpt_path: str, tokenizer_dir: str
     lora_report: dict = {}
     progress.update(0, 3, "part", task="load the checkpoint's weights", force=True)   # the step's console line
     model = build_hf_model(settings, ckpt_path, dtypes[dtype],
-                           merge_report=lora_report if settings.lora is not None else None)
+                           merge_report=lora_report if settings.lora is not None else None, base_path=base_path)
     from llmpipe.model.attention import stock_attn_config
     model.config.attn_config = stock_attn_config(model.config.attn_config)  # sdpa_* class -> stock class
     if model.config.attn_config.get("attn_impl") not in STOCK_ATTN_IMPLS:
@@ -198,7 +204,8 @@ def convert_checkpoint(settings: RunSettings, ckpt_path: str, tokenizer_dir: str
     del model, export
     if verify:
         progress.update(2, 3, "part", task="verify: reload and compare logits", force=True)
-        manifest["verify_max_abs_logit_diff"] = verify_export(out_dir, build_hf_model(settings, ckpt_path), dtype)
+        reference = build_hf_model(settings, ckpt_path, base_path=base_path)
+        manifest["verify_max_abs_logit_diff"] = verify_export(out_dir, reference, dtype)
         manifest["peak_rss_gib_with_verify"] = round(peak_host_rss_gib(), 3)
     manifest["seconds"] = round(time.time() - t0, 2)
     atomic_write_json(os.path.join(out_dir, "manifest.json"), manifest)  # last: the folder is complete now

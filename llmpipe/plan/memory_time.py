@@ -44,8 +44,8 @@ assumes the single-GPU MFU holds at every scale (no communication or restart cos
 What a job spends besides its compute (``job_overheads``, ``train_overheads``, ``convert_time``, and generation in
 :func:`llmpipe.plan.inference_placement.inference_time`) comes from ``benchmarks/job-overheads-h200.json``, each value with
 its derivation from earlier committed measurements: job start-up (imports, model build, loaders), torch.compile per
-transformer block, checkpoint saves (12 bytes per trained parameter: fp32 weights and two Adam moments; 4 per frozen
-one) at the measured write rate per node, in-training evaluations (their forward tokens at a third of a training
+transformer block, checkpoint saves (12 bytes per trained parameter: fp32 weights and two Adam moments; a LoRA
+finetune's frozen base is not saved) at the measured write rate per node, in-training evaluations (their forward tokens at a third of a training
 token's time), ``convert``'s start and its work per parameter, and generation's time per new token and block.
 The rates are one H200 host's (virtio disk); a cluster's shared file system differs, and the plan says which file the
 constants come from.
@@ -402,11 +402,11 @@ def job_overheads(path: str = JOB_OVERHEADS_JSON) -> Mapping | None:
 
 
 def checkpoint_bytes(rc: Mapping) -> int:
-    """Bytes of one training checkpoint of the run (all ranks together): fp32 weights (4 bytes per parameter) and
-    two fp32 Adam moments per trained parameter (8 bytes; every parameter, or a LoRA finetune's adapters)."""
-    params = mpt_param_count(rc['arch'])['total']
-    trained = adapter_param_count(rc['arch'], rc['lora']) if rc.get('lora') else params
-    return int(4 * params + 8 * trained)
+    """Bytes of one training checkpoint of the run (all ranks together): the fp32 weights and two fp32 Adam moments
+    of every trained parameter, 12 bytes each. A LoRA finetune's checkpoint holds its adapters only (composer's
+    ``should_save_peft_only``): the frozen base is read from its source at every start, and by conversion."""
+    trained = adapter_param_count(rc['arch'], rc['lora']) if rc.get('lora') else mpt_param_count(rc['arch'])['total']
+    return int(12 * trained)
 
 
 def train_overheads(rc: Mapping, *, nodes: int, tokens_per_s_per_gpu: float, overheads: Mapping) -> dict:
@@ -517,7 +517,8 @@ def train_time(rc: Mapping, *, nodes: int, gpus_per_node: int, gpu_type: str, ba
     if overheads:
         extra = train_overheads(rc, nodes=int(nodes), tokens_per_s_per_gpu=tps_gpu, overheads=overheads)
         seconds += extra['start'] + extra['compile'] + extra['saves'] + extra['evals']
-        text += (f"; + start {extra['start']:.0f} s, compile {extra['compile']:.0f} s, {extra['n_saves']} save(s) x "
+        text += (f"; + start {extra['start']:.0f} s, compile {extra['compile']:.0f} s, {extra['n_saves']} save(s) "
+                 f"of {checkpoint_bytes(rc) / GB:.3g} GiB{' (LoRA: the adapters only)' if rc.get('lora') else ''} x "
                  f"{extra['per_save']:.0f} s, {extra['n_evals']} evaluation(s) x {extra['per_eval']:.0f} s "
                  f"({overheads['source']})")
         if time_limit_s and seconds > time_limit_s:

@@ -44,6 +44,11 @@ def convert(ctx: StepContext) -> dict:
     run = ctx.wildcards.run
     checkpoint = os.path.abspath(read_json(ctx.input.train)["final_checkpoint"])
     export = ConvertSettings.from_section(ctx.config["convert"])
-    ctx.dispatch(convert_checkpoint, run_settings(ctx.config, run), checkpoint, os.path.dirname(ctx.input.tokenizer),
-                 os.path.dirname(ctx.output[0]), export, step=f"convert {run}")
+    settings = run_settings(ctx.config, run)
+    base_path = None
+    if settings.kind == "finetune":  # a LoRA checkpoint holds the adapters only: the base weights are read here
+        from llmpipe.train.finetune import base_model_path
+        base_path = base_model_path(settings, results_dir=ctx.config["results_dir"])
+    ctx.dispatch(convert_checkpoint, settings, checkpoint, os.path.dirname(ctx.input.tokenizer),
+                 os.path.dirname(ctx.output[0]), export, base_path=base_path, step=f"convert {run}")
     return {"checkpoint": checkpoint, "dtype": export.dtype, "resources": ctx.resources}

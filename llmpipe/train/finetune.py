@@ -4,7 +4,10 @@ A finetune (``finetunes:`` in the config, see :func:`llmpipe.config.runs.finetun
 weights through llm-foundry's ``hf_causal_lm`` model: hub weights (``mosaicml/mpt-7b``) or one of our own exports
 (``results/mpt-tiny/hf``), and trains on a prepared instruction set (:mod:`llmpipe.data.instructions`) through
 llm-foundry's ``finetuning`` dataloader (prompt tokens masked out of the loss, ``decoder_only_format``, optional
-packing). LoRA is llm-foundry's ``peft_config`` (:mod:`llmpipe.train.lora`) and needs the ``peft`` package.
+packing). LoRA is llm-foundry's ``peft_config`` (:mod:`llmpipe.train.lora`) and needs the ``peft`` package; a LoRA
+finetune's checkpoints hold only what training changes, the adapters and their optimizer state (composer's
+``should_save_peft_only``): the frozen base is built from its source (``base_path``) at every start, a resume
+included, and conversion reads it there again (:func:`build_finetuned_mpt`).
 
 Everything after training is shared with pretraining: ``train.json`` has the same fields (via
 :func:`llmpipe.train.pretrain.summarize`, MFU included), conversion writes ``results/<run>/hf`` (the checkpoint holds an
@@ -115,7 +118,12 @@ def foundry_finetune_config(settings: RunSettings, *, instructions_dir: str | No
     }
     if settings.lora is not None:
         model["peft_config"] = peft_config(settings.lora)  # llm-foundry builds the adapters with peft.get_peft_model
-        model["should_save_peft_only"] = False  # full weights in the checkpoint: conversion merges the adapters
+        # checkpoints hold what training changes: the adapters (their optimizer state is theirs alone); the frozen
+        # base is built from base_path at every start, a resume included, and conversion reads it there again
+        model["should_save_peft_only"] = True
+        # a resume loads the adapters over the base built from base_path; composer's strict load would miss the
+        # base's keys (FinetuneTask.check_resume checks that the checkpoint holds every adapter weight instead)
+        cfg["load_strict_model_weights"] = False
     cfg["model"] = model
     cfg["max_seq_len"] = seq
     cfg["tokenizer"] = {"name": tokenizer_dir or tokenizer_name,
@@ -214,6 +222,26 @@ class FinetuneTask(TrainTask):
     def describe(self) -> str:
         return f"finetuning {self.run} from {self.base_path}"
 
+    def check_resume(self, resume: str) -> None:
+        """A LoRA finetune resumes with a non-strict load (the checkpoint holds the adapters only): check here that
+        ``resume`` holds every adapter weight (their parameter count, :func:`llmpipe.train.lora.adapter_param_count`).
+
+        Raises:
+            RuntimeError: the checkpoint holds another number of adapter parameters; names the folder to move away.
+        """
+        if self.settings.lora is None:
+            return
+        import math
+
+        from llmpipe.train.checkpoints import model_weight_names
+        from llmpipe.train.lora import adapter_param_count
+        held = sum(math.prod(shape) for name, (shape, _) in model_weight_names(resume).items() if ".lora_" in name)
+        want = adapter_param_count(self.settings.arch.as_dict(), lora_settings(self.settings.lora))
+        if held != want:
+            raise RuntimeError(f"{self.describe()}: the checkpoint {resume} holds {held:,} adapter parameters, the "
+                               f"LoRA settings make {want:,}; move the checkpoint folder {os.path.dirname(resume)} "
+                               f"away to train from scratch.")
+
     def finish_result(self, result: dict) -> dict:
         result["kind"] = "finetune"
         result["base"] = self.base_path if not os.path.isabs(self.base_path) else os.path.relpath(
@@ -295,19 +323,59 @@ def hf_weights(model_sd: dict) -> dict:
     return out
 
 
-def build_finetuned_mpt(ckpt_path: str, merge_report: dict | None = None):
+def adapters_only(model_sd: dict) -> bool:
+    """Whether ``state.model`` of a LoRA finetune's checkpoint holds only the adapters (every key has ``.lora_``;
+    composer's ``should_save_peft_only``), not the frozen base weights beside them (checkpoints written before LoRA
+    checkpoints held the adapters only)."""
+    return bool(model_sd) and all(".lora_" in k for k in model_sd)
+
+
+def load_base_mpt(base_path: str, mpt_config, *, source: str):
+    """llm-foundry's ``MPTForCausalLM`` with ``mpt_config`` (the architecture stored in the finetune's checkpoint)
+    and the base's weights in fp32, read from ``base_path`` as the finetune read them at its start (llm-foundry's
+    ``hf_causal_lm``: ``from_pretrained`` of a local Hugging Face folder or a hub repo id, fp32 master weights).
+
+    Raises:
+        FileNotFoundError: ``base_path`` names a local folder that does not exist.
+        KeyError: the base's weights do not match the architecture (names the first missing/unexpected keys).
+    """
+    import torch
+    from llmfoundry.models.mpt import MPTForCausalLM
+
+    if os.path.isabs(base_path) and not os.path.isdir(base_path):
+        raise FileNotFoundError(f"{source}: the finetune's base {base_path} does not exist; a LoRA checkpoint holds "
+                                f"the adapters only, so conversion reads the base there. Rebuild the base's export "
+                                f"(snakemake {os.path.join(base_path, 'manifest.json')}) and rerun.")
+    model, info = MPTForCausalLM.from_pretrained(base_path, config=mpt_config, torch_dtype=torch.float32,
+                                                 output_loading_info=True)
+    missing = [k for k in info["missing_keys"] if not k.endswith("lm_head.weight")]  # tied to wte
+    if missing or info["unexpected_keys"] or info.get("mismatched_keys"):
+        raise KeyError(f"{source}: the base {base_path} does not match the model stored in the checkpoint: missing "
+                       f"{missing[:5]}, unexpected {info['unexpected_keys'][:5]}, mismatched "
+                       f"{info.get('mismatched_keys', [])[:5]}")
+    return model
+
+
+def build_finetuned_mpt(ckpt_path: str, merge_report: dict | None = None, base_path: str | None = None):
     """Instantiate llm-foundry's ``MPTForCausalLM`` from a finetune's composer checkpoint (a full file or an FSDP
     sharded folder; fp32, eval mode).
 
     The architecture is the model config stored in the checkpoint (the base's own config.json, with the
     finetune's overrides), so hub and own bases convert alike. LoRA adapters (the checkpoint's ``peft_config``) are
-    merged by peft (:func:`llmpipe.train.lora.merge_adapters`); with ``merge_report`` (a dict, filled in place) the merge
-    is checked against the adapter-applied model and its figures recorded there.
+    merged by peft (:func:`llmpipe.train.lora.merge_adapters`) into the base weights: read from ``base_path``
+    (:func:`load_base_mpt`) when the checkpoint holds the adapters only (:func:`adapters_only`), else the frozen
+    weights the checkpoint holds. With ``merge_report`` (a dict, filled in place) the merge is checked against the
+    adapter-applied model and its figures recorded there (``base_weights``: where the base weights came from).
+
+    Args:
+        base_path: the finetune's base (:func:`base_model_path`: a local Hugging Face folder or a hub repo id);
+            needed for a LoRA checkpoint of the adapters only.
 
     Raises:
-        FileNotFoundError: the checkpoint is missing.
-        KeyError: not an ``hf_causal_lm`` checkpoint, or its weights do not match its config.
-        ValueError: the base is not an MPT model, or the merged model does not reproduce the adapter-applied one.
+        FileNotFoundError: the checkpoint is missing, or the base folder of a LoRA checkpoint.
+        KeyError: not an ``hf_causal_lm`` checkpoint, or its weights (or the base's) do not match its config.
+        ValueError: the base is not an MPT model, the merged model does not reproduce the adapter-applied one, or
+            a LoRA checkpoint of the adapters only is given no ``base_path``.
     """
     import torch
     from llmfoundry.models.mpt import MPTConfig, MPTForCausalLM
@@ -328,11 +396,23 @@ def build_finetuned_mpt(ckpt_path: str, merge_report: dict | None = None):
                          f"bases are exported by llmpipe.hf.export.")
     kwargs = {k: v for k, v in hf_cfg.items() if k not in _HF_ONLY_KEYS}
     kwargs["init_device"] = "cpu"
+    model_sd = state["state"]["model"]
+    if meta["peft_config"] and adapters_only(model_sd):
+        if not base_path:
+            raise ValueError(f"{ckpt_path} holds the LoRA adapters only; give the finetune's base (base_path) to "
+                             f"merge them into")
+        model = load_base_mpt(base_path, MPTConfig(**kwargs), source=ckpt_path)
+        if merge_report is not None:
+            merge_report["base_weights"] = base_path
+        return merge_adapters(model, model_sd, meta["peft_config"], source=ckpt_path, report=merge_report,
+                              adapters_only=True).float().eval()
     model = MPTForCausalLM(MPTConfig(**kwargs))
     if meta["peft_config"]:
-        return merge_adapters(model, state["state"]["model"], meta["peft_config"], source=ckpt_path,
+        if merge_report is not None:
+            merge_report["base_weights"] = "checkpoint"
+        return merge_adapters(model, model_sd, meta["peft_config"], source=ckpt_path,
                               report=merge_report).float().eval()
-    sd = hf_weights(state["state"]["model"])
+    sd = hf_weights(model_sd)
     missing, unexpected = model.load_state_dict(sd, strict=False)
     missing = [k for k in missing if not k.endswith("lm_head.weight")]
     if missing or unexpected:
@@ -342,5 +422,5 @@ def build_finetuned_mpt(ckpt_path: str, merge_report: dict | None = None):
 
 
 __all__ = ["foundry_finetune_config", "finetuning_loader", "build_dataloader", "FinetuneTask", "evaluate_finetune",
-           "build_finetuned_mpt", "hf_weights", "composer_hf_metadata", "require_peft", "base_model_path",
-           "SPLIT_FILES"]
+           "build_finetuned_mpt", "load_base_mpt", "adapters_only", "hf_weights", "composer_hf_metadata",
+           "require_peft", "base_model_path", "SPLIT_FILES"]

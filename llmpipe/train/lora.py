@@ -9,9 +9,13 @@ so a name that adapts nothing, or adapts something that is not a linear layer, s
 (:func:`check_lora`) instead of a job at the head of the queue; the same table gives the adapters' size for the
 memory plan (:func:`adapter_param_count`).
 
-Conversion merges the adapters with peft's ``merge_and_unload`` (:func:`merge_adapters`) and checks the merge on a
-fixed input: the merged model's logits equal the adapter-applied model's (within :data:`MERGE_TOLERANCE`), and how
-far both are from the base model's is recorded (zero means the adapters learned nothing).
+A LoRA finetune's checkpoints hold the adapters only (composer's ``should_save_peft_only``, set in
+:func:`llmpipe.train.finetune.foundry_finetune_config`): their fp32 weights and two Adam moments, 12 bytes per adapter
+parameter (:func:`llmpipe.plan.memory_time.checkpoint_bytes`). Conversion reads the base from the finetune's base
+(:func:`llmpipe.train.finetune.load_base_mpt`), merges the adapters with peft's ``merge_and_unload``
+(:func:`merge_adapters`) and checks the merge on a fixed input: the merged model's logits equal the adapter-applied
+model's (within :data:`MERGE_TOLERANCE`), and how far both are from the base model's is recorded (zero means the
+adapters learned nothing).
 
 Imports nothing heavy at import time (the Snakefile imports it through :mod:`llmpipe.config.runs`); torch and peft only
 inside :func:`merge_adapters`.
@@ -136,13 +140,15 @@ def adapter_param_count(arch: Mapping, lora: Mapping | None) -> int:
 
 
 def merge_adapters(model, model_state: Mapping[str, Any], peft_config_dict: Mapping, *, source: str,
-                   report: dict | None = None, seq_len: int = 16, seed: int = 0):
+                   report: dict | None = None, seq_len: int = 16, seed: int = 0, adapters_only: bool = False):
     """Load a LoRA finetune's weights into ``model`` and merge the adapters into the base weights with peft.
 
     ``model`` is the base architecture (an ``MPTForCausalLM``, fp32); peft wraps it with the checkpoint's adapter
     config (``peft.get_peft_config``, as composer reads it), takes the checkpoint's weights (``model_state``: keys
     ``[model.]base_model.model.<module>...``), and ``merge_and_unload`` folds ``B @ A x alpha / r`` into each
-    adapted weight. With ``report`` (a dict, filled in place) the merge is checked on a fixed random input of 2 x
+    adapted weight. With ``adapters_only`` the checkpoint holds the adapters alone (composer's
+    ``should_save_peft_only``) and ``model`` already holds the base weights (read from the finetune's base); every
+    adapter weight must still be in ``model_state``. With ``report`` (a dict, filled in place) the merge is checked on a fixed random input of 2 x
     ``seq_len`` tokens, in eval mode (no dropout): ``merge_max_abs_logit_diff`` (merged vs adapters applied) and
     ``adapter_max_abs_logit_delta`` (adapters applied vs disabled, i.e. vs the base), beside ``adapter_params``,
     ``adapted_modules`` and the settings.
@@ -162,7 +168,8 @@ def merge_adapters(model, model_state: Mapping[str, Any], peft_config_dict: Mapp
     wrapped = peft.get_peft_model(model, cfg)
     sd = {k[len("model."):] if k.startswith("model.") else k: v for k, v in model_state.items()}
     missing, unexpected = wrapped.load_state_dict(sd, strict=False)
-    missing = [k for k in missing if not k.endswith("lm_head.weight")]  # tied to wte
+    missing = [k for k in missing if not k.endswith("lm_head.weight")  # tied to wte
+               and (".lora_" in k or not adapters_only)]  # adapters only: the base weights are model's own
     if missing or unexpected:
         raise KeyError(f"checkpoint {source}: its weights do not match the MPT model with its LoRA adapters: missing "
                        f"{missing[:5]}, unexpected {unexpected[:5]}")

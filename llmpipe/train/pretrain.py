@@ -474,6 +474,10 @@ class TrainTask:
         return foundry_train_config(self.settings, data_dir=self.data_dir, save_folder=save_folder,
                                     world_size=world_size, tokenizer_dir=self.tokenizer_dir, fsdp=fsdp)
 
+    def check_resume(self, resume: str) -> None:
+        """Check the checkpoint ``resume`` before composer loads it (a subclass hook; a LoRA finetune's load is not
+        strict)."""
+
     def describe(self) -> str:
         """What this task trains, for the log line of every rank."""
         return f"run {self.run}"
@@ -559,6 +563,7 @@ class TrainTask:
             if fsdp_on_cpu():  # no GPU (the CPU test of sharded checkpoints): every rank builds its model on the CPU
                 cfg["model"]["init_device"] = "cpu"
         if resume:
+            self.check_resume(resume)
             cfg["load_path"] = resume
             print(f"llmpipe: rank {rank} resuming from {resume}", flush=True)
         print(f"llmpipe: rank {rank}/{ws} on {dist_env.get('hostname', 'localhost')} "
