@@ -313,7 +313,8 @@ def projection(config: dict, results_dir: str, reference: str | None, basis: dic
 
     Without a measured GPU reference (none, or a CPU run without MFU) and with ``basis`` (the committed GPU
     benchmark, :func:`llmpipe.plan.memory_time.benchmark_basis`), the time plan of the dry run is used instead
-    (:func:`llmpipe.plan.memory_time.train_time`: the benchmark's MFU x the bf16 peak of ``gpu_type``, each model's GPUs per node).
+    (:func:`llmpipe.plan.memory_time.train_time`: the benchmark's MFU x the bf16 peak of ``gpu_type``, each model's GPUs per node;
+    where ``gpu_type`` finds no card, that of the card the basis rows were measured on, which the basis text names).
 
     From the reference run's measured ``tokens_per_s_per_device`` (train.json):
 
@@ -373,7 +374,11 @@ def _benchmark_projection(config: dict, s: dict, basis: dict) -> list[dict]:
     from llmpipe.plan import memory_time as plan
 
     rows = []
-    capacity, card = gpu_memory(config), gpu_type(config)   # gpu_type auto: this machine's card, or none
+    # gpu_type auto: this machine's card; without one (a login node), the card the basis rows were measured on
+    capacity, card = gpu_memory(config), gpu_type(config)
+    if card is None and basis.get("card"):
+        card = basis["card"]
+        capacity = (config.get("gpu_memory_gb") or {}).get(card) or plan.GPU_MEMORY_GB.get(card)
     models = s.get("models") or sorted(config.get("models") or {}, key=lambda m: _params(config, m) or 0)
     for m in models:
         rc = run_config(config, m)
