@@ -17,15 +17,17 @@ PHASES = ("imports_s", "task_check_s", "datasets_s", "model_load_s", "trainer_s"
 
 
 def _seconds_since_process_start() -> float | None:
-    """Seconds since this process started (Linux: ``/proc/self/stat``'s start time in clock ticks since boot
-    against ``CLOCK_BOOTTIME``, both counted from the boot; resolution one clock tick, 10 ms), or None without
-    ``/proc``."""
+    """Seconds since this process started (Linux: its start time in clock ticks since boot,
+    :func:`llmpipe.dispatch.orphans.process_start_time`, against ``CLOCK_BOOTTIME``, both counted from the boot;
+    resolution one clock tick, 10 ms), or None without ``/proc``."""
+    from llmpipe.dispatch.orphans import process_start_time
+
+    ticks = process_start_time(os.getpid())
+    if ticks is None:
+        return None
     try:
-        with open("/proc/self/stat") as fh:
-            stat = fh.read()
-        ticks = int(stat[stat.rindex(")") + 2:].split()[19])   # field 22, starttime (proc(5)); comm may hold spaces
-        return max(0.0, time.clock_gettime(time.CLOCK_BOOTTIME) - ticks / os.sysconf("SC_CLK_TCK"))
-    except (OSError, ValueError, IndexError, AttributeError):
+        return max(0.0, time.clock_gettime(time.CLOCK_BOOTTIME) - int(ticks) / os.sysconf("SC_CLK_TCK"))
+    except (OSError, ValueError, AttributeError):
         return None
 
 
